@@ -1,0 +1,66 @@
+//! Fan-out of committed events to live subscribers.
+//!
+//! The bus is a wake-up and a fast path, never the source of truth: a subscriber that lags, misses
+//! a message or sees a gap re-reads the store (see [`crate::stream`]).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use tokio::sync::broadcast;
+
+use crate::event::Event;
+use crate::ids::RunId;
+
+pub trait Bus: Send + Sync + 'static {
+    /// Called after the events were committed, in sequence order.
+    fn publish(&self, events: &[Event]);
+    fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Event>;
+}
+
+/// One process: a bounded broadcast channel per run with live subscribers.
+pub struct LocalBus {
+    capacity: usize,
+    channels: Mutex<HashMap<RunId, broadcast::Sender<Event>>>,
+}
+
+impl LocalBus {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, channels: Mutex::new(HashMap::new()) }
+    }
+
+    /// Runs with a channel (tests and metrics).
+    pub fn channel_count(&self) -> usize {
+        self.channels.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
+impl Default for LocalBus {
+    fn default() -> Self {
+        Self::new(1024)
+    }
+}
+
+impl Bus for LocalBus {
+    fn publish(&self, events: &[Event]) {
+        let Some(first) = events.first() else { return };
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(tx) = channels.get(&first.run_id) else { return };
+        if tx.receiver_count() == 0 {
+            channels.remove(&first.run_id);
+            return;
+        }
+        for e in events {
+            // An error means every receiver is gone; they re-read the store if they come back.
+            let _ = tx.send(e.clone());
+        }
+        if events.iter().any(Event::is_terminal) && tx.receiver_count() == 0 {
+            channels.remove(&first.run_id);
+        }
+    }
+
+    fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Event> {
+        let mut channels = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        channels.retain(|_, tx| tx.receiver_count() > 0);
+        channels.entry(run_id.clone()).or_insert_with(|| broadcast::channel(self.capacity).0).subscribe()
+    }
+}

@@ -1,0 +1,383 @@
+//! The records Keel keeps and the state machines that govern them.
+//!
+//! Every status change goes through one `transition` function per machine, so the allowed moves
+//! are written down exactly once; the stores turn each move into a conditional update on the
+//! `from` state, so a move that lost a race is refused, never applied.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+
+pub type Timestamp = DateTime<Utc>;
+
+/// A move a state machine does not allow.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{machine}: {from} -> {to} is not an allowed transition")]
+pub struct InvalidTransition {
+    pub machine: &'static str,
+    pub from: String,
+    pub to: String,
+}
+
+macro_rules! string_enum {
+    ($(#[$doc:meta])* $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum $name { $($variant),+ }
+
+        impl $name {
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $text),+ }
+            }
+
+            pub fn parse(s: &str) -> Option<Self> {
+                match s { $($text => Some($name::$variant),)+ _ => None }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+string_enum!(
+    /// `queued → running → (interrupted → running)* → completed | failed | cancelled`.
+    RunStatus {
+        Queued => "queued",
+        Running => "running",
+        Interrupted => "interrupted",
+        Completed => "completed",
+        Failed => "failed",
+        Cancelled => "cancelled",
+    }
+);
+
+impl RunStatus {
+    /// The run state machine, in one place.
+    pub fn can_transition_to(self, to: RunStatus) -> bool {
+        use RunStatus::*;
+        matches!(
+            (self, to),
+            (Queued, Running)
+                | (Queued, Cancelled)
+                | (Queued, Failed)
+                | (Running, Interrupted)
+                | (Running, Completed)
+                | (Running, Failed)
+                | (Running, Cancelled)
+                | (Interrupted, Running)
+                | (Interrupted, Cancelled)
+                | (Interrupted, Failed)
+        )
+    }
+
+    pub fn transition(self, to: RunStatus) -> Result<RunStatus, InvalidTransition> {
+        if self.can_transition_to(to) {
+            Ok(to)
+        } else {
+            Err(InvalidTransition { machine: "run", from: self.to_string(), to: to.to_string() })
+        }
+    }
+
+    /// The states from which `to` may be entered.
+    pub fn sources_of(to: RunStatus) -> Vec<RunStatus> {
+        RunStatus::ALL.iter().copied().filter(|from| from.can_transition_to(to)).collect()
+    }
+
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
+    }
+
+    /// Queued, running or interrupted: the conversation has an active run and refuses another.
+    pub fn is_active(self) -> bool {
+        !self.is_terminal()
+    }
+}
+
+string_enum!(
+    InterruptKind {
+        ConfirmAction => "confirm_action",
+        SelectOption => "select_option",
+        ProvideInput => "provide_input",
+    }
+);
+
+string_enum!(
+    InterruptStatus {
+        Pending => "pending",
+        Resolved => "resolved",
+        Expired => "expired",
+        Cancelled => "cancelled",
+    }
+);
+
+impl InterruptStatus {
+    pub fn can_transition_to(self, to: InterruptStatus) -> bool {
+        use InterruptStatus::*;
+        matches!((self, to), (Pending, Resolved) | (Pending, Expired) | (Pending, Cancelled))
+    }
+
+    pub fn transition(self, to: InterruptStatus) -> Result<InterruptStatus, InvalidTransition> {
+        if self.can_transition_to(to) {
+            Ok(to)
+        } else {
+            Err(InvalidTransition { machine: "interrupt", from: self.to_string(), to: to.to_string() })
+        }
+    }
+}
+
+string_enum!(
+    /// A tool call's life: `requested` by the model; `asking` a human, `allowed` or `denied` by policy or
+    /// decision; `executing`; then `succeeded`, `failed`, `suspended` (waiting for an external result) or
+    /// `unknown` (a non-idempotent call cut off by a crash: a human decides).
+    ToolCallState {
+        Requested => "requested",
+        Asking => "asking",
+        Allowed => "allowed",
+        Denied => "denied",
+        Executing => "executing",
+        Succeeded => "succeeded",
+        Failed => "failed",
+        Suspended => "suspended",
+        Unknown => "unknown",
+    }
+);
+
+impl ToolCallState {
+    pub fn can_transition_to(self, to: ToolCallState) -> bool {
+        use ToolCallState::*;
+        matches!(
+            (self, to),
+            (Requested, Asking)
+                | (Requested, Allowed)
+                | (Requested, Denied)
+                | (Asking, Allowed)
+                | (Asking, Denied)
+                // a precheck that fails after approval: the call never starts
+                | (Allowed, Failed)
+                | (Allowed, Executing)
+                | (Executing, Succeeded)
+                | (Executing, Failed)
+                | (Executing, Suspended)
+                | (Executing, Unknown)
+                // recovery of an idempotent call: run it again
+                | (Executing, Executing)
+                | (Suspended, Succeeded)
+                | (Suspended, Failed)
+                // a human decides what to do with a call whose outcome is unknown
+                | (Unknown, Allowed)
+                | (Unknown, Denied)
+        )
+    }
+
+    pub fn transition(self, to: ToolCallState) -> Result<ToolCallState, InvalidTransition> {
+        if self.can_transition_to(to) {
+            Ok(to)
+        } else {
+            Err(InvalidTransition { machine: "tool_call", from: self.to_string(), to: to.to_string() })
+        }
+    }
+
+    /// The call has its final result.
+    pub fn is_settled(self) -> bool {
+        matches!(self, ToolCallState::Succeeded | ToolCallState::Failed | ToolCallState::Denied)
+    }
+}
+
+string_enum!(
+    Role { User => "user", Assistant => "assistant", Tool => "tool" }
+);
+
+string_enum!(
+    /// What a user may do. `viewer`: read-only tools; `operator`: may approve side effects.
+    UserRole { Viewer => "viewer", Operator => "operator", Admin => "admin" }
+);
+
+string_enum!(
+    FactSource { ToolResult => "tool_result", UserConfirmed => "user_confirmed" }
+);
+
+string_enum!(
+    /// Where a run continues from.
+    NextStep {
+        CallModel => "call_model",
+        ExecuteTools => "execute_tools",
+        AwaitInterrupt => "await_interrupt",
+        AwaitExternal => "await_external",
+        Finalize => "finalize",
+    }
+);
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Conversation {
+    pub id: ConversationId,
+    pub user_id: String,
+    pub title: String,
+    /// Bumps on every message, so a resume notices a conversation that changed while it waited.
+    pub version: i64,
+    pub created_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Message {
+    pub id: MessageId,
+    pub conversation_id: ConversationId,
+    pub run_id: Option<RunId>,
+    pub role: Role,
+    pub content: String,
+    pub tool_call_id: Option<CallId>,
+    pub created_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Fact {
+    pub key: String,
+    pub value: String,
+    pub source: FactSource,
+    pub updated_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Summary {
+    pub conversation_id: ConversationId,
+    pub through_message_id: MessageId,
+    pub text: String,
+}
+
+/// The minimal state a run needs to continue, written with every state change.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    pub next_step: NextStep,
+    /// Model calls made so far; bounded by the engine's `max_iterations`.
+    pub iteration: u32,
+    /// The calls the next step works on.
+    #[serde(default)]
+    pub pending_call_ids: Vec<CallId>,
+    /// The conversation's version when this checkpoint was written.
+    pub conversation_version: i64,
+    /// The assistant message a model call is streaming into, while it streams. A run recovered with
+    /// this set knows that message was cut off.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub streaming_message_id: Option<MessageId>,
+}
+
+impl Checkpoint {
+    pub fn start(conversation_version: i64) -> Self {
+        Self {
+            next_step: NextStep::CallModel,
+            iteration: 0,
+            pending_call_ids: Vec::new(),
+            conversation_version,
+            streaming_message_id: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Run {
+    pub id: RunId,
+    pub conversation_id: ConversationId,
+    pub user_message_id: MessageId,
+    pub user_id: String,
+    pub status: RunStatus,
+    pub reason: Option<String>,
+    pub cancel_on_disconnect: bool,
+    pub cancel_requested: bool,
+    /// The sequence the next event of this run gets; `last_sequence = next_sequence - 1`.
+    pub next_sequence: i64,
+    pub lease_owner: Option<String>,
+    pub lease_expires_at: Option<Timestamp>,
+    pub checkpoint: Checkpoint,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+}
+
+impl Run {
+    pub fn last_sequence(&self) -> i64 {
+        self.next_sequence - 1
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Interrupt {
+    pub id: InterruptId,
+    pub run_id: RunId,
+    pub kind: InterruptKind,
+    pub status: InterruptStatus,
+    /// What the human sees; masked (no secrets, no raw tool results).
+    pub payload: Value,
+    pub call_ids: Vec<CallId>,
+    pub created_at: Timestamp,
+    pub expires_at: Timestamp,
+    pub decision: Option<Value>,
+    pub resolved_by: Option<String>,
+    pub resolved_at: Option<Timestamp>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolCall {
+    pub id: CallId,
+    pub run_id: RunId,
+    pub name: String,
+    pub args: Value,
+    pub state: ToolCallState,
+    /// The full result as the model sees it. Never streamed: events carry `summary`.
+    pub result: Option<Value>,
+    pub summary: Option<String>,
+    pub started_at: Option<Timestamp>,
+    pub finished_at: Option<Timestamp>,
+}
+
+/// Facts as the API and the model see them: key → value.
+pub type FactMap = BTreeMap<String, String>;
+
+pub fn fact_map(facts: &[Fact]) -> FactMap {
+    facts.iter().map(|f| (f.key.clone(), f.value.clone())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn terminal_runs_go_nowhere() {
+        for from in [RunStatus::Completed, RunStatus::Failed, RunStatus::Cancelled] {
+            for to in RunStatus::ALL {
+                assert!(from.transition(*to).is_err(), "{from} -> {to}");
+            }
+        }
+    }
+
+    #[test]
+    fn string_forms_round_trip() {
+        for s in ToolCallState::ALL {
+            assert_eq!(ToolCallState::parse(s.as_str()), Some(*s));
+        }
+        assert_eq!(RunStatus::parse("bogus"), None);
+    }
+
+    #[test]
+    fn sources_follow_the_machine() {
+        assert_eq!(RunStatus::sources_of(RunStatus::Interrupted), vec![RunStatus::Running]);
+        assert!(RunStatus::sources_of(RunStatus::Queued).is_empty());
+    }
+}

@@ -1,0 +1,233 @@
+//! Business events: what a client sees of a run.
+//!
+//! Envelope (JSON, camelCase): `{ "type", …fields, "runId", "sequence", "ts" }`. `sequence` is 1, 2,
+//! 3 … within a run with no gaps; the store assigns it inside the transaction that writes the event.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::domain::{FactMap, InterruptKind, Timestamp};
+use crate::ids::{CallId, InterruptId, MessageId, RunId};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Event {
+    #[serde(flatten)]
+    pub kind: EventKind,
+    pub run_id: RunId,
+    pub sequence: i64,
+    pub ts: Timestamp,
+}
+
+impl Event {
+    pub fn type_name(&self) -> &'static str {
+        self.kind.type_name()
+    }
+
+    /// The run is over after this event: nothing follows it.
+    pub fn is_terminal(&self) -> bool {
+        self.kind.is_terminal()
+    }
+
+    /// The run waits for a human after this event.
+    pub fn is_pausing(&self) -> bool {
+        matches!(self.kind, EventKind::Interrupt { .. })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolOutcomeStatus {
+    Success,
+    Error,
+    Denied,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphNode {
+    pub id: String,
+    pub label: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GraphEdge {
+    pub from: String,
+    pub to: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
+pub enum EventKind {
+    RunStarted {
+        conversation_id: crate::ids::ConversationId,
+    },
+    GraphTopology {
+        nodes: Vec<GraphNode>,
+        edges: Vec<GraphEdge>,
+    },
+    NodeStarted {
+        node: String,
+    },
+    NodeFinished {
+        node: String,
+        duration_ms: u64,
+    },
+    TextDelta {
+        message_id: MessageId,
+        delta: String,
+    },
+    ToolStarted {
+        call_id: CallId,
+        tool: String,
+        args_summary: String,
+    },
+    ToolFinished {
+        call_id: CallId,
+        tool: String,
+        status: ToolOutcomeStatus,
+        summary: String,
+    },
+    FactsUpdated {
+        facts: FactMap,
+    },
+    Interrupt {
+        interrupt_id: InterruptId,
+        kind: InterruptKind,
+        payload: Value,
+        expires_at: Timestamp,
+    },
+    Resumed {
+        interrupt_id: InterruptId,
+        decision: Value,
+        human_wait_ms: u64,
+        resolved_by: String,
+    },
+    TextDiscarded {
+        message_id: MessageId,
+        reason: String,
+    },
+    Done {
+        message_id: Option<MessageId>,
+    },
+    Error {
+        code: String,
+        message: String,
+    },
+    Cancelled {
+        reason: String,
+    },
+}
+
+impl EventKind {
+    pub const TYPES: &'static [&'static str] = &[
+        "run_started",
+        "graph_topology",
+        "node_started",
+        "node_finished",
+        "text_delta",
+        "tool_started",
+        "tool_finished",
+        "facts_updated",
+        "interrupt",
+        "resumed",
+        "text_discarded",
+        "done",
+        "error",
+        "cancelled",
+    ];
+
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            EventKind::RunStarted { .. } => "run_started",
+            EventKind::GraphTopology { .. } => "graph_topology",
+            EventKind::NodeStarted { .. } => "node_started",
+            EventKind::NodeFinished { .. } => "node_finished",
+            EventKind::TextDelta { .. } => "text_delta",
+            EventKind::ToolStarted { .. } => "tool_started",
+            EventKind::ToolFinished { .. } => "tool_finished",
+            EventKind::FactsUpdated { .. } => "facts_updated",
+            EventKind::Interrupt { .. } => "interrupt",
+            EventKind::Resumed { .. } => "resumed",
+            EventKind::TextDiscarded { .. } => "text_discarded",
+            EventKind::Done { .. } => "done",
+            EventKind::Error { .. } => "error",
+            EventKind::Cancelled { .. } => "cancelled",
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        matches!(self, EventKind::Done { .. } | EventKind::Error { .. } | EventKind::Cancelled { .. })
+    }
+
+    /// The fields without the `type` tag, as stored in `run_events.data`.
+    pub fn to_data(&self) -> Value {
+        let mut v = serde_json::to_value(self).unwrap_or(Value::Null);
+        if let Some(obj) = v.as_object_mut() {
+            obj.remove("type");
+        }
+        v
+    }
+
+    /// Rebuilds an event from its stored type and data.
+    pub fn from_parts(type_name: &str, data: &Value) -> Result<Self, serde_json::Error> {
+        let mut obj = data.as_object().cloned().unwrap_or_default();
+        obj.insert("type".into(), Value::String(type_name.to_owned()));
+        serde_json::from_value(Value::Object(obj))
+    }
+}
+
+/// What a client renders from a run's events: the assistant text per message, in order, with
+/// discarded messages removed. Used by tests and by anything that needs "the answer" from a replay.
+pub fn render_text(events: &[Event]) -> Vec<(MessageId, String)> {
+    let mut out: Vec<(MessageId, String)> = Vec::new();
+    for e in events {
+        match &e.kind {
+            EventKind::TextDelta { message_id, delta } => match out.iter_mut().find(|(id, _)| id == message_id) {
+                Some((_, text)) => text.push_str(delta),
+                None => out.push((message_id.clone(), delta.clone())),
+            },
+            EventKind::TextDiscarded { message_id, .. } => out.retain(|(id, _)| id != message_id),
+            _ => {}
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+
+    #[test]
+    fn envelope_is_camel_case_with_type_tag() {
+        let e = Event {
+            kind: EventKind::ToolFinished {
+                call_id: CallId::parse("call_1").unwrap(),
+                tool: "get_instance".into(),
+                status: ToolOutcomeStatus::Success,
+                summary: "ok".into(),
+            },
+            run_id: RunId::parse("run_1").unwrap(),
+            sequence: 3,
+            ts: Utc::now(),
+        };
+        let v = serde_json::to_value(&e).unwrap();
+        assert_eq!(v["type"], "tool_finished");
+        assert_eq!(v["callId"], "call_1");
+        assert_eq!(v["runId"], "run_1");
+        assert_eq!(v["sequence"], 3);
+        assert_eq!(v["status"], "success");
+        let back: Event = serde_json::from_value(v).unwrap();
+        assert_eq!(back, e);
+        let data = e.kind.to_data();
+        assert!(data.get("type").is_none());
+        assert_eq!(EventKind::from_parts("tool_finished", &data).unwrap(), e.kind);
+    }
+
+    #[test]
+    fn every_type_name_is_listed() {
+        let k = EventKind::Cancelled { reason: "x".into() };
+        assert!(EventKind::TYPES.contains(&k.type_name()));
+        assert!(k.is_terminal());
+    }
+}

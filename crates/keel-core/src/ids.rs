@@ -1,0 +1,170 @@
+//! Prefixed, typed identifiers.
+//!
+//! Every id carries its kind in its text (`run_…`, `int_…`), so a wrong id in the wrong place fails
+//! to compile and is recognisable in logs and URLs.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// The error returned when a string is not an id of the expected kind.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("`{value}` is not a valid {kind} id (expected `{prefix}` followed by 1 to 64 of [A-Za-z0-9_-])")]
+pub struct InvalidId {
+    pub kind: &'static str,
+    pub prefix: &'static str,
+    pub value: String,
+}
+
+macro_rules! typed_id {
+    ($(#[$doc:meta])* $name:ident, $prefix:literal, $kind:literal) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[serde(try_from = "String", into = "String")]
+        pub struct $name(String);
+
+        impl $name {
+            pub const PREFIX: &'static str = $prefix;
+
+            /// A new, random, time-ordered id.
+            pub fn new() -> Self {
+                Self(format!("{}{}", $prefix, uuid::Uuid::now_v7().simple()))
+            }
+
+            /// Parses an id, checking its prefix and alphabet.
+            pub fn parse(value: &str) -> Result<Self, InvalidId> {
+                let rest = value.strip_prefix($prefix);
+                match rest {
+                    Some(rest)
+                        if !rest.is_empty()
+                            && rest.len() <= 64
+                            && rest.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+                    {
+                        Ok(Self(value.to_owned()))
+                    }
+                    _ => Err(InvalidId { kind: $kind, prefix: $prefix, value: truncate(value) }),
+                }
+            }
+
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+
+        impl TryFrom<String> for $name {
+            type Error = InvalidId;
+            fn try_from(value: String) -> Result<Self, Self::Error> {
+                Self::parse(&value)
+            }
+        }
+
+        impl From<$name> for String {
+            fn from(id: $name) -> String {
+                id.0
+            }
+        }
+
+        impl std::str::FromStr for $name {
+            type Err = InvalidId;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                Self::parse(s)
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+    };
+}
+
+fn truncate(value: &str) -> String {
+    value.chars().take(80).collect()
+}
+
+typed_id!(
+    /// A conversation: `conv_…`.
+    ConversationId, "conv_", "conversation"
+);
+typed_id!(
+    /// A message: `msg_…`.
+    MessageId, "msg_", "message"
+);
+typed_id!(
+    /// A run: `run_…`.
+    RunId, "run_", "run"
+);
+typed_id!(
+    /// An interrupt: `int_…`.
+    InterruptId, "int_", "interrupt"
+);
+typed_id!(
+    /// A tool call: `call_…`. Stable from the model's request through approval to the result, and
+    /// handed to side-effecting tools as their operation id.
+    CallId, "call_", "tool call"
+);
+
+impl CallId {
+    /// Maps a model-provided call id (which may use any alphabet) to a Keel call id. Ids that are
+    /// already valid are kept, so the id the model sees back is the one it sent.
+    pub fn from_model(raw: &str) -> Self {
+        match Self::parse(raw) {
+            Ok(id) => id,
+            Err(_) => {
+                let clean: String = raw
+                    .chars()
+                    .filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
+                    .take(58)
+                    .collect();
+                if clean.is_empty() {
+                    Self::new()
+                } else {
+                    Self(format!("call_{clean}"))
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_carry_their_prefix_and_round_trip() {
+        let id = RunId::new();
+        assert!(id.as_str().starts_with("run_"));
+        assert_eq!(RunId::parse(id.as_str()).unwrap(), id);
+        let json = serde_json::to_string(&id).unwrap();
+        assert_eq!(serde_json::from_str::<RunId>(&json).unwrap(), id);
+    }
+
+    #[test]
+    fn wrong_prefix_or_alphabet_is_refused() {
+        assert!(RunId::parse("conv_abc").is_err());
+        assert!(RunId::parse("run_").is_err());
+        assert!(RunId::parse("run_a b").is_err());
+        assert!(RunId::parse("run_../../etc").is_err());
+        assert!(serde_json::from_str::<InterruptId>("\"run_x\"").is_err());
+    }
+
+    #[test]
+    fn model_call_ids_are_normalised() {
+        assert_eq!(CallId::from_model("call_abc").as_str(), "call_abc");
+        assert_eq!(CallId::from_model("toolu_01:x").as_str(), "call_toolu_01x");
+        assert!(CallId::from_model("::").as_str().starts_with("call_"));
+    }
+}

@@ -1,0 +1,282 @@
+//! The storage contract.
+//!
+//! One trait, implemented by every backend and checked by one conformance suite. Every state change
+//! and the events that announce it go through [`Store::commit`], one transaction each: the run row is
+//! the fence (its lease owner or its status must be what the writer expects) and the sequence
+//! counter (the store assigns event sequences inside the transaction, so they are contiguous).
+
+use async_trait::async_trait;
+use serde_json::Value;
+
+use crate::domain::{
+    Checkpoint, Conversation, Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary,
+    Timestamp, ToolCall, ToolCallState, UserRole,
+};
+use crate::event::{Event, EventKind};
+use crate::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
+use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    /// The conversation already has a queued, running or interrupted run.
+    #[error("conversation already has an active run {0}")]
+    RunActive(RunId),
+    /// A conditional write matched nothing: the writer lost its lease, or another request moved the
+    /// row first. Nothing of the commit was applied.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// A side effect's condition no longer holds. Nothing of the commit was applied.
+    #[error("effect refused: {0}")]
+    EffectRefused(String),
+    /// A duplicate key where one must be unique (an id reused).
+    #[error("duplicate: {0}")]
+    Duplicate(String),
+    #[error("storage backend error: {0}")]
+    Backend(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// Who may write a commit, checked against the run row inside the transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fence {
+    /// The run's worker: `lease_owner` must equal `owner`. Renews the lease to `lease_until`.
+    Lease { owner: String, lease_until: Timestamp },
+    /// Take the lease of a run nobody works on: status must be one of `from`; the lease becomes
+    /// `owner` until `lease_until`. Used by resume.
+    Acquire { owner: String, from: Vec<RunStatus>, lease_until: Timestamp },
+    /// A run nobody works on (queued or interrupted), changed by any request: status must be one of
+    /// `from`. Used by cancel and interrupt expiry.
+    Unowned { from: Vec<RunStatus> },
+}
+
+/// A status move; `from` is checked by the fence, so only `to` is given. Terminal and paused
+/// statuses release the lease.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunChange {
+    pub to: RunStatus,
+    pub reason: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolCallChange {
+    Insert(ToolCall),
+    /// Conditional on the current state being `from`.
+    Update {
+        id: CallId,
+        from: ToolCallState,
+        to: ToolCallState,
+        /// Replaces the args (an approved edit).
+        args: Option<Value>,
+        result: Option<Value>,
+        summary: Option<String>,
+        started_at: Option<Timestamp>,
+        finished_at: Option<Timestamp>,
+    },
+}
+
+impl ToolCallChange {
+    pub fn transition(id: &CallId, from: ToolCallState, to: ToolCallState) -> Self {
+        ToolCallChange::Update {
+            id: id.clone(),
+            from,
+            to,
+            args: None,
+            result: None,
+            summary: None,
+            started_at: None,
+            finished_at: None,
+        }
+    }
+}
+
+/// Conditional on the interrupt being `pending` (and, for `resolved`, not past its expiry at `now`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct InterruptChange {
+    pub id: InterruptId,
+    pub to: InterruptStatus,
+    pub decision: Option<Value>,
+    pub resolved_by: Option<String>,
+}
+
+/// Text the model streamed, appended to an assistant message of the run (created on first append).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TextAppend {
+    pub message_id: MessageId,
+    pub text: String,
+}
+
+/// One transaction of a run's writer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Commit {
+    pub run_id: RunId,
+    pub fence: Fence,
+    pub now: Timestamp,
+    pub run: Option<RunChange>,
+    pub checkpoint: Option<Checkpoint>,
+    pub text: Vec<TextAppend>,
+    /// Messages inserted whole (tool results).
+    pub messages: Vec<Message>,
+    /// Assistant messages of a model call that was cut off: deleted, so that the stored messages
+    /// equal what a client renders after `text_discarded`.
+    pub discard_messages: Vec<MessageId>,
+    pub tool_calls: Vec<ToolCallChange>,
+    pub new_interrupts: Vec<Interrupt>,
+    pub interrupt_changes: Vec<InterruptChange>,
+    /// Upserted into the run's conversation.
+    pub facts: Vec<Fact>,
+    pub summary: Option<Summary>,
+    pub effects: Vec<Effect>,
+    /// Sequenced in order after the run's last event.
+    pub events: Vec<EventKind>,
+}
+
+impl Commit {
+    pub fn new(run_id: RunId, fence: Fence, now: Timestamp) -> Self {
+        Self {
+            run_id,
+            fence,
+            now,
+            run: None,
+            checkpoint: None,
+            text: Vec::new(),
+            messages: Vec::new(),
+            discard_messages: Vec::new(),
+            tool_calls: Vec::new(),
+            new_interrupts: Vec::new(),
+            interrupt_changes: Vec::new(),
+            facts: Vec::new(),
+            summary: None,
+            effects: Vec::new(),
+            events: Vec::new(),
+        }
+    }
+
+    pub fn event(mut self, kind: EventKind) -> Self {
+        self.events.push(kind);
+        self
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Committed {
+    /// The events as written, with their sequences.
+    pub events: Vec<Event>,
+    /// The run's durable cancel flag, as of this commit: a worker checks it after every write.
+    pub cancel_requested: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewRun {
+    pub conversation_id: ConversationId,
+    pub user_id: String,
+    pub content: String,
+    pub cancel_on_disconnect: bool,
+    pub now: Timestamp,
+    /// The run's first events (`run_started`, `graph_topology`), written with it.
+    pub events: Vec<EventKind>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartedRun {
+    pub message: Message,
+    pub run: Run,
+    pub events: Vec<Event>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum IdempotencyBegin {
+    /// The key is new: the caller does the work, then calls `idempotency_complete`.
+    Started,
+    /// Another request with this key is still being processed.
+    InFlight,
+    /// The key was used with the same request: this was its answer.
+    Done { status: u16, response: Value },
+    /// The key was used with a different request.
+    Mismatch,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// The store answers (readiness).
+    async fn ping(&self) -> StoreResult<()>;
+
+    // --- conversations and messages
+    async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation>;
+    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>>;
+    /// Newest first.
+    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>>;
+    /// In the order they were written.
+    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>>;
+    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
+    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>>;
+
+    // --- runs
+    /// Stores the user message, bumps the conversation's version and creates a `queued` run with its
+    /// first events, in one transaction. `RunActive` if the conversation has an active run.
+    async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun>;
+    async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>>;
+    async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>>;
+    /// Claims up to `limit` runs that need a worker — `queued`, or `running` with no lease or an
+    /// expired one (or any lease, when `steal`) — for `owner` until `lease_until`; queued runs become
+    /// running. Returns the claimed runs.
+    async fn claim_runs(
+        &self,
+        owner: &str,
+        now: Timestamp,
+        lease_until: Timestamp,
+        steal: bool,
+        limit: u32,
+    ) -> StoreResult<Vec<Run>>;
+    /// Extends the lease; `false` if `owner` no longer holds it.
+    async fn renew_lease(&self, run_id: &RunId, owner: &str, lease_until: Timestamp) -> StoreResult<bool>;
+    /// Lets go of the lease without changing the status (graceful shutdown): another worker may
+    /// continue the run from its checkpoint at once.
+    async fn release_lease(&self, run_id: &RunId, owner: &str) -> StoreResult<()>;
+    /// Sets the durable cancel flag of an active run; returns the run as it is now.
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run>;
+    /// One transaction: see [`Commit`]. On any error nothing was written.
+    async fn commit(&self, commit: Commit) -> StoreResult<Committed>;
+
+    // --- events
+    /// Events with `sequence > after`, ascending, at most `limit`.
+    async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>>;
+
+    // --- interrupts and tool calls
+    async fn get_interrupt(&self, id: &InterruptId) -> StoreResult<Option<Interrupt>>;
+    async fn pending_interrupt(&self, run_id: &RunId) -> StoreResult<Option<Interrupt>>;
+    /// Pending interrupts whose `expires_at <= now`.
+    async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>>;
+    async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>>;
+    /// Every call of every run of the conversation, in the order they were requested.
+    async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>>;
+    /// Ids of instances named by a `restart_instance` call that is waiting for a human (`asking`).
+    async fn instances_awaiting_restart(&self) -> StoreResult<Vec<String>>;
+
+    // --- idempotency keys (scoped per user)
+    async fn idempotency_begin(
+        &self,
+        user_id: &str,
+        key: &str,
+        request_hash: &str,
+        now: Timestamp,
+        expires_at: Timestamp,
+    ) -> StoreResult<IdempotencyBegin>;
+    async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()>;
+    /// Forgets an in-flight key whose request failed before it had an answer, so a retry can proceed.
+    async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()>;
+
+    // --- users
+    async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>>;
+    async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()>;
+
+    // --- the OpsPilot fleet
+    /// Replaces the fleet with the seeded one.
+    async fn seed_fleet(&self, seed: FleetSeed, now: Timestamp) -> StoreResult<()>;
+    async fn list_instances(&self, service: Option<&str>, env: Option<&str>) -> StoreResult<Vec<Instance>>;
+    async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>>;
+    /// Error log entries of `service` in `env` at or after `since`, newest first.
+    async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>>;
+}
