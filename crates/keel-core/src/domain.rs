@@ -275,6 +275,9 @@ pub struct Checkpoint {
     /// this set knows that message was cut off.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub streaming_message_id: Option<MessageId>,
+    /// The last assistant message with text: what `done` points at.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_message_id: Option<MessageId>,
 }
 
 impl Checkpoint {
@@ -285,6 +288,7 @@ impl Checkpoint {
             pending_call_ids: Vec::new(),
             conversation_version,
             streaming_message_id: None,
+            answer_message_id: None,
         }
     }
 }

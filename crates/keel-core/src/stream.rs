@@ -1,1 +1,98 @@
+//! A run's events for a reader: the stored ones after a cursor, then live ones, with no gap and no
+//! duplicate at the hand-over.
+//!
+//! The reader subscribes to the bus *before* reading the store, so an event is either in the store
+//! read or arrives live (events are published only after they commit). Whatever the bus delivers
+//! out of order — a gap, a lagged receiver, a closed channel — is answered by re-reading the store,
+//! which is the source of truth. An idle reader also polls the store now and then, so events
+//! committed by another process arrive even without a shared bus. Memory per reader is bounded by
+//! the bus channel's capacity and one page of stored events.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::bus::Bus;
+use crate::event::Event;
+use crate::ids::RunId;
+use crate::store::{Store, StoreError};
+
+/// When a reader's stream ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Until {
+    /// After the terminal event (`done`, `error`, `cancelled`).
+    Terminal,
+    /// After the terminal event or an `interrupt` (a stream that answers a request: the run is
+    /// waiting for a human, and the request is over).
+    PauseOrTerminal,
+}
+
+impl Until {
+    fn ends_with(self, event: &Event) -> bool {
+        match self {
+            Until::Terminal => event.is_terminal(),
+            Until::PauseOrTerminal => event.is_terminal() || event.is_pausing(),
+        }
+    }
+}
+
+const PAGE: u32 = 256;
+
+/// Events of `run_id` with `sequence > after`, stored then live, until `until`.
+pub fn run_events(
+    store: Arc<dyn Store>,
+    bus: Arc<dyn Bus>,
+    run_id: RunId,
+    after: i64,
+    until: Until,
+    poll_interval: Duration,
+) -> impl Stream<Item = Result<Event, StoreError>> + Send {
+    async_stream::try_stream! {
+        let mut rx = bus.subscribe(&run_id);
+        let mut last = after;
+        'outer: loop {
+            // Catch up from the store.
+            loop {
+                let page = store.list_events(&run_id, last, PAGE).await?;
+                let full = page.len() as u32 == PAGE;
+                for event in page {
+                    last = event.sequence;
+                    let end = until.ends_with(&event);
+                    yield event;
+                    if end {
+                        break 'outer;
+                    }
+                }
+                if !full {
+                    break;
+                }
+            }
+            // Then follow the bus until something is out of order.
+            loop {
+                let received = tokio::time::timeout(poll_interval, rx.recv()).await;
+                match received {
+                    Ok(Ok(event)) if event.sequence <= last => continue,
+                    Ok(Ok(event)) if event.sequence == last + 1 => {
+                        last = event.sequence;
+                        let end = until.ends_with(&event);
+                        yield event;
+                        if end {
+                            break 'outer;
+                        }
+                    }
+                    // A gap: the store has what we missed.
+                    Ok(Ok(_)) => continue 'outer,
+                    Ok(Err(RecvError::Lagged(_))) => continue 'outer,
+                    Ok(Err(RecvError::Closed)) => {
+                        rx = bus.subscribe(&run_id);
+                        continue 'outer;
+                    }
+                    // Idle: look at the store in case a writer elsewhere committed.
+                    Err(_elapsed) => continue 'outer,
+                }
+            }
+        }
+    }
+}
