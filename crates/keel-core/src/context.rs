@@ -237,8 +237,11 @@ mod tests {
         let ModelMessage::System { content } = &out.messages[0] else { panic!("system first") };
         assert!(content.contains("- instance: pay-prod-2"));
         assert!(content.contains("Summary of earlier turns"));
-        assert!(content.contains("question 0"));
         let summary = out.new_summary.expect("older turns summarised");
+        // Bounded, keeping the most recent of the older turns.
+        assert!(summary.text.chars().count() <= config.summary_max_chars);
+        assert!(summary.text.contains("question 20"), "{}", summary.text);
+        assert!(!content.contains("question 0 "));
         // The recent part stays within budget and ends with the current turn, verbatim.
         let recent_tokens: usize = out.messages[1..]
             .iter()

@@ -594,13 +594,13 @@ impl Engine {
         });
         commit.run = Some(RunChange { to: RunStatus::Running, reason: None });
         let human_wait_ms = (now - interrupt.created_at).num_milliseconds().max(0) as u64;
-        commit.events.push(EventKind::NodeFinished { node: nodes::APPROVAL.into(), duration_ms: human_wait_ms });
         commit.events.push(EventKind::Resumed {
             interrupt_id: interrupt.id.clone(),
             decision: decision.clone(),
             human_wait_ms,
             resolved_by: user_id.to_owned(),
         });
+        commit.events.push(EventKind::NodeFinished { node: nodes::APPROVAL.into(), duration_ms: human_wait_ms });
         let mut pending = Vec::new();
         for call_id in &interrupt.call_ids {
             let Some(call) = calls.iter().find(|c| &c.id == call_id) else { continue };
@@ -1383,6 +1383,7 @@ impl Worker {
             conversation_id: self.run.conversation_id.clone(),
             user_id: self.run.user_id.clone(),
             role,
+            now: self.now(),
             store: self.inner.store.clone(),
         }
     }

@@ -83,6 +83,8 @@ pub struct ToolContext {
     /// The user the run acts for (after a resume: the approver).
     pub user_id: String,
     pub role: Option<UserRole>,
+    /// The engine's clock at the start of the call.
+    pub now: crate::domain::Timestamp,
     pub store: Arc<dyn Store>,
 }
 

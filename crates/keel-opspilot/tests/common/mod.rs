@@ -1,0 +1,205 @@
+//! A harness for library-level tests: a real SQLite file in a temp dir, the real engine, the
+//! OpsPilot tools and the demo model (or a scripted one), and a clock the test moves.
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use keel_core::bus::LocalBus;
+use keel_core::clock::ManualClock;
+use keel_core::engine::{Engine, EngineConfig, EngineParts, ResumeAccepted, ResumeRequest, SendMessage};
+use keel_core::event::render_text;
+use keel_core::fleet::FleetSeed;
+use keel_core::model::{Model, ModelChunk, ModelError, ModelRequest, ModelStream, ModelToolCall};
+use keel_core::store::Store;
+use keel_core::tool::ToolRegistry;
+use keel_core::{ConversationId, Event, EventKind, InterruptId, RunId, UserRole};
+use keel_models::DemoModel;
+use keel_store::SqliteStore;
+use serde_json::Value;
+
+pub struct Harness {
+    pub store: Arc<dyn Store>,
+    pub engine: Engine,
+    pub clock: Arc<ManualClock>,
+}
+
+pub struct Options {
+    pub model: Arc<dyn Model>,
+    pub tools: ToolRegistry,
+    pub extra_abnormal: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { model: Arc::new(DemoModel::new(Duration::ZERO)), tools: keel_opspilot::registry(), extra_abnormal: 0 }
+    }
+}
+
+pub fn engine_config() -> EngineConfig {
+    EngineConfig {
+        steal_leases_on_start: true,
+        poll_interval: Duration::from_millis(50),
+        sweep_interval: Duration::from_millis(200),
+        ..Default::default()
+    }
+}
+
+impl Harness {
+    /// A fresh database with the seeded fleet.
+    pub async fn new(dir: &Path, options: Options) -> Self {
+        let clock = Arc::new(ManualClock::default());
+        let h = Self::open(dir, clock, options.model, options.tools).await;
+        h.store.seed_fleet(FleetSeed { extra_abnormal: options.extra_abnormal }, h.clock_now()).await.unwrap();
+        h.store.set_user_role("demo", UserRole::Operator).await.unwrap();
+        h
+    }
+
+    /// Opens (or reopens) the database in `dir`; recovers what a previous engine left.
+    pub async fn open(dir: &Path, clock: Arc<ManualClock>, model: Arc<dyn Model>, tools: ToolRegistry) -> Self {
+        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.join("keel.db")).await.unwrap());
+        let engine = Engine::new(
+            EngineParts {
+                store: store.clone(),
+                model,
+                tools,
+                bus: Arc::new(LocalBus::default()),
+                clock: clock.clone(),
+            },
+            engine_config(),
+        );
+        engine.start().await.unwrap();
+        Self { store, engine, clock }
+    }
+
+    pub fn clock_now(&self) -> chrono::DateTime<chrono::Utc> {
+        use keel_core::clock::Clock;
+        self.clock.now()
+    }
+
+    pub async fn conversation(&self) -> ConversationId {
+        self.engine.create_conversation("demo", "test").await.unwrap().id
+    }
+
+    /// Sends a message as `demo` and waits until the run pauses or ends.
+    pub async fn say(&self, conv: &ConversationId, text: &str) -> (RunId, Vec<Event>) {
+        self.say_as("demo", conv, text).await
+    }
+
+    pub async fn say_as(&self, user: &str, conv: &ConversationId, text: &str) -> (RunId, Vec<Event>) {
+        let started = self
+            .engine
+            .send_message(user, conv, SendMessage { content: text.into(), cancel_on_disconnect: false })
+            .await
+            .unwrap();
+        let events = self.settle(&started.run.id, 0).await;
+        (started.run.id, events)
+    }
+
+    /// Waits (with a deadline) until the run pauses or ends; its events after `after`.
+    pub async fn settle(&self, run: &RunId, after: i64) -> Vec<Event> {
+        tokio::time::timeout(Duration::from_secs(20), self.engine.wait_settled(run, after))
+            .await
+            .expect("run settles within 20 s")
+            .unwrap()
+    }
+
+    pub async fn resume(&self, run: &RunId, interrupt: &InterruptId, decision: Value, key: &str) -> Result<ResumeAccepted, keel_core::engine::EngineError> {
+        self.engine
+            .resume("demo", run, ResumeRequest { interrupt_id: interrupt.clone(), decision, idempotency_key: key.into() })
+            .await
+    }
+
+    /// Resumes and waits for the run to pause or end; the events from `resumed` on.
+    pub async fn decide(&self, run: &RunId, interrupt: &InterruptId, decision: Value) -> Vec<Event> {
+        let key = format!("key-{}", uuid_ish());
+        let accepted = self.resume(run, interrupt, decision, &key).await.unwrap();
+        self.settle(run, accepted.resumed_sequence - 1).await
+    }
+
+    pub async fn all_events(&self, run: &RunId) -> Vec<Event> {
+        self.store.list_events(run, 0, 10_000).await.unwrap()
+    }
+
+    pub async fn restart_count(&self, instance: &str) -> i64 {
+        self.store.get_instance(instance).await.unwrap().unwrap().restart_count
+    }
+
+    pub async fn instance_status(&self, instance: &str) -> String {
+        self.store.get_instance(instance).await.unwrap().unwrap().status
+    }
+}
+
+fn uuid_ish() -> String {
+    keel_core::RunId::new().as_str().trim_start_matches("run_").to_owned()
+}
+
+/// The interrupt event of a list of events.
+pub fn interrupt_of(events: &[Event]) -> (InterruptId, Value) {
+    events
+        .iter()
+        .find_map(|e| match &e.kind {
+            EventKind::Interrupt { interrupt_id, payload, .. } => Some((interrupt_id.clone(), payload.clone())),
+            _ => None,
+        })
+        .expect("an interrupt event")
+}
+
+/// The text a client renders from these events, all messages joined.
+pub fn text(events: &[Event]) -> String {
+    render_text(events).into_iter().map(|(_, t)| t).collect::<Vec<_>>().join("")
+}
+
+pub fn last_type(events: &[Event]) -> &'static str {
+    events.last().map(|e| e.type_name()).unwrap_or("none")
+}
+
+/// Sequences 1..=n with no gap and no duplicate.
+pub fn assert_contiguous(events: &[Event]) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.sequence, i as i64 + 1, "event {i} ({}) has sequence {}", e.type_name(), e.sequence);
+    }
+}
+
+/// A model that plays back a script: each call takes the next step; when the script is done it
+/// answers "ok".
+pub struct ScriptedModel {
+    steps: Mutex<VecDeque<(String, Vec<ModelToolCall>)>>,
+}
+
+impl ScriptedModel {
+    pub fn new(steps: Vec<(&str, Vec<(&str, &str, Value)>)>) -> Self {
+        Self {
+            steps: Mutex::new(
+                steps
+                    .into_iter()
+                    .map(|(text, calls)| {
+                        (
+                            text.to_owned(),
+                            calls
+                                .into_iter()
+                                .map(|(id, name, arguments)| ModelToolCall { id: id.into(), name: name.into(), arguments })
+                                .collect(),
+                        )
+                    })
+                    .collect(),
+            ),
+        }
+    }
+}
+
+#[async_trait]
+impl Model for ScriptedModel {
+    fn name(&self) -> &str {
+        "scripted"
+    }
+    async fn stream(&self, _request: ModelRequest) -> Result<ModelStream, ModelError> {
+        let (text, calls) = self.steps.lock().unwrap().pop_front().unwrap_or_else(|| ("ok".into(), vec![]));
+        let mut chunks = vec![Ok(ModelChunk::Text(text))];
+        chunks.extend(calls.into_iter().map(|c| Ok(ModelChunk::ToolCall(c))));
+        Ok(Box::pin(futures::stream::iter(chunks)))
+    }
+}

@@ -1,0 +1,517 @@
+//! The engine's guarantees, end to end on a real SQLite file: the OpsPilot conversation, approval,
+//! rejection, edits, per-call decisions, idempotent and concurrent resumes, expiry, re-authorization,
+//! prechecks, restarts after a stop or a crash, and isolation between runs.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use keel_core::engine::EngineError;
+use keel_core::event::render_text;
+use keel_core::{EventKind, InterruptStatus, Role, RunStatus, ToolCallState, ToolOutcomeStatus, UserRole};
+use keel_models::DemoModel;
+use serde_json::json;
+use tempfile::TempDir;
+
+#[tokio::test]
+async fn three_turn_conversation_resolves_it_from_facts() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+
+    let (run1, ev1) = h.say(&conv, "Look at the recent errors of payment-api").await;
+    assert_eq!(last_type(&ev1), "done");
+    assert!(text(&ev1).contains("12 5xx errors"), "{}", text(&ev1));
+    let facts = keel_core::fact_map(&h.store.list_facts(&conv).await.unwrap());
+    assert_eq!(facts.get("service").map(String::as_str), Some("payment-api"));
+    assert_eq!(facts.get("env").map(String::as_str), Some("prod"));
+    assert!(ev1.iter().any(|e| matches!(&e.kind, EventKind::FactsUpdated { .. })));
+    assert_eq!(h.engine.run("demo", &run1).await.unwrap().status, RunStatus::Completed);
+
+    let (_, ev2) = h.say(&conv, "Continue investigating its recent error logs").await;
+    assert_eq!(last_type(&ev2), "done");
+    assert!(text(&ev2).contains("pay-prod-2 is abnormal"), "{}", text(&ev2));
+
+    let (run3, ev3) = h.say(&conv, "Restart this abnormal instance").await;
+    assert_eq!(last_type(&ev3), "interrupt");
+    let (interrupt, payload) = interrupt_of(&ev3);
+    assert_eq!(payload["actions"][0]["tool"], "restart_instance");
+    assert_eq!(payload["actions"][0]["args"]["instanceId"], "pay-prod-2");
+    assert_eq!(h.engine.run("demo", &run3).await.unwrap().status, RunStatus::Interrupted);
+    assert_eq!(h.restart_count("pay-prod-2").await, 0, "nothing happens before approval");
+
+    let after = h.decide(&run3, &interrupt, json!("approve")).await;
+    assert_eq!(after[0].type_name(), "resumed", "a resumed stream starts at `resumed`");
+    assert_eq!(last_type(&after), "done");
+    assert!(text(&after).contains("Restarted pay-prod-2"), "{}", text(&after));
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    assert_eq!(h.instance_status("pay-prod-2").await, "healthy");
+    assert_contiguous(&h.all_events(&run3).await);
+}
+
+#[tokio::test]
+async fn one_shot_restart_approve_restarts_exactly_once() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, payload) = interrupt_of(&ev);
+    assert_eq!(payload["actions"][0]["args"]["instanceId"], "pay-prod-2");
+    assert!(payload["title"].as_str().unwrap().contains("pay-prod-2"));
+    let pending = h.store.pending_interrupt(&run).await.unwrap().unwrap();
+    assert_eq!(pending.id, interrupt);
+    assert!(pending.expires_at > h.clock_now());
+
+    let after = h.decide(&run, &interrupt, json!("approve")).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    let finished: Vec<_> = after
+        .iter()
+        .filter(|e| matches!(&e.kind, EventKind::ToolFinished { tool, status: ToolOutcomeStatus::Success, .. } if tool == "restart_instance"))
+        .collect();
+    assert_eq!(finished.len(), 1);
+    let calls = h.store.list_tool_calls(&run).await.unwrap();
+    let restart = calls.iter().find(|c| c.name == "restart_instance").unwrap();
+    assert_eq!(restart.state, ToolCallState::Succeeded);
+    let interrupt = h.store.get_interrupt(&interrupt).await.unwrap().unwrap();
+    assert_eq!(interrupt.status, InterruptStatus::Resolved);
+    assert_eq!(interrupt.resolved_by.as_deref(), Some("demo"));
+}
+
+#[tokio::test]
+async fn reject_does_not_restart() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let after = h.decide(&run, &interrupt, json!("reject")).await;
+    assert_eq!(last_type(&after), "done");
+    assert!(text(&after).contains("I did not restart pay-prod-2"), "{}", text(&after));
+    assert!(after.iter().any(|e| matches!(&e.kind, EventKind::ToolFinished { status: ToolOutcomeStatus::Denied, .. })));
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+    assert_eq!(h.instance_status("pay-prod-2").await, "abnormal");
+}
+
+#[tokio::test]
+async fn edited_args_are_validated_then_used() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options { extra_abnormal: 1, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "restart pay-prod-2").await;
+    let (interrupt, payload) = interrupt_of(&ev);
+    let call_id = payload["actions"][0]["callId"].as_str().unwrap().to_owned();
+
+    // Arguments that break the tool's schema are refused, and the interrupt stays pending.
+    let bad = h.resume(&run, &interrupt, json!({"edit": {call_id.clone(): {"instanceId": 5}}}), "k-bad").await;
+    assert!(matches!(bad, Err(EngineError::InvalidArgs(_))), "{bad:?}");
+    let bad = h.resume(&run, &interrupt, json!({"edit": {call_id.clone(): {"instanceId": "x", "force": true}}}), "k-bad2").await;
+    assert!(matches!(bad, Err(EngineError::InvalidArgs(_))), "{bad:?}");
+    let bad = h.resume(&run, &interrupt, json!({"edit": {"call_unknown": {"instanceId": "pay-prod-a1"}}}), "k-bad3").await;
+    assert!(matches!(bad, Err(EngineError::InvalidDecision(_))), "{bad:?}");
+    assert_eq!(h.store.get_interrupt(&interrupt).await.unwrap().unwrap().status, InterruptStatus::Pending);
+
+    let after = h.decide(&run, &interrupt, json!({"edit": {call_id.clone(): {"instanceId": "pay-prod-a1"}}})).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-a1").await, 1);
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+    let call = h.store.list_tool_calls(&run).await.unwrap().into_iter().find(|c| c.id.as_str() == call_id).unwrap();
+    assert_eq!(call.args, json!({"instanceId": "pay-prod-a1"}));
+}
+
+#[tokio::test]
+async fn two_calls_in_one_interrupt_with_per_call_decisions() {
+    let dir = TempDir::new().unwrap();
+    let model = Arc::new(ScriptedModel::new(vec![
+        (
+            "Restarting both. ",
+            vec![
+                ("call_a", "restart_instance", json!({"instanceId": "pay-prod-2"})),
+                ("call_b", "restart_instance", json!({"instanceId": "pay-prod-a1"})),
+            ],
+        ),
+        ("Done with the restarts.", vec![]),
+    ]));
+    let h = Harness::new(dir.path(), Options { model, extra_abnormal: 1, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "restart both").await;
+    let (interrupt, payload) = interrupt_of(&ev);
+    assert_eq!(payload["actions"].as_array().unwrap().len(), 2);
+    assert_eq!(payload["title"], "Confirm 2 actions");
+
+    let partial = h.resume(&run, &interrupt, json!({"calls": {"call_a": "approve"}}), "k-partial").await;
+    assert!(matches!(partial, Err(EngineError::InvalidDecision(_))), "every call needs a decision: {partial:?}");
+
+    let after = h.decide(&run, &interrupt, json!({"calls": {"call_a": "approve", "call_b": "reject"}})).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    assert_eq!(h.restart_count("pay-prod-a1").await, 0);
+    let calls = h.store.list_tool_calls(&run).await.unwrap();
+    let state = |id: &str| calls.iter().find(|c| c.id.as_str() == id).unwrap().state;
+    assert_eq!(state("call_a"), ToolCallState::Succeeded);
+    assert_eq!(state("call_b"), ToolCallState::Denied);
+}
+
+#[tokio::test]
+async fn same_resume_twice_with_one_key_has_one_effect_and_one_answer() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let first = h.resume(&run, &interrupt, json!("approve"), "resume-1").await.unwrap();
+    h.settle(&run, first.resumed_sequence - 1).await;
+    let second = h.resume(&run, &interrupt, json!("approve"), "resume-1").await.unwrap();
+    assert_eq!(first, second);
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    // Same key, other body: refused.
+    let other = h.resume(&run, &interrupt, json!("reject"), "resume-1").await;
+    assert!(matches!(other, Err(EngineError::IdempotencyKeyReused)), "{other:?}");
+    // Another key: the interrupt is already resolved.
+    let late = h.resume(&run, &interrupt, json!("approve"), "resume-2").await;
+    assert!(matches!(late, Err(EngineError::InterruptAlreadyResolved)), "{late:?}");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fifty_concurrent_resumes_with_different_keys_have_one_winner() {
+    let dir = TempDir::new().unwrap();
+    let h = Arc::new(Harness::new(dir.path(), Options::default()).await);
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let mut tasks = Vec::new();
+    for i in 0..50 {
+        let (h, run, interrupt) = (h.clone(), run.clone(), interrupt.clone());
+        tasks.push(tokio::spawn(async move { h.resume(&run, &interrupt, json!("approve"), &format!("key-{i}")).await }));
+    }
+    let mut wins = 0;
+    let mut already = 0;
+    let mut resumed_at = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(accepted) => {
+                wins += 1;
+                resumed_at = accepted.resumed_sequence;
+            }
+            Err(EngineError::InterruptAlreadyResolved) => already += 1,
+            Err(e) => panic!("unexpected: {e:?}"),
+        }
+    }
+    assert_eq!((wins, already), (1, 49));
+    let events = h.settle(&run, resumed_at - 1).await;
+    assert_eq!(last_type(&events), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    assert_contiguous(&h.all_events(&run).await);
+}
+
+#[tokio::test]
+async fn an_expired_interrupt_cannot_be_approved() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    h.clock.advance(chrono::Duration::minutes(16));
+    let late = h.resume(&run, &interrupt, json!("approve"), "k").await;
+    assert!(matches!(late, Err(EngineError::InterruptExpired)), "{late:?}");
+    let run_now = h.engine.run("demo", &run).await.unwrap();
+    assert_eq!(run_now.status, RunStatus::Cancelled);
+    assert_eq!(run_now.reason.as_deref(), Some("interrupt_expired"));
+    assert_eq!(h.store.get_interrupt(&interrupt).await.unwrap().unwrap().status, InterruptStatus::Expired);
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+    let events = h.all_events(&run).await;
+    assert!(matches!(&events.last().unwrap().kind, EventKind::Cancelled { reason } if reason == "interrupt_expired"));
+    // The conversation is free again.
+    let (_, ev) = h.say(&conv, "hello").await;
+    assert_eq!(last_type(&ev), "done");
+}
+
+#[tokio::test]
+async fn expiry_is_active_without_any_request() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    interrupt_of(&ev);
+    assert_eq!(h.engine.sweep_expired().await.unwrap(), 0, "not yet due");
+    h.clock.advance(chrono::Duration::minutes(15) + chrono::Duration::seconds(1));
+    // The background sweeper runs every 200 ms in the harness; wait for it, bounded.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        if h.engine.run("demo", &run).await.unwrap().status == RunStatus::Cancelled {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the sweeper expired the interrupt");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(h.engine.run("demo", &run).await.unwrap().reason.as_deref(), Some("interrupt_expired"));
+}
+
+#[tokio::test]
+async fn a_revoked_role_is_refused_and_the_interrupt_stays_pending() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    h.store.set_user_role("demo", UserRole::Viewer).await.unwrap();
+    let refused = h.resume(&run, &interrupt, json!("approve"), "k1").await;
+    assert!(matches!(refused, Err(EngineError::Forbidden(_))), "{refused:?}");
+    assert_eq!(h.store.get_interrupt(&interrupt).await.unwrap().unwrap().status, InterruptStatus::Pending);
+    assert_eq!(h.engine.run("demo", &run).await.unwrap().status, RunStatus::Interrupted);
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+    // The same key works once the role is back: the refusal did not burn it.
+    h.store.set_user_role("demo", UserRole::Operator).await.unwrap();
+    let ok = h.resume(&run, &interrupt, json!("approve"), "k1").await.unwrap();
+    h.settle(&run, ok.resumed_sequence - 1).await;
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+}
+
+#[tokio::test]
+async fn a_viewer_is_denied_by_policy_without_asking() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    h.store.set_user_role("vera", UserRole::Viewer).await.unwrap();
+    let conv = h.engine.create_conversation("vera", "viewer").await.unwrap().id;
+    let (_, ev) = h.say_as("vera", &conv, "restart pay-prod-2").await;
+    assert_eq!(last_type(&ev), "done");
+    assert!(!ev.iter().any(|e| e.type_name() == "interrupt"));
+    assert!(text(&ev).contains("I did not restart pay-prod-2"), "{}", text(&ev));
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+}
+
+#[tokio::test]
+async fn a_resource_changed_while_waiting_is_not_touched_and_the_model_is_told() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv_a = h.conversation().await;
+    let (run_a, ev_a) = h.say(&conv_a, "restart pay-prod-2").await;
+    let (int_a, _) = interrupt_of(&ev_a);
+    // Meanwhile someone else restarts it.
+    let conv_b = h.conversation().await;
+    let (run_b, ev_b) = h.say(&conv_b, "restart pay-prod-2").await;
+    let (int_b, _) = interrupt_of(&ev_b);
+    h.decide(&run_b, &int_b, json!("approve")).await;
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+
+    let after = h.decide(&run_a, &int_a, json!("approve")).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1, "no second restart");
+    assert!(text(&after).contains("already healthy"), "{}", text(&after));
+    let call = h.store.list_tool_calls(&run_a).await.unwrap().into_iter().find(|c| c.name == "restart_instance").unwrap();
+    assert_eq!(call.state, ToolCallState::Failed);
+    assert!(after.iter().any(|e| matches!(&e.kind, EventKind::ToolFinished { status: ToolOutcomeStatus::Error, .. })));
+}
+
+#[tokio::test]
+async fn a_new_engine_on_the_same_file_continues_a_paused_run() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let clock = h.clock.clone();
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    drop(h);
+
+    let h = Harness::open(dir.path(), clock, Arc::new(DemoModel::new(Duration::ZERO)), keel_opspilot::registry()).await;
+    let after = h.decide(&run, &interrupt, json!("approve")).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    assert_contiguous(&h.all_events(&run).await);
+}
+
+#[tokio::test]
+async fn a_crash_mid_stream_is_recovered_without_duplicated_text() {
+    let dir = TempDir::new().unwrap();
+    let slow = Arc::new(DemoModel::new(Duration::from_millis(30)));
+    let h = Harness::new(dir.path(), Options { model: slow, ..Default::default() }).await;
+    let clock = h.clock.clone();
+    let conv = h.conversation().await;
+    let started = h
+        .engine
+        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "what can you do?".into(), cancel_on_disconnect: false })
+        .await
+        .unwrap();
+    let run = started.run.id.clone();
+    // Wait until some, but not all, of the answer is stored.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let deltas = h.all_events(&run).await.iter().filter(|e| e.type_name() == "text_delta").count();
+        if deltas >= 3 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "text started streaming");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(h); // a crash: workers aborted with events in flight
+
+    let h = Harness::open(dir.path(), clock, Arc::new(DemoModel::new(Duration::ZERO)), keel_opspilot::registry()).await;
+    let events = h.settle(&run, 0).await;
+    assert_eq!(last_type(&events), "done");
+    assert_contiguous(&events);
+    assert!(events.iter().any(|e| e.type_name() == "text_discarded"));
+    let rendered = render_text(&events);
+    assert_eq!(rendered.len(), 1, "only the retried message remains: {rendered:?}");
+    let answer = &rendered[0].1;
+    assert!(answer.starts_with("I'm OpsPilot"), "{answer}");
+    assert_eq!(answer.matches("I'm OpsPilot").count(), 1, "no duplicated text: {answer}");
+    // The stored messages equal what a client renders.
+    let stored: Vec<_> = h
+        .store
+        .list_messages(&conv)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|m| m.role == Role::Assistant)
+        .map(|m| (m.id, m.content))
+        .collect();
+    assert_eq!(stored, rendered);
+    // done points at the answer.
+    assert!(matches!(&events.last().unwrap().kind, EventKind::Done { message_id: Some(id) } if *id == rendered[0].0));
+}
+
+#[tokio::test]
+async fn two_runs_in_two_conversations_do_not_share_state() {
+    let dir = TempDir::new().unwrap();
+    let h = Arc::new(Harness::new(dir.path(), Options { model: Arc::new(DemoModel::new(Duration::from_millis(1))), ..Default::default() }).await);
+    let conv_a = h.conversation().await;
+    let conv_b = h.conversation().await;
+    let (a, b) = tokio::join!(
+        h.say(&conv_a, "Look at the recent errors of payment-api"),
+        h.say(&conv_b, "Look at the recent errors of order-api in prod"),
+    );
+    assert!(text(&a.1).contains("payment-api in prod had 12 5xx errors"), "{}", text(&a.1));
+    assert!(text(&b.1).contains("order-api in prod had 2 5xx errors"), "{}", text(&b.1));
+    assert!(a.1.iter().all(|e| e.run_id == a.0));
+    assert!(b.1.iter().all(|e| e.run_id == b.0));
+    let fa = keel_core::fact_map(&h.store.list_facts(&conv_a).await.unwrap());
+    let fb = keel_core::fact_map(&h.store.list_facts(&conv_b).await.unwrap());
+    assert_eq!(fa["service"], "payment-api");
+    assert_eq!(fb["service"], "order-api");
+    for run in [&a.0, &b.0] {
+        let events = h.all_events(run).await;
+        assert_contiguous(&events);
+        assert!(events.windows(2).all(|w| w[0].sequence < w[1].sequence));
+    }
+}
+
+#[tokio::test]
+async fn a_failed_tool_call_writes_no_fact() {
+    let dir = TempDir::new().unwrap();
+    let model = Arc::new(ScriptedModel::new(vec![
+        ("Looking. ", vec![("call_bad", "get_instance", json!({"instanceId": "nope-prod-9"}))]),
+        ("Not found.", vec![]),
+        ("Looking again. ", vec![("call_good", "get_instance", json!({"instanceId": "order-prod-1"}))]),
+        ("Found it.", vec![]),
+    ]));
+    let h = Harness::new(dir.path(), Options { model, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "show nope-prod-9").await;
+    assert_eq!(last_type(&ev), "done");
+    assert!(h.store.list_facts(&conv).await.unwrap().is_empty(), "a failed call wrote facts");
+    let call = h.store.list_tool_calls(&run).await.unwrap().pop().unwrap();
+    assert_eq!(call.state, ToolCallState::Failed);
+    assert!(!ev.iter().any(|e| e.type_name() == "facts_updated"));
+
+    h.say(&conv, "show order-prod-1").await;
+    let facts = keel_core::fact_map(&h.store.list_facts(&conv).await.unwrap());
+    assert_eq!(facts["instance"], "order-prod-1");
+    assert_eq!(facts["service"], "order-api");
+}
+
+#[tokio::test]
+async fn unknown_tools_and_bad_arguments_are_reported_to_the_model() {
+    let dir = TempDir::new().unwrap();
+    let model = Arc::new(ScriptedModel::new(vec![
+        (
+            "Trying. ",
+            vec![
+                ("call_x", "drop_database", json!({})),
+                ("call_y", "get_recent_errors", json!({"service": "payment-api"})),
+            ],
+        ),
+        ("Those failed.", vec![]),
+    ]));
+    let h = Harness::new(dir.path(), Options { model, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "go").await;
+    assert_eq!(last_type(&ev), "done");
+    let calls = h.store.list_tool_calls(&run).await.unwrap();
+    assert!(calls.iter().all(|c| c.state == ToolCallState::Failed), "{calls:?}");
+    let tool_messages: Vec<_> =
+        h.store.list_messages(&conv).await.unwrap().into_iter().filter(|m| m.role == Role::Tool).collect();
+    assert!(tool_messages[0].content.contains("unknown tool drop_database"));
+    assert!(tool_messages[1].content.contains("env: is required"), "{}", tool_messages[1].content);
+}
+
+#[tokio::test]
+async fn one_active_run_per_conversation() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let refused = h
+        .engine
+        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "hello".into(), cancel_on_disconnect: false })
+        .await;
+    assert!(matches!(&refused, Err(EngineError::RunActive(id)) if *id == run), "{refused:?}");
+    h.decide(&run, &interrupt, json!("reject")).await;
+    let (_, ev) = h.say(&conv, "hello").await;
+    assert_eq!(last_type(&ev), "done");
+}
+
+#[tokio::test]
+async fn cancel_is_durable_for_paused_and_running_runs() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options { model: Arc::new(DemoModel::new(Duration::from_millis(20))), ..Default::default() }).await;
+    // Paused: ends at once, its interrupt is cancelled and nothing runs.
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "restart pay-prod-2").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let cancelled = h.engine.cancel("demo", &run).await.unwrap();
+    assert_eq!(cancelled.status, RunStatus::Cancelled);
+    assert_eq!(h.store.get_interrupt(&interrupt).await.unwrap().unwrap().status, InterruptStatus::Cancelled);
+    let late = h.resume(&run, &interrupt, json!("approve"), "k").await;
+    assert!(matches!(late, Err(EngineError::InterruptAlreadyResolved)), "{late:?}");
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+
+    // Running: its worker stops at the next chunk.
+    let conv = h.conversation().await;
+    let started = h
+        .engine
+        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "what can you do?".into(), cancel_on_disconnect: false })
+        .await
+        .unwrap();
+    let run = started.run.id;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !h.all_events(&run).await.iter().any(|e| e.type_name() == "text_delta") {
+        assert!(tokio::time::Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    h.engine.cancel("demo", &run).await.unwrap();
+    let events = h.settle(&run, 0).await;
+    assert_eq!(last_type(&events), "cancelled");
+    assert_eq!(h.engine.run("demo", &run).await.unwrap().status, RunStatus::Cancelled);
+    assert_contiguous(&events);
+}
+
+#[tokio::test]
+async fn another_users_objects_are_not_found() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "restart pay-prod-2").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    assert!(matches!(h.engine.conversation("mallory", &conv).await, Err(EngineError::NotFound("conversation"))));
+    assert!(matches!(h.engine.run("mallory", &run).await, Err(EngineError::NotFound("run"))));
+    let r = h
+        .engine
+        .resume("mallory", &run, keel_core::engine::ResumeRequest { interrupt_id: interrupt, decision: json!("approve"), idempotency_key: "k".into() })
+        .await;
+    assert!(matches!(r, Err(EngineError::NotFound("run"))));
+    assert!(h.engine.list_conversations("mallory").await.unwrap().is_empty());
+}
