@@ -1,0 +1,38 @@
+//! docs/events.md can't drift: every example parses as the event it shows, round-trips, and every
+//! event type has an example.
+
+use std::collections::BTreeSet;
+
+use keel_core::{Event, EventKind};
+
+fn json_blocks(markdown: &str) -> Vec<String> {
+    let mut blocks = Vec::new();
+    let mut current: Option<String> = None;
+    for line in markdown.lines() {
+        match (&mut current, line.trim_start()) {
+            (None, l) if l.starts_with("```json") => current = Some(String::new()),
+            (Some(_), l) if l.starts_with("```") => blocks.push(current.take().unwrap_or_default()),
+            (Some(buf), _) => {
+                buf.push_str(line);
+                buf.push('\n');
+            }
+            (None, _) => {}
+        }
+    }
+    blocks
+}
+
+#[test]
+fn every_event_example_parses_and_every_type_has_one() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/events.md")).unwrap();
+    let mut seen = BTreeSet::new();
+    for block in json_blocks(&doc) {
+        let raw: serde_json::Value = serde_json::from_str(&block).unwrap_or_else(|e| panic!("{e}: {block}"));
+        let event: Event = serde_json::from_value(raw.clone()).unwrap_or_else(|e| panic!("{e}: {block}"));
+        // Nothing in the example is unknown to the type (it round-trips to the same JSON).
+        assert_eq!(serde_json::to_value(&event).unwrap(), raw, "example of {} round-trips", event.type_name());
+        seen.insert(event.type_name());
+    }
+    let all: BTreeSet<&str> = EventKind::TYPES.iter().copied().collect();
+    assert_eq!(seen, all, "every event type has an example in docs/events.md");
+}
