@@ -239,6 +239,9 @@ struct Inner {
     clock: Arc<dyn Clock>,
     config: EngineConfig,
     workers: Mutex<HashMap<RunId, JoinHandle<()>>>,
+    /// Wakes a local worker at once when its run is cancelled (the durable flag is the truth; this
+    /// only saves waiting for the next model chunk).
+    cancel_signals: Mutex<HashMap<RunId, Arc<tokio::sync::Notify>>>,
     shutting_down: AtomicBool,
 }
 
@@ -275,6 +278,7 @@ impl Engine {
                 clock: parts.clock,
                 config,
                 workers: Mutex::new(HashMap::new()),
+                cancel_signals: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),
             }),
             background: Mutex::new(Vec::new()),
@@ -851,6 +855,7 @@ struct Worker {
     owner: String,
     /// The first commit takes the lease.
     acquire: Option<Vec<RunStatus>>,
+    cancel_signal: Arc<tokio::sync::Notify>,
 }
 
 impl Inner {
@@ -881,7 +886,10 @@ impl Inner {
                 Lease::Held(owner) => (owner, None),
                 Lease::Acquire(from) => (inner.lease_token(), Some(from)),
             };
-            let mut worker = Worker { inner: inner.clone(), run, owner, acquire };
+            let cancel_signal = Arc::new(tokio::sync::Notify::new());
+            inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
+            let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
+            let mut worker = Worker { inner: inner.clone(), run, owner, acquire, cancel_signal };
             match worker.drive().await {
                 Ok(Stop::Settled | Stop::NotOurs) => {}
                 Ok(Stop::Shutdown) => {
@@ -889,10 +897,29 @@ impl Inner {
                 }
                 Err(e) => worker.fail(e).await,
             }
+            renewer.abort();
+            inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
         });
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         workers.retain(|_, h| !h.is_finished());
         workers.insert(key, handle);
+    }
+
+    /// Keeps the lease alive while the worker waits on a slow model or tool. A renewal that fails
+    /// means the lease was lost; the worker's next commit is then refused by its fence.
+    fn spawn_lease_renewer(self: &Arc<Self>, run_id: RunId, owner: String) -> JoinHandle<()> {
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let period = (inner.config.lease_ttl / 3).max(Duration::from_millis(100));
+            loop {
+                tokio::time::sleep(period).await;
+                match inner.store.renew_lease(&run_id, &owner, inner.lease_until()).await {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => tracing::warn!(run_id = %run_id, error = %e, "lease renewal failed"),
+                }
+            }
+        })
     }
 
     async fn claim_and_spawn(self: &Arc<Self>, steal: bool) -> Result<usize, StoreError> {
@@ -958,6 +985,9 @@ impl Inner {
     async fn cancel(&self, run_id: &RunId, reason: &str) -> EngineResult<Run> {
         let now = self.clock.now();
         let run = self.store.request_cancel(run_id, now).await?;
+        if let Some(signal) = self.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).get(run_id) {
+            signal.notify_one();
+        }
         if !matches!(run.status, RunStatus::Queued | RunStatus::Interrupted) {
             // Running: its worker sees the flag at its next commit. Terminal: nothing to do.
             return Ok(run);
@@ -1218,12 +1248,16 @@ impl Worker {
         let mut text_len = 0usize;
         let mut tool_calls = Vec::new();
         loop {
-            let next = match deadline {
-                Some(d) => match tokio::time::timeout_at(d, stream.next()).await {
-                    Ok(item) => Some(item),
-                    Err(_) => None,
-                },
-                None => Some(stream.next().await),
+            let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+            let next = tokio::select! {
+                item = stream.next() => Some(item),
+                _ = tokio::time::sleep_until(deadline.unwrap_or(far)) => None,
+                _ = self.cancel_signal.notified() => {
+                    // Stop reading the model at once: dropping the stream ends its request.
+                    self.flush_text(message_id, &mut buffer).await?;
+                    self.run.cancel_requested = true;
+                    return Ok(StreamEnd::Cancelled);
+                }
             };
             match next {
                 // The flush deadline passed.

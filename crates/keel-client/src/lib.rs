@@ -1,0 +1,309 @@
+//! A typed client for Keel's HTTP API (v1).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), keel_client::ClientError> {
+//! use futures::StreamExt;
+//! use keel_client::KeelClient;
+//!
+//! let keel = KeelClient::new("http://127.0.0.1:8080").user("alice");
+//! let conv = keel.create_conversation("troubleshoot payment-api").await?;
+//! let sent = keel.send_message(&conv.id, "Restart the abnormal instance of payment-api").await?;
+//! let mut events = keel.events(&sent.run_id, 0);
+//! while let Some(event) = events.next().await {
+//!     let event = event?;
+//!     println!("{} {}", event.sequence, event.type_name());
+//!     if event.is_pausing() {
+//!         break; // an interrupt: ask the human, then `resume`
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
+//! event stream to its terminal event across dropped connections, delivering every event once.
+//! The SSE parser it uses is [`sse::SseParser`].
+#![forbid(unsafe_code)]
+
+pub mod resume;
+pub mod sse;
+
+use futures::Stream;
+use keel_core::{ConversationId, Event, InterruptId, MessageId, RunId, Timestamp};
+use reqwest::{Method, RequestBuilder, Response, StatusCode};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+pub use resume::{ReconnectPolicy, Resumer, Step};
+pub use sse::{SseFrame, SseParser};
+
+/// The development identity header (until authentication lands).
+pub const USER_HEADER: &str = "X-Keel-User";
+
+/// Everything a client call can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The server answered with a non-2xx status and (usually) `{"error": {"code", "message"}}`.
+    /// When the body is not that shape, `code` is `HTTP_<status>` and `message` the start of the
+    /// body.
+    #[error("HTTP {status} {code}: {message}")]
+    Api { status: StatusCode, code: String, message: String },
+    /// The request could not be sent, or the response body could not be read.
+    #[error("HTTP transport error: {0}")]
+    Http(#[from] reqwest::Error),
+    /// A response (or an SSE event's `data`) is not the JSON expected.
+    #[error("unexpected JSON ({context}): {source}")]
+    Decode {
+        context: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The server broke the protocol (wrong content type, an event of another run, a huge line).
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// An event stream skipped sequences.
+    #[error("event stream gap: expected sequence {expected}, got {got}")]
+    SequenceGap { expected: i64, got: i64 },
+    /// An event stream ended before the run's terminal event.
+    #[error("the event stream ended before the run's terminal event")]
+    StreamEnded,
+    /// No bytes on an event stream (not even a heartbeat) for this long.
+    #[error("no data on the event stream for {0:?}")]
+    IdleTimeout(Duration),
+    /// An event stream kept failing: `attempts` reconnects in a row brought no new event.
+    #[error("gave up on the event stream after {attempts} reconnects (last sequence {last_sequence}): {last}")]
+    ReconnectsExhausted {
+        attempts: u32,
+        last_sequence: i64,
+        #[source]
+        last: Box<ClientError>,
+    },
+}
+
+impl ClientError {
+    /// The HTTP status of an API error.
+    pub fn status(&self) -> Option<StatusCode> {
+        match self {
+            ClientError::Api { status, .. } => Some(*status),
+            ClientError::Http(e) => e.status(),
+            _ => None,
+        }
+    }
+
+    /// The server's error code of an API error (`RUN_ACTIVE`, `INTERRUPT_EXPIRED`, …).
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ClientError::Api { code, .. } => Some(code),
+            _ => None,
+        }
+    }
+
+    /// Worth retrying: transport failures, timeouts, 408, 429 and 5xx.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Api { status, .. } => {
+                status.is_server_error()
+                    || *status == StatusCode::TOO_MANY_REQUESTS
+                    || *status == StatusCode::REQUEST_TIMEOUT
+            }
+            ClientError::Http(_)
+            | ClientError::StreamEnded
+            | ClientError::IdleTimeout(_)
+            | ClientError::SequenceGap { .. } => true,
+            ClientError::Decode { .. } | ClientError::Protocol(_) | ClientError::ReconnectsExhausted { .. } => false,
+        }
+    }
+}
+
+/// `POST /v1/conversations` → 201.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Conversation {
+    pub id: ConversationId,
+    #[serde(default)]
+    pub title: Option<String>,
+    pub created_at: Timestamp,
+}
+
+/// `POST /v1/conversations/{id}/messages` → 202.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SentMessage {
+    pub message_id: MessageId,
+    pub run_id: RunId,
+}
+
+/// A client of one Keel server. Cheap to clone (the connection pool is shared).
+#[derive(Debug, Clone)]
+pub struct KeelClient {
+    http: reqwest::Client,
+    base: String,
+    user: Option<String>,
+    reconnect: ReconnectPolicy,
+}
+
+impl KeelClient {
+    /// A client of the server at `base_url` (e.g. `http://127.0.0.1:8080`; a trailing `/` is
+    /// ignored, a path prefix is kept).
+    pub fn new(base_url: impl Into<String>) -> Self {
+        Self::with_http(base_url, reqwest::Client::new())
+    }
+
+    /// Like [`KeelClient::new`], with a configured `reqwest` client (timeouts, proxies …). Avoid a
+    /// total request timeout if you use [`KeelClient::events`]: event streams are long-lived.
+    pub fn with_http(base_url: impl Into<String>, http: reqwest::Client) -> Self {
+        let mut base = base_url.into();
+        while base.ends_with('/') {
+            base.pop();
+        }
+        Self { http, base, user: None, reconnect: ReconnectPolicy::default() }
+    }
+
+    /// Acts as `name`: sends `X-Keel-User: name` with every request.
+    pub fn user(mut self, name: impl Into<String>) -> Self {
+        self.user = Some(name.into());
+        self
+    }
+
+    /// How [`KeelClient::events`] streams reconnect.
+    pub fn reconnect_policy(mut self, policy: ReconnectPolicy) -> Self {
+        self.reconnect = policy;
+        self
+    }
+
+    /// The base URL, without a trailing `/`.
+    pub fn base_url(&self) -> &str {
+        &self.base
+    }
+
+    /// `POST /v1/conversations {"title"}`.
+    pub async fn create_conversation(&self, title: &str) -> Result<Conversation, ClientError> {
+        let req = self.request(Method::POST, "/v1/conversations").json(&json!({ "title": title }));
+        send_json(req, "create_conversation").await
+    }
+
+    /// `GET /v1/conversations/{id}`: the conversation with recent messages, facts, active run.
+    pub async fn get_conversation(&self, conversation_id: &ConversationId) -> Result<Value, ClientError> {
+        let req = self.request(Method::GET, &format!("/v1/conversations/{conversation_id}"));
+        send_json(req, "get_conversation").await
+    }
+
+    /// `POST /v1/conversations/{id}/messages {"content"}` → `{messageId, runId}` (the run is
+    /// queued; follow it with [`KeelClient::events`]).
+    pub async fn send_message(
+        &self,
+        conversation_id: &ConversationId,
+        content: &str,
+    ) -> Result<SentMessage, ClientError> {
+        let req = self
+            .request(Method::POST, &format!("/v1/conversations/{conversation_id}/messages"))
+            .json(&json!({ "content": content }));
+        send_json(req, "send_message").await
+    }
+
+    /// `GET /v1/runs/{id}`: status, checkpoint step, pending interrupt, last sequence.
+    pub async fn get_run(&self, run_id: &RunId) -> Result<Value, ClientError> {
+        send_json(self.request(Method::GET, &format!("/v1/runs/{run_id}")), "get_run").await
+    }
+
+    /// `POST /v1/runs/{id}/resume {"interruptId", "decision", "idempotencyKey"}`. `decision` is
+    /// `"approve"`, `"reject"`, `{"edit": …}`, `{"calls": …}`, `{"select": …}` or `{"provide": …}`.
+    /// The same key with the same body returns the first answer again.
+    pub async fn resume(
+        &self,
+        run_id: &RunId,
+        interrupt_id: &InterruptId,
+        decision: Value,
+        idempotency_key: &str,
+    ) -> Result<Value, ClientError> {
+        let body = json!({
+            "interruptId": interrupt_id,
+            "decision": decision,
+            "idempotencyKey": idempotency_key,
+        });
+        let req = self.request(Method::POST, &format!("/v1/runs/{run_id}/resume")).json(&body);
+        send_json(req, "resume").await
+    }
+
+    /// `POST /v1/runs/{id}/cancel`: a durable cancel. Returns the response body (`null` if empty).
+    pub async fn cancel(&self, run_id: &RunId) -> Result<Value, ClientError> {
+        send_json(self.request(Method::POST, &format!("/v1/runs/{run_id}/cancel")), "cancel").await
+    }
+
+    /// The run's events with sequence > `after` (0: from the start), from
+    /// `GET /v1/runs/{id}/events` with `Last-Event-ID`, until its terminal event (`done`, `error`,
+    /// `cancelled`), after which the stream ends.
+    ///
+    /// If the connection drops (or goes silent for [`ReconnectPolicy::idle_timeout`]) first, it
+    /// reconnects with `Last-Event-ID: <last delivered sequence>`, backing off, and skips any
+    /// event it already delivered: each event comes once, in sequence order. It gives up with
+    /// [`ClientError::ReconnectsExhausted`] after [`ReconnectPolicy::max_attempts`] reconnects in a
+    /// row without a new event. A 4xx other than 408/429 (unknown run, cursor past the end), an
+    /// undecodable event or a protocol violation ends the stream with that error at once. The
+    /// stream does not end at an `interrupt`: the run is paused, and the server keeps the stream
+    /// open (with heartbeats) until it resumes.
+    pub fn events(
+        &self,
+        run_id: &RunId,
+        after: i64,
+    ) -> impl Stream<Item = Result<Event, ClientError>> + Send + Unpin + 'static {
+        resume::EventStream::new(
+            self.http.clone(),
+            self.url(&format!("/v1/runs/{run_id}/events")),
+            self.user.clone(),
+            run_id.clone(),
+            self.reconnect.clone(),
+            after,
+        )
+        .into_stream()
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    fn request(&self, method: Method, path: &str) -> RequestBuilder {
+        let req = self.http.request(method, self.url(path)).header(reqwest::header::ACCEPT, "application/json");
+        match &self.user {
+            Some(user) => req.header(USER_HEADER, user),
+            None => req,
+        }
+    }
+}
+
+async fn send_json<T: DeserializeOwned>(req: RequestBuilder, what: &str) -> Result<T, ClientError> {
+    let resp = req.send().await?;
+    if !resp.status().is_success() {
+        return Err(api_error(resp).await);
+    }
+    let body = resp.bytes().await?;
+    let body: &[u8] = if body.iter().all(u8::is_ascii_whitespace) { b"null" } else { &body };
+    serde_json::from_slice(body).map_err(|source| ClientError::Decode { context: what.to_owned(), source })
+}
+
+/// The [`ClientError::Api`] for a non-2xx response.
+pub(crate) async fn api_error(resp: Response) -> ClientError {
+    #[derive(Deserialize)]
+    struct Envelope {
+        error: Detail,
+    }
+    #[derive(Deserialize)]
+    struct Detail {
+        code: String,
+        #[serde(default)]
+        message: String,
+    }
+
+    let status = resp.status();
+    let body = resp.bytes().await.unwrap_or_default();
+    match serde_json::from_slice::<Envelope>(&body) {
+        Ok(Envelope { error }) => ClientError::Api { status, code: error.code, message: error.message },
+        Err(_) => {
+            let text = String::from_utf8_lossy(&body);
+            let message: String = text.trim().chars().take(500).collect();
+            ClientError::Api { status, code: format!("HTTP_{}", status.as_u16()), message }
+        }
+    }
+}
