@@ -74,7 +74,8 @@ impl Default for EngineConfig {
             steal_leases_on_start: false,
             sweep_interval: Duration::from_secs(1),
             poll_interval: Duration::from_secs(1),
-            model_retries: 2,
+            // Model clients retry before the first token themselves; this is one more try on top.
+            model_retries: 1,
             default_role: None,
             context: ContextConfig::default(),
         }
@@ -1338,6 +1339,11 @@ impl Worker {
                         self.settle_failed(&call, ToolCallState::Requested, &format!("unknown tool {}", call.name)).await?;
                         continue;
                     };
+                    if call.args.get("__invalid_json").is_some() {
+                        let reason = "invalid arguments: the model's arguments were not valid JSON";
+                        self.settle_failed(&call, ToolCallState::Requested, reason).await?;
+                        continue;
+                    }
                     if let Err(e) = validate_args(&tool.spec().parameters, &call.args) {
                         self.settle_failed(&call, ToolCallState::Requested, &format!("invalid arguments: {e}")).await?;
                         continue;

@@ -132,7 +132,8 @@ pub fn plan(request: &ModelRequest) -> Plan {
     }
     let result_of = |name: &str| find_result(&seen, name);
     let facts = &request.facts;
-    let service_in_text = SERVICES.iter().find(|s| text.contains(*s) || text.contains(s.trim_end_matches("-api"))).copied();
+    let service_in_text =
+        SERVICES.iter().find(|s| text.contains(*s) || text.contains(s.trim_end_matches("-api"))).copied();
     let service = service_in_text.map(str::to_owned).or_else(|| facts.get("service").cloned());
     let env = if text.contains("staging") {
         "staging".to_owned()
@@ -159,11 +160,17 @@ pub fn plan(request: &ModelRequest) -> Plan {
                     s.result["from"].as_str().unwrap_or("?"),
                     s.result["to"].as_str().unwrap_or("?")
                 ),
-                Outcome::Denied(why) | Outcome::Failed(why) => format!("I did not roll back {service} in {env}: {why}."),
+                Outcome::Denied(why) | Outcome::Failed(why) => {
+                    format!("I did not roll back {service} in {env}: {why}.")
+                }
             }),
         };
     }
-    if text.contains("continu") || text.contains("investigat") || text.contains("abnormal") || text.contains("which instance") {
+    if text.contains("continu")
+        || text.contains("investigat")
+        || text.contains("abnormal")
+        || text.contains("which instance")
+    {
         let Some(service) = service else { return Plan::say(which_service()) };
         return match result_of("find_abnormal_instances") {
             None => Plan::call(
@@ -224,10 +231,9 @@ fn plan_restart(
     if let Some(done) = result_of("restart_instance") {
         let id = done.args["instanceId"].as_str().unwrap_or("the instance");
         return Plan::say(match outcome(&done.result) {
-            Outcome::Done => format!(
-                "Restarted {id}. It is healthy now (restart count {}).",
-                done.result["restartCount"]
-            ),
+            Outcome::Done => {
+                format!("Restarted {id}. It is healthy now (restart count {}).", done.result["restartCount"])
+            }
             Outcome::Denied(why) => format!("I did not restart {id}: {why}."),
             Outcome::Failed(why) => format!("I did not restart {id}: {why}."),
         });
@@ -244,7 +250,9 @@ fn plan_restart(
     }
     // "the abnormal instance of payment-api": find it first, unless the facts already name one of
     // that service.
-    let known = facts.get("instance").filter(|_| service_in_text.is_none() || facts.get("service").map(String::as_str) == service_in_text);
+    let known = facts
+        .get("instance")
+        .filter(|_| service_in_text.is_none() || facts.get("service").map(String::as_str) == service_in_text);
     if let (Some(id), None) = (known, result_of("find_abnormal_instances")) {
         return restart(id);
     }
@@ -379,9 +387,15 @@ mod tests {
 
     #[test]
     fn pronouns_resolve_from_facts() {
-        let p = plan(&req(vec![user("Continue investigating its recent error logs")], &[("service", "payment-api"), ("env", "prod")]));
+        let p = plan(&req(
+            vec![user("Continue investigating its recent error logs")],
+            &[("service", "payment-api"), ("env", "prod")],
+        ));
         assert_eq!(p.calls[0].name, "find_abnormal_instances");
-        let p = plan(&req(vec![user("Restart this abnormal instance")], &[("service", "payment-api"), ("instance", "pay-prod-2")]));
+        let p = plan(&req(
+            vec![user("Restart this abnormal instance")],
+            &[("service", "payment-api"), ("instance", "pay-prod-2")],
+        ));
         assert_eq!(p.calls[0].name, "restart_instance");
         assert_eq!(p.calls[0].arguments["instanceId"], "pay-prod-2");
     }
