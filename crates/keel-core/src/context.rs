@@ -233,7 +233,8 @@ mod tests {
             updated_at: Utc::now(),
         }];
         let config = ContextConfig { recent_budget_tokens: 600, ..Default::default() };
-        let out = assemble(&config, ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: None });
+        let out =
+            assemble(&config, ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: None });
         let ModelMessage::System { content } = &out.messages[0] else { panic!("system first") };
         assert!(content.contains("- instance: pay-prod-2"));
         assert!(content.contains("Summary of earlier turns"));
@@ -252,11 +253,16 @@ mod tests {
             })
             .sum();
         assert!(recent_tokens <= 600, "{recent_tokens}");
-        assert!(matches!(&out.messages[out.messages.len() - 3], ModelMessage::User { content } if content == "restart it"));
+        assert!(
+            matches!(&out.messages[out.messages.len() - 3], ModelMessage::User { content } if content == "restart it")
+        );
         assert!(matches!(&out.messages[out.messages.len() - 2],
             ModelMessage::Assistant { tool_calls, .. } if tool_calls[0].name == "restart_instance"));
         // With the summary stored, assembling again adds nothing new to it.
-        let again = assemble(&config, ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: Some(&summary) });
+        let again = assemble(
+            &config,
+            ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: Some(&summary) },
+        );
         assert!(again.new_summary.is_none());
     }
 
@@ -264,7 +270,10 @@ mod tests {
     fn short_history_needs_no_summary() {
         let conv = ConversationId::new();
         let messages = vec![msg(&conv, Role::User, "hello", None)];
-        let out = assemble(&ContextConfig::default(), ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: None });
+        let out = assemble(
+            &ContextConfig::default(),
+            ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: None },
+        );
         assert_eq!(out.messages.len(), 2);
         assert!(out.new_summary.is_none());
     }

@@ -21,8 +21,8 @@ use crate::bus::Bus;
 use crate::clock::Clock;
 use crate::context::{assemble, ContextConfig, ContextInput};
 use crate::domain::{
-    Conversation, Fact, FactMap, FactSource, Interrupt, InterruptKind, InterruptStatus, Message,
-    NextStep, Role, Run, RunStatus, Timestamp, ToolCall, ToolCallState, UserRole,
+    Conversation, Fact, FactMap, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep, Role, Run,
+    RunStatus, Timestamp, ToolCall, ToolCallState, UserRole,
 };
 use crate::event::{Event, EventKind, GraphEdge, GraphNode, ToolOutcomeStatus};
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
@@ -243,6 +243,9 @@ struct Inner {
     /// Wakes a local worker at once when its run is cancelled (the durable flag is the truth; this
     /// only saves waiting for the next model chunk).
     cancel_signals: Mutex<HashMap<RunId, Arc<tokio::sync::Notify>>>,
+    /// Why a local run was asked to cancel, for its `cancelled` event. Another instance's request
+    /// is reported as `cancelled_by_user`.
+    cancel_reasons: Mutex<HashMap<RunId, String>>,
     shutting_down: AtomicBool,
 }
 
@@ -280,6 +283,7 @@ impl Engine {
                 config,
                 workers: Mutex::new(HashMap::new()),
                 cancel_signals: Mutex::new(HashMap::new()),
+                cancel_reasons: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),
             }),
             background: Mutex::new(Vec::new()),
@@ -288,6 +292,11 @@ impl Engine {
 
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// The engine's clock (tests move it; the binary uses the wall clock).
+    pub fn now(&self) -> Timestamp {
+        self.inner.clock.now()
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -382,8 +391,7 @@ impl Engine {
         let store = &self.inner.store;
         let facts = crate::domain::fact_map(&store.list_facts(id).await?);
         let active_run_id = store.active_run(id).await?.map(|r| r.id);
-        let messages =
-            store.list_messages(id).await?.into_iter().filter(|m| m.role != Role::Tool).collect::<Vec<_>>();
+        let messages = store.list_messages(id).await?.into_iter().filter(|m| m.role != Role::Tool).collect::<Vec<_>>();
         let skip = messages.len().saturating_sub(100);
         Ok(ConversationView { conversation, facts, active_run_id, messages: messages.into_iter().skip(skip).collect() })
     }
@@ -700,10 +708,9 @@ fn parse_decision(
         }
     };
     let check_id = |raw: &str| -> EngineResult<CallId> {
-        CallId::parse(raw)
-            .ok()
-            .filter(|id| interrupt.call_ids.contains(id))
-            .ok_or_else(|| EngineError::InvalidDecision(format!("{} is not a call of this interrupt", truncate(raw, 80))))
+        CallId::parse(raw).ok().filter(|id| interrupt.call_ids.contains(id)).ok_or_else(|| {
+            EngineError::InvalidDecision(format!("{} is not a call of this interrupt", truncate(raw, 80)))
+        })
     };
     let mut out: BTreeMap<CallId, CallDecision> = match (interrupt.kind, decision) {
         (InterruptKind::ConfirmAction, Value::String(s)) if s == "approve" => all(CallDecision::Approve),
@@ -746,7 +753,8 @@ fn parse_decision(
     for (call_id, d) in out.iter_mut() {
         if let CallDecision::Edit(args) = d {
             let call = calls.iter().find(|c| &c.id == call_id).ok_or(EngineError::NotFound("tool call"))?;
-            let tool = tools.get(&call.name).ok_or_else(|| EngineError::InvalidArgs(format!("unknown tool {}", call.name)))?;
+            let tool =
+                tools.get(&call.name).ok_or_else(|| EngineError::InvalidArgs(format!("unknown tool {}", call.name)))?;
             validate_args(&tool.spec().parameters, args)
                 .map_err(|e| EngineError::InvalidArgs(format!("edited arguments of {call_id}: {e}")))?;
             if *args == call.args {
@@ -888,7 +896,11 @@ impl Inner {
                 Lease::Acquire(from) => (inner.lease_token(), Some(from)),
             };
             let cancel_signal = Arc::new(tokio::sync::Notify::new());
-            inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
+            inner
+                .cancel_signals
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(run_id.clone(), cancel_signal.clone());
             let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
             let mut worker = Worker { inner: inner.clone(), run, owner, acquire, cancel_signal };
             match worker.drive().await {
@@ -900,6 +912,7 @@ impl Inner {
             }
             renewer.abort();
             inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
+            inner.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
         });
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         workers.retain(|_, h| !h.is_finished());
@@ -987,6 +1000,7 @@ impl Inner {
         let now = self.clock.now();
         let run = self.store.request_cancel(run_id, now).await?;
         if let Some(signal) = self.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).get(run_id) {
+            self.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), reason.to_owned());
             signal.notify_one();
         }
         if !matches!(run.status, RunStatus::Queued | RunStatus::Interrupted) {
@@ -1003,7 +1017,8 @@ impl Inner {
                 resolved_by: None,
             });
             let calls = self.store.list_tool_calls(run_id).await?;
-            for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Asking) {
+            for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Asking)
+            {
                 deny_call(&mut commit, &run, call, "the run was cancelled; it did not run", now);
             }
         }
@@ -1106,12 +1121,20 @@ impl Worker {
     }
 
     async fn finish_cancelled(&mut self) -> Result<(), StoreError> {
+        let reason = self
+            .inner
+            .cancel_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&self.run.id)
+            .cloned()
+            .unwrap_or_else(|| "cancelled_by_user".to_owned());
         let mut c = self.new_commit();
-        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("cancelled_by_user".into()) });
+        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.clone()) });
         let mut cp = self.run.checkpoint.clone();
         cp.streaming_message_id = None;
         c.checkpoint = Some(cp);
-        c.events.push(EventKind::Cancelled { reason: "cancelled_by_user".into() });
+        c.events.push(EventKind::Cancelled { reason });
         self.commit(c).await.map(|_| ())
     }
 
@@ -1185,7 +1208,10 @@ impl Worker {
                     attempt += 1;
                     let mut c = self.new_commit();
                     c.discard_messages.push(message_id.clone());
-                    c.events.push(EventKind::TextDiscarded { message_id, reason: "the model call failed and is retried".into() });
+                    c.events.push(EventKind::TextDiscarded {
+                        message_id,
+                        reason: "the model call failed and is retried".into(),
+                    });
                     let mut cp = self.run.checkpoint.clone();
                     cp.streaming_message_id = None;
                     c.checkpoint = Some(cp);
@@ -1336,7 +1362,8 @@ impl Worker {
             match call.state {
                 ToolCallState::Requested => {
                     let Some(tool) = tool else {
-                        self.settle_failed(&call, ToolCallState::Requested, &format!("unknown tool {}", call.name)).await?;
+                        self.settle_failed(&call, ToolCallState::Requested, &format!("unknown tool {}", call.name))
+                            .await?;
                         continue;
                     };
                     if call.args.get("__invalid_json").is_some() {
@@ -1383,17 +1410,15 @@ impl Worker {
                 }
                 ToolCallState::Unknown => to_ask.push((call, true)),
                 ToolCallState::Asking => to_ask.push((call, false)),
-                ToolCallState::Denied
-                | ToolCallState::Succeeded
-                | ToolCallState::Failed
-                | ToolCallState::Suspended => {}
+                ToolCallState::Denied | ToolCallState::Succeeded | ToolCallState::Failed | ToolCallState::Suspended => {
+                }
             }
         }
 
         // Read-only calls run concurrently; calls with side effects one at a time, in order.
-        let (read_only, side_effects): (Vec<ToolCall>, Vec<ToolCall>) = to_run.into_iter().partition(|c| {
-            self.inner.tools.get(&c.name).map(|t| !t.spec().side_effect).unwrap_or(true)
-        });
+        let (read_only, side_effects): (Vec<ToolCall>, Vec<ToolCall>) = to_run
+            .into_iter()
+            .partition(|c| self.inner.tools.get(&c.name).map(|t| !t.spec().side_effect).unwrap_or(true));
         self.run_calls(read_only).await?;
         for call in side_effects {
             self.run_calls(vec![call]).await?;
@@ -1407,7 +1432,10 @@ impl Worker {
             return Ok(false);
         }
         let mut c = self.new_commit();
-        c.events.push(EventKind::NodeFinished { node: nodes::TOOLS.into(), duration_ms: started.elapsed().as_millis() as u64 });
+        c.events.push(EventKind::NodeFinished {
+            node: nodes::TOOLS.into(),
+            duration_ms: started.elapsed().as_millis() as u64,
+        });
         let mut cp = self.run.checkpoint.clone();
         cp.next_step = NextStep::CallModel;
         cp.pending_call_ids = Vec::new();
@@ -1478,7 +1506,11 @@ impl Worker {
         Ok(())
     }
 
-    async fn record_result(&mut self, call: &ToolCall, output: Result<ToolOutput, ToolError>) -> Result<(), StoreError> {
+    async fn record_result(
+        &mut self,
+        call: &ToolCall,
+        output: Result<ToolOutput, ToolError>,
+    ) -> Result<(), StoreError> {
         let output = match output {
             Ok(o) => o,
             Err(e) => return self.settle_failed(call, ToolCallState::Executing, &e.to_string()).await,

@@ -124,11 +124,8 @@ impl CallId {
         match Self::parse(raw) {
             Ok(id) => id,
             Err(_) => {
-                let clean: String = raw
-                    .chars()
-                    .filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-')
-                    .take(58)
-                    .collect();
+                let clean: String =
+                    raw.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').take(58).collect();
                 if clean.is_empty() {
                     Self::new()
                 } else {

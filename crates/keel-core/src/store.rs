@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use serde_json::Value;
 
 use crate::domain::{
-    Checkpoint, Conversation, Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary,
-    Timestamp, ToolCall, ToolCallState, UserRole,
+    Checkpoint, Conversation, Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary, Timestamp, ToolCall,
+    ToolCallState, UserRole,
 };
 use crate::event::{Event, EventKind};
 use crate::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};

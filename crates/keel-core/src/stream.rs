@@ -69,6 +69,13 @@ pub fn run_events(
                     break;
                 }
             }
+            // Nothing more is stored. A run that already ended has nothing more to say: a reader
+            // whose cursor is at (or past) its terminal event ends here instead of waiting.
+            if let Some(run) = store.get_run(&run_id).await? {
+                if run.status.is_terminal() && last >= run.last_sequence() {
+                    break 'outer;
+                }
+            }
             // Then follow the bus until something is out of order.
             loop {
                 let received = tokio::time::timeout(poll_interval, rx.recv()).await;

@@ -105,10 +105,8 @@ impl Tool for ListServices {
                 e.1 += 1;
             }
         }
-        let services: Vec<Value> = by
-            .iter()
-            .map(|((s, e), (n, a))| json!({"service": s, "env": e, "instances": n, "abnormal": a}))
-            .collect();
+        let services: Vec<Value> =
+            by.iter().map(|((s, e), (n, a))| json!({"service": s, "env": e, "instances": n, "abnormal": a})).collect();
         let abnormal: u32 = by.values().map(|v| v.1).sum();
         Ok(ToolOutput {
             summary: format!("{} services, {} abnormal instances", SERVICES.len(), abnormal),
@@ -226,7 +224,12 @@ impl Tool for FindAbnormalInstances {
 pub struct GetInstance(ToolSpec);
 impl GetInstance {
     pub fn new() -> Self {
-        Self(ToolSpec::new("get_instance", "Show one instance: status, restart count, release.", instance_schema(), false))
+        Self(ToolSpec::new(
+            "get_instance",
+            "Show one instance: status, restart count, release.",
+            instance_schema(),
+            false,
+        ))
     }
 }
 impl Default for GetInstance {
@@ -245,7 +248,11 @@ impl Tool for GetInstance {
         Ok(ToolOutput {
             summary: format!("{} is {} ({} restarts)", i.id, i.status, i.restart_count),
             result: instance_json(&i),
-            facts: vec![("instance".into(), i.id.clone()), ("service".into(), i.service.clone()), ("env".into(), i.env.clone())],
+            facts: vec![
+                ("instance".into(), i.id.clone()),
+                ("service".into(), i.service.clone()),
+                ("env".into(), i.env.clone()),
+            ],
             effects: vec![],
         })
     }
@@ -265,7 +272,10 @@ impl RestartInstance {
     pub fn new() -> Self {
         // Not declared idempotent: after a crash mid-call a human decides, as for any tool whose
         // effect Keel cannot see. (This one's effect commits with its result, so it can't half-happen.)
-        Self(ToolSpec::new("restart_instance", "Restart an abnormal instance.", instance_schema(), true).idempotent(false))
+        Self(
+            ToolSpec::new("restart_instance", "Restart an abnormal instance.", instance_schema(), true)
+                .idempotent(false),
+        )
     }
 }
 impl Default for RestartInstance {
@@ -291,10 +301,7 @@ impl Tool for RestartInstance {
         require_operator(ctx)?;
         let i = load_instance(ctx, str_arg(args, "instanceId")?).await?;
         if i.status != "abnormal" {
-            return Err(ToolError::Precondition(format!(
-                "{} is already {}; it was not restarted",
-                i.id, i.status
-            )));
+            return Err(ToolError::Precondition(format!("{} is already {}; it was not restarted", i.id, i.status)));
         }
         Ok(())
     }

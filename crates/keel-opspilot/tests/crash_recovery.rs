@@ -65,7 +65,14 @@ async fn an_idempotent_call_cut_off_by_a_crash_is_retried() {
     let conv = h.conversation().await;
     let started = h
         .engine
-        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "Look at the recent errors of payment-api".into(), cancel_on_disconnect: false })
+        .send_message(
+            "demo",
+            &conv,
+            keel_core::engine::SendMessage {
+                content: "Look at the recent errors of payment-api".into(),
+                cancel_on_disconnect: false,
+            },
+        )
         .await
         .unwrap();
     tokio::time::timeout(Duration::from_secs(10), entered.notified()).await.unwrap();

@@ -107,9 +107,12 @@ async fn edited_args_are_validated_then_used() {
     // Arguments that break the tool's schema are refused, and the interrupt stays pending.
     let bad = h.resume(&run, &interrupt, json!({"edit": {call_id.clone(): {"instanceId": 5}}}), "k-bad").await;
     assert!(matches!(bad, Err(EngineError::InvalidArgs(_))), "{bad:?}");
-    let bad = h.resume(&run, &interrupt, json!({"edit": {call_id.clone(): {"instanceId": "x", "force": true}}}), "k-bad2").await;
+    let bad = h
+        .resume(&run, &interrupt, json!({"edit": {call_id.clone(): {"instanceId": "x", "force": true}}}), "k-bad2")
+        .await;
     assert!(matches!(bad, Err(EngineError::InvalidArgs(_))), "{bad:?}");
-    let bad = h.resume(&run, &interrupt, json!({"edit": {"call_unknown": {"instanceId": "pay-prod-a1"}}}), "k-bad3").await;
+    let bad =
+        h.resume(&run, &interrupt, json!({"edit": {"call_unknown": {"instanceId": "pay-prod-a1"}}}), "k-bad3").await;
     assert!(matches!(bad, Err(EngineError::InvalidDecision(_))), "{bad:?}");
     assert_eq!(h.store.get_interrupt(&interrupt).await.unwrap().unwrap().status, InterruptStatus::Pending);
 
@@ -185,7 +188,8 @@ async fn fifty_concurrent_resumes_with_different_keys_have_one_winner() {
     let mut tasks = Vec::new();
     for i in 0..50 {
         let (h, run, interrupt) = (h.clone(), run.clone(), interrupt.clone());
-        tasks.push(tokio::spawn(async move { h.resume(&run, &interrupt, json!("approve"), &format!("key-{i}")).await }));
+        tasks
+            .push(tokio::spawn(async move { h.resume(&run, &interrupt, json!("approve"), &format!("key-{i}")).await }));
     }
     let mut wins = 0;
     let mut already = 0;
@@ -301,7 +305,8 @@ async fn a_resource_changed_while_waiting_is_not_touched_and_the_model_is_told()
     assert_eq!(last_type(&after), "done");
     assert_eq!(h.restart_count("pay-prod-2").await, 1, "no second restart");
     assert!(text(&after).contains("already healthy"), "{}", text(&after));
-    let call = h.store.list_tool_calls(&run_a).await.unwrap().into_iter().find(|c| c.name == "restart_instance").unwrap();
+    let call =
+        h.store.list_tool_calls(&run_a).await.unwrap().into_iter().find(|c| c.name == "restart_instance").unwrap();
     assert_eq!(call.state, ToolCallState::Failed);
     assert!(after.iter().any(|e| matches!(&e.kind, EventKind::ToolFinished { status: ToolOutcomeStatus::Error, .. })));
 }
@@ -332,7 +337,11 @@ async fn a_crash_mid_stream_is_recovered_without_duplicated_text() {
     let conv = h.conversation().await;
     let started = h
         .engine
-        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "what can you do?".into(), cancel_on_disconnect: false })
+        .send_message(
+            "demo",
+            &conv,
+            keel_core::engine::SendMessage { content: "what can you do?".into(), cancel_on_disconnect: false },
+        )
         .await
         .unwrap();
     let run = started.run.id.clone();
@@ -376,7 +385,13 @@ async fn a_crash_mid_stream_is_recovered_without_duplicated_text() {
 #[tokio::test]
 async fn two_runs_in_two_conversations_do_not_share_state() {
     let dir = TempDir::new().unwrap();
-    let h = Arc::new(Harness::new(dir.path(), Options { model: Arc::new(DemoModel::new(Duration::from_millis(1))), ..Default::default() }).await);
+    let h = Arc::new(
+        Harness::new(
+            dir.path(),
+            Options { model: Arc::new(DemoModel::new(Duration::from_millis(1))), ..Default::default() },
+        )
+        .await,
+    );
     let conv_a = h.conversation().await;
     let conv_b = h.conversation().await;
     let (a, b) = tokio::join!(
@@ -456,7 +471,11 @@ async fn one_active_run_per_conversation() {
     let (interrupt, _) = interrupt_of(&ev);
     let refused = h
         .engine
-        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "hello".into(), cancel_on_disconnect: false })
+        .send_message(
+            "demo",
+            &conv,
+            keel_core::engine::SendMessage { content: "hello".into(), cancel_on_disconnect: false },
+        )
         .await;
     assert!(matches!(&refused, Err(EngineError::RunActive(id)) if *id == run), "{refused:?}");
     h.decide(&run, &interrupt, json!("reject")).await;
@@ -467,7 +486,11 @@ async fn one_active_run_per_conversation() {
 #[tokio::test]
 async fn cancel_is_durable_for_paused_and_running_runs() {
     let dir = TempDir::new().unwrap();
-    let h = Harness::new(dir.path(), Options { model: Arc::new(DemoModel::new(Duration::from_millis(20))), ..Default::default() }).await;
+    let h = Harness::new(
+        dir.path(),
+        Options { model: Arc::new(DemoModel::new(Duration::from_millis(20))), ..Default::default() },
+    )
+    .await;
     // Paused: ends at once, its interrupt is cancelled and nothing runs.
     let conv = h.conversation().await;
     let (run, ev) = h.say(&conv, "restart pay-prod-2").await;
@@ -483,7 +506,11 @@ async fn cancel_is_durable_for_paused_and_running_runs() {
     let conv = h.conversation().await;
     let started = h
         .engine
-        .send_message("demo", &conv, keel_core::engine::SendMessage { content: "what can you do?".into(), cancel_on_disconnect: false })
+        .send_message(
+            "demo",
+            &conv,
+            keel_core::engine::SendMessage { content: "what can you do?".into(), cancel_on_disconnect: false },
+        )
         .await
         .unwrap();
     let run = started.run.id;
@@ -510,7 +537,15 @@ async fn another_users_objects_are_not_found() {
     assert!(matches!(h.engine.run("mallory", &run).await, Err(EngineError::NotFound("run"))));
     let r = h
         .engine
-        .resume("mallory", &run, keel_core::engine::ResumeRequest { interrupt_id: interrupt, decision: json!("approve"), idempotency_key: "k".into() })
+        .resume(
+            "mallory",
+            &run,
+            keel_core::engine::ResumeRequest {
+                interrupt_id: interrupt,
+                decision: json!("approve"),
+                idempotency_key: "k".into(),
+            },
+        )
         .await;
     assert!(matches!(r, Err(EngineError::NotFound("run"))));
     assert!(h.engine.list_conversations("mallory").await.unwrap().is_empty());

@@ -1,1 +1,68 @@
+//! Keel's HTTP API (v1): axum routes, JSON errors and the SSE encoder, over the engine of
+//! `keel-core`. The shapes are those of DESIGN.md, "The contract, by example".
 #![forbid(unsafe_code)]
+
+pub mod error;
+pub mod extract;
+pub mod page;
+pub mod routes;
+pub mod sse;
+pub mod state;
+pub mod views;
+
+use std::future::Future;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
+use tracing::Level;
+
+pub use error::{ApiError, ApiResult};
+pub use state::{AppState, ServerConfig};
+
+pub fn router(state: AppState) -> Router {
+    use routes::{conversations, demo, health, runs};
+    let mut router = Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .route("/v1/conversations", post(conversations::create).get(conversations::list))
+        .route("/v1/conversations/{id}", get(conversations::get))
+        .route("/v1/conversations/{id}/messages", post(conversations::post_message))
+        .route("/v1/runs/{id}", get(runs::get))
+        .route("/v1/runs/{id}/events", get(runs::events))
+        .route("/v1/runs/{id}/resume", post(runs::resume))
+        .route("/v1/runs/{id}/cancel", post(runs::cancel))
+        .route("/v1/demo/instances", get(demo::instances));
+    if state.config.demo_mode {
+        router = router.route("/v1/demo/reset", post(demo::reset));
+    }
+    router
+        .merge(page::routes())
+        .fallback(routes::not_found)
+        .method_not_allowed_fallback(routes::method_not_allowed)
+        .layer(DefaultBodyLimit::max(state.config.body_limit))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(DefaultMakeSpan::new().level(Level::INFO))
+                .on_response(DefaultOnResponse::new().level(Level::INFO)),
+        )
+        .with_state(state)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves; then stops accepting, ends the open
+/// event streams and waits for in-flight requests. The caller shuts the engine down afterwards.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let stopping = state.shutdown.clone();
+    let app = router(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            stopping.trigger();
+        })
+        .await
+}

@@ -1,1 +1,207 @@
-fn main() {}
+//! `keel`: serve the API, run the offline demo, or migrate the database.
+#![forbid(unsafe_code)]
+
+mod config;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use keel_core::bus::LocalBus;
+use keel_core::clock::SystemClock;
+use keel_core::engine::{Engine, EngineConfig, EngineParts};
+use keel_core::fleet::FleetSeed;
+use keel_core::store::Store;
+use keel_core::UserRole;
+use keel_models::DemoModel;
+use keel_server::{AppState, ServerConfig};
+use keel_store::SqliteStore;
+use tokio::sync::watch;
+
+use crate::config::{FileConfig, LogFormat, ModelChoice, Options, Settings};
+
+/// The user the demo page acts as; an operator, so it may approve restarts.
+const DEMO_USER: &str = "demo";
+/// How long a graceful shutdown waits for open requests, and then for runs to reach a checkpoint.
+const GRACE: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Parser)]
+#[command(name = "keel", version, about = "Keel: a durable runtime for AI agents")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    #[command(flatten)]
+    options: Options,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+enum Command {
+    /// Serve the HTTP API (seeds the demo fleet only if the database has none).
+    Serve,
+    /// Serve in demo mode: the fleet re-seeded at start, `POST /v1/demo/reset` enabled.
+    Demo,
+    /// Create or upgrade the database schema, then exit.
+    Migrate,
+}
+
+fn main() -> ExitCode {
+    match try_main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The cause chain on one line; no backtrace for a configuration mistake.
+            eprintln!("keel: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn try_main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let file = FileConfig::load(cli.options.config.as_deref())?;
+    let settings = Settings::resolve(&cli.options, &file)?;
+    init_tracing(settings.log_format);
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?
+        .block_on(run(cli.command, settings))
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&settings.data_dir)
+        .with_context(|| format!("creating the data directory {}", settings.data_dir.display()))?;
+    let store = SqliteStore::open(&settings.sqlite_path)
+        .await
+        .with_context(|| format!("opening the database {}", settings.sqlite_path.display()))?;
+    match command {
+        Command::Migrate => {
+            store.close().await;
+            println!("Database {} is up to date.", settings.sqlite_path.display());
+            Ok(())
+        }
+        Command::Serve => serve(store, settings, false).await,
+        Command::Demo => serve(store, settings, true).await,
+    }
+}
+
+async fn serve(store: SqliteStore, settings: Settings, demo_mode: bool) -> anyhow::Result<()> {
+    let sqlite = store.clone();
+    let store: Arc<dyn Store> = Arc::new(store);
+    let seed = FleetSeed { extra_abnormal: settings.demo_abnormal };
+    if demo_mode || store.list_instances(None, None).await.context("reading the fleet")?.is_empty() {
+        store.seed_fleet(seed, chrono::Utc::now()).await.context("seeding the demo fleet")?;
+    }
+    store.set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")?;
+
+    let model = match settings.model {
+        ModelChoice::Demo => Arc::new(DemoModel::new(settings.demo_delay)),
+    };
+    let engine = Arc::new(Engine::new(
+        EngineParts {
+            store,
+            model,
+            tools: keel_opspilot::registry(),
+            bus: Arc::new(LocalBus::default()),
+            clock: Arc::new(SystemClock),
+        },
+        EngineConfig {
+            // SQLite is opened by this process alone: leases left by a previous one are stale.
+            steal_leases_on_start: true,
+            interrupt_ttl: settings.interrupt_ttl,
+            ..EngineConfig::default()
+        },
+    ));
+    let recovered = engine.start().await.context("starting the engine")?;
+    if recovered > 0 {
+        tracing::info!(recovered, "continuing runs left by the previous process");
+    }
+
+    let listener = tokio::net::TcpListener::bind(&settings.listen)
+        .await
+        .with_context(|| format!("listening on {}", settings.listen))?;
+    let addr = listener.local_addr().context("reading the bound address")?;
+    let server_config = ServerConfig {
+        heartbeat: settings.heartbeat,
+        demo_mode,
+        demo_abnormal: settings.demo_abnormal,
+        ..ServerConfig::default()
+    };
+    let state = AppState::new(engine.clone(), server_config);
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down; a second signal exits at once");
+        stop_tx.send_replace(true);
+        shutdown_signal().await;
+        eprintln!("second signal: exiting now");
+        std::process::exit(130);
+    });
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
+
+    if demo_mode {
+        println!("Keel demo running at http://{addr}/");
+    } else {
+        println!("Keel listening on http://{addr}/");
+    }
+    tracing::info!(%addr, demo_mode, "serving");
+
+    let mut server = tokio::spawn(keel_server::serve(listener, state, stopped()));
+    tokio::select! {
+        result = &mut server => result.context("the server task failed")?.context("serving")?,
+        () = stopped() => match tokio::time::timeout(GRACE, &mut server).await {
+            Ok(result) => result.context("the server task failed")?.context("serving")?,
+            Err(_) => tracing::warn!("open connections did not close within {GRACE:?}; closing them"),
+        },
+    }
+    engine.shutdown(GRACE).await;
+    let still_running = engine.active_workers();
+    sqlite.close().await;
+    tracing::info!(still_running, "stopped");
+    Ok(())
+}
+
+/// SIGINT (Ctrl-C) or, on Unix, SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            tracing::error!(error = %e, "cannot listen for Ctrl-C");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = terminate => {}
+    }
+}

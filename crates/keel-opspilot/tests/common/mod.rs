@@ -107,9 +107,19 @@ impl Harness {
             .unwrap()
     }
 
-    pub async fn resume(&self, run: &RunId, interrupt: &InterruptId, decision: Value, key: &str) -> Result<ResumeAccepted, keel_core::engine::EngineError> {
+    pub async fn resume(
+        &self,
+        run: &RunId,
+        interrupt: &InterruptId,
+        decision: Value,
+        key: &str,
+    ) -> Result<ResumeAccepted, keel_core::engine::EngineError> {
         self.engine
-            .resume("demo", run, ResumeRequest { interrupt_id: interrupt.clone(), decision, idempotency_key: key.into() })
+            .resume(
+                "demo",
+                run,
+                ResumeRequest { interrupt_id: interrupt.clone(), decision, idempotency_key: key.into() },
+            )
             .await
     }
 
@@ -164,6 +174,9 @@ pub fn assert_contiguous(events: &[Event]) {
     }
 }
 
+/// One model call of a script: its text and its tool calls as (id, name, arguments).
+pub type ScriptStep<'a> = (&'a str, Vec<(&'a str, &'a str, Value)>);
+
 /// A model that plays back a script: each call takes the next step; when the script is done it
 /// answers "ok".
 pub struct ScriptedModel {
@@ -171,7 +184,7 @@ pub struct ScriptedModel {
 }
 
 impl ScriptedModel {
-    pub fn new(steps: Vec<(&str, Vec<(&str, &str, Value)>)>) -> Self {
+    pub fn new(steps: Vec<ScriptStep<'_>>) -> Self {
         Self {
             steps: Mutex::new(
                 steps
@@ -181,7 +194,11 @@ impl ScriptedModel {
                             text.to_owned(),
                             calls
                                 .into_iter()
-                                .map(|(id, name, arguments)| ModelToolCall { id: id.into(), name: name.into(), arguments })
+                                .map(|(id, name, arguments)| ModelToolCall {
+                                    id: id.into(),
+                                    name: name.into(),
+                                    arguments,
+                                })
                                 .collect(),
                         )
                     })

@@ -1,0 +1,651 @@
+// Keel's page: conversations, streamed runs, tool steps, confirmation cards, the execution graph
+// and the confirmed facts. Plain JavaScript, no build step, no dependency. Every piece of data is
+// inserted as text (h() appends strings as text nodes), never as HTML.
+'use strict';
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  app: $('app'), list: $('conv-list'), messages: $('messages'), title: $('conv-title'), conn: $('conn'),
+  form: $('composer'), input: $('input'), send: $('send'), stop: $('stop'), graph: $('graph'),
+  caption: $('graph-caption'), facts: $('facts'), newConv: $('new-conv'), scrim: $('scrim'),
+  sidebar: $('sidebar'), inspector: $('inspector'),
+  toggles: { sidebar: $('toggle-sidebar'), inspector: $('toggle-inspector') },
+};
+const LEAVE = 'leaving this conversation';
+const TERMINAL = new Set(['done', 'error', 'cancelled']);
+const SUGGESTIONS = ['Look at the recent errors of payment-api', 'Continue investigating its recent error logs',
+  'Restart this abnormal instance', 'List the services'];
+
+// `epoch` changes when another conversation is opened; work begun for the old one then stops.
+const state = { convId: null, epoch: 0, runs: [], active: null, shown: null, facts: {}, retryMs: 2000 };
+
+// ------------------------------------------------------------------ helpers
+
+function h(tag, props = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(props)) {
+    if (v == null || v === false) continue;
+    if (k === 'class') el.className = v;
+    else if (k.startsWith('on')) el.addEventListener(k.slice(2), v);
+    else el.setAttribute(k, v === true ? '' : v);
+  }
+  el.append(...children.flat().filter((c) => c != null && c !== false).map((c) => (c instanceof Node ? c : String(c))));
+  return el;
+}
+
+function svg(tag, attrs = {}, ...children) {
+  const el = document.createElementNS('http://www.w3.org/2000/svg', tag);
+  for (const [k, v] of Object.entries(attrs)) el.setAttribute(k, v);
+  el.append(...children.map((c) => (c instanceof Node ? c : String(c))));
+  return el;
+}
+
+async function api(method, path, body) {
+  const headers = { Accept: 'application/json' };
+  if (body !== undefined) headers['Content-Type'] = 'application/json';
+  const res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const data = await res.json().catch(() => null);
+  if (!res.ok) {
+    const err = new Error(data?.error?.message || `${res.status} ${res.statusText}`);
+    Object.assign(err, { status: res.status, code: data?.error?.code });
+    throw err;
+  }
+  return data;
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const ms = (n) => (n < 1000 ? `${n} ms` : n < 60000 ? `${(n / 1000).toFixed(1)} s` : `${Math.round(n / 60000)} min`);
+const randomId = () => Date.now().toString(36) + Math.random().toString(36).slice(2, 10);
+
+function scrollDown(force) {
+  const m = ui.messages;
+  if (force || m.scrollHeight - m.scrollTop - m.clientHeight < 120) m.scrollTop = m.scrollHeight;
+}
+
+function setConn(mode) {
+  ui.conn.className = `conn ${mode}`;
+  ui.conn.textContent = { live: 'live', reconnecting: 'reconnecting…', '': '' }[mode];
+}
+
+// ------------------------------------------------------------------ conversations
+
+async function loadList() {
+  const { conversations } = await api('GET', '/v1/conversations');
+  ui.list.replaceChildren(...conversations.map((c) => h('li', {},
+    h('a', { href: `#${c.id}`, 'aria-current': c.id === state.convId ? 'page' : null },
+      h('span', { class: 'conv-title' }, c.title), h('time', { datetime: c.createdAt }, new Date(c.createdAt).toLocaleString())))));
+}
+
+function leave() {
+  state.epoch += 1;
+  for (const run of state.runs) run.ctl?.abort(LEAVE);
+  Object.assign(state, { runs: [], active: null, shown: null });
+  ui.messages.replaceChildren();
+  setConn('');
+  renderFacts({});
+  drawGraph();
+  closeDrawers();
+}
+
+function showDraft() {
+  leave();
+  state.convId = null;
+  ui.title.textContent = 'New conversation';
+  ui.messages.append(h('div', { class: 'welcome' },
+    h('h2', {}, 'OpsPilot'),
+    h('p', {}, 'An on-call assistant running on Keel with the offline demo model. It reads the simulated fleet; changes wait for your approval.'),
+    h('div', { class: 'suggestions' }, SUGGESTIONS.map((s) => h('button', { type: 'button', class: 'chip', onclick: () => { ui.input.value = s; ui.input.focus(); } }, s)))));
+  updateComposer();
+  loadList().catch(() => {});
+}
+
+async function openConversation(id) {
+  leave();
+  state.convId = id;
+  const epoch = state.epoch;
+  loadList().catch(() => {});
+  let conv;
+  try {
+    conv = await api('GET', `/v1/conversations/${encodeURIComponent(id)}`);
+  } catch (e) {
+    if (epoch === state.epoch) ui.messages.append(h('p', { class: 'notice error' }, `Cannot open this conversation: ${e.message}`));
+    return;
+  }
+  if (epoch !== state.epoch) return;
+  ui.title.textContent = conv.title;
+  // One turn per run, in the order of the messages; each turn is rebuilt from its run's events.
+  const byId = new Map();
+  for (const m of conv.messages) {
+    if (m.role === 'user') ui.messages.append(userBubble(m.content));
+    if (m.runId && !byId.has(m.runId)) byId.set(m.runId, addRun(m.runId));
+  }
+  if (conv.activeRunId && !byId.has(conv.activeRunId)) byId.set(conv.activeRunId, addRun(conv.activeRunId));
+  const histories = await Promise.all([...byId.values()].map((run) =>
+    api('GET', `/v1/runs/${run.id}/events`).then((r) => r.events, () => [])));
+  if (epoch !== state.epoch) return;
+  [...byId.values()].forEach((run, i) => histories[i].forEach((ev) => apply(run, ev, false)));
+  renderFacts(conv.facts);
+  const active = conv.activeRunId && byId.get(conv.activeRunId);
+  if (active) {
+    // The run's own view names the pending decision, should the events have been cut short.
+    const info = await api('GET', `/v1/runs/${active.id}`).catch(() => null);
+    if (epoch !== state.epoch) return;
+    const pending = info?.pendingInterrupt;
+    if (pending && !active.cards.has(pending.id)) {
+      showCard(active, { interruptId: pending.id, kind: pending.kind, payload: pending.payload, expiresAt: pending.expiresAt });
+      active.paused = true;
+    }
+    state.active = active;
+    follow(active);
+  }
+  showGraph(state.runs.at(-1));
+  for (const run of state.runs) updateTurn(run);
+  updateComposer();
+  scrollDown(true);
+}
+
+async function send(text) {
+  const epoch = state.epoch;
+  ui.send.disabled = true;
+  try {
+    if (!state.convId) {
+      const conv = await api('POST', '/v1/conversations', { title: text.length > 60 ? `${text.slice(0, 57)}…` : text });
+      state.convId = conv.id;
+      history.replaceState(null, '', `#${conv.id}`);
+      ui.title.textContent = conv.title;
+      ui.messages.replaceChildren();
+      loadList().catch(() => {});
+    }
+    const { runId } = await api('POST', `/v1/conversations/${state.convId}/messages`, { content: text });
+    if (epoch !== state.epoch) return;
+    ui.messages.append(userBubble(text));
+    ui.input.value = '';
+    autogrow();
+    const run = addRun(runId);
+    state.active = run;
+    showGraph(run);
+    follow(run);
+    updateTurn(run);
+    scrollDown(true);
+  } catch (e) {
+    ui.messages.append(h('p', { class: 'notice error' }, `Not sent: ${e.message}`));
+  } finally {
+    ui.send.disabled = false;
+    updateComposer();
+  }
+}
+
+function userBubble(text) {
+  return h('div', { class: 'turn user' }, h('div', { class: 'bubble user' }, text));
+}
+
+// ------------------------------------------------------------------ runs and their events
+
+function addRun(id) {
+  const typing = h('div', { class: 'typing', role: 'img', 'aria-label': 'OpsPilot is writing' }, h('i'), h('i'), h('i'));
+  const meta = h('div', { class: 'turn-meta' });
+  const el = h('div', { class: 'turn assistant', 'data-run': id }, typing, meta);
+  const run = {
+    id, el, typing, meta, lastSeq: 0, status: 'running', paused: false, ended: false, ctl: null, following: false,
+    texts: new Map(), steps: new Map(), cards: new Map(), nodes: [], edges: [], stats: new Map(), taken: new Map(),
+    current: null, prev: null, startedAt: null, endedAt: null, holdUntil: 0,
+  };
+  meta.append(h('span', { class: 'run-id' }, id.slice(0, 14) + '…'), h('span', { class: 'run-status' }),
+    h('button', { type: 'button', class: 'link', onclick: () => showGraph(run) }, 'graph'));
+  state.runs.push(run);
+  ui.messages.append(el);
+  return run;
+}
+
+/// Adds a block at the end of the turn, before the typing indicator; consecutive text shares a
+/// bubble and consecutive tool calls share a step bar.
+function block(run, kind) {
+  const last = run.typing.previousElementSibling;
+  if (last?.dataset.kind === kind) return last;
+  const el = kind === 'text' ? h('div', { class: 'bubble assistant', 'data-kind': 'text' })
+    : h('ol', { class: 'steps', 'data-kind': 'steps', 'aria-label': 'Steps' });
+  run.el.insertBefore(el, run.typing);
+  return el;
+}
+
+function apply(run, ev, live) {
+  if (ev.sequence <= run.lastSeq) return; // already shown: a replay after a reconnect
+  run.lastSeq = ev.sequence;
+  switch (ev.type) {
+    case 'run_started': run.startedAt = Date.parse(ev.ts); break;
+    case 'graph_topology': run.nodes = ev.nodes; run.edges = ev.edges; break;
+    case 'node_started': {
+      if (run.current) run.prev = run.current;
+      const from = run.prev;
+      if (from) run.taken.set(`${from}>${ev.node}`, (run.taken.get(`${from}>${ev.node}`) || 0) + 1);
+      run.current = ev.node;
+      break;
+    }
+    case 'node_finished': {
+      const s = run.stats.get(ev.node) || { visits: 0, totalMs: 0 };
+      s.visits += 1;
+      s.totalMs += ev.durationMs;
+      run.stats.set(ev.node, s);
+      run.prev = ev.node;
+      if (run.current === ev.node) run.current = null;
+      break;
+    }
+    case 'text_delta': {
+      let text = run.texts.get(ev.messageId);
+      if (!text) {
+        text = document.createTextNode('');
+        block(run, 'text').append(h('span', { 'data-message': ev.messageId }, text));
+        run.texts.set(ev.messageId, text);
+      }
+      text.appendData(ev.delta);
+      break;
+    }
+    case 'text_discarded': {
+      const span = run.texts.get(ev.messageId)?.parentNode;
+      run.texts.delete(ev.messageId);
+      const bubble = span?.parentNode;
+      span?.remove();
+      if (bubble && !bubble.childNodes.length) bubble.remove();
+      break;
+    }
+    case 'tool_started': step(run, ev, 'running'); break;
+    case 'tool_finished': step(run, ev, ev.status); break;
+    case 'facts_updated': if (live) renderFacts(ev.facts); break;
+    case 'interrupt': run.paused = true; showCard(run, ev); break;
+    case 'resumed': run.paused = false; resolveCard(run, ev.interruptId, 'resolved', describeDecision(ev)); break;
+    case 'done': case 'error': case 'cancelled': finish(run, ev); break;
+    default: break; // a type this page does not know yet: ignore it, as the contract says
+  }
+  if (live) {
+    updateTurn(run);
+    if (run === state.shown && (ev.type.startsWith('node') || ev.type === 'graph_topology' || ev.type === 'interrupt'
+      || ev.type === 'resumed' || TERMINAL.has(ev.type))) drawGraph();
+    scrollDown(ev.type === 'interrupt');
+  }
+}
+
+function finish(run, ev) {
+  run.ended = true;
+  run.paused = false;
+  run.status = ev.type === 'done' ? 'completed' : ev.type === 'error' ? 'failed' : 'cancelled';
+  run.endedAt = Date.parse(ev.ts);
+  run.current = null;
+  if (ev.type === 'error') run.el.insertBefore(h('p', { class: 'notice error' }, `The run failed: ${ev.message} (${ev.code})`), run.typing);
+  if (ev.type === 'cancelled') {
+    const why = { cancelled_by_user: 'Stopped.', client_disconnected: 'Stopped: the client went away.',
+      interrupt_expired: 'The confirmation expired, so the run was cancelled. Nothing was changed.' }[ev.reason] || `Cancelled (${ev.reason}).`;
+    run.el.insertBefore(h('p', { class: 'notice' }, why), run.typing);
+  }
+  for (const [id, card] of run.cards) {
+    if (card.state !== 'pending') continue;
+    if (ev.reason === 'interrupt_expired') resolveCard(run, id, 'expired', 'This confirmation expired; nothing was done.');
+    else resolveCard(run, id, 'closed', 'The run ended before a decision was made.');
+  }
+  if (state.active === run) state.active = null;
+}
+
+function step(run, ev, status) {
+  let li = run.steps.get(ev.callId);
+  if (!li) {
+    li = h('li', { class: 'step', 'data-call': ev.callId },
+      h('span', { class: 'step-icon', 'aria-hidden': 'true' }),
+      h('span', { class: 'step-line' }, h('code', { class: 'step-tool' }, ev.tool), ' ', h('span', { class: 'step-args' }, ev.argsSummary || '')),
+      h('span', { class: 'step-state' }), h('span', { class: 'step-summary' }));
+    block(run, 'steps').append(li);
+    run.steps.set(ev.callId, li);
+  }
+  li.dataset.status = status;
+  li.querySelector('.step-state').textContent = { running: 'running', success: 'done', error: 'failed', denied: 'denied' }[status] || status;
+  if (ev.summary) li.querySelector('.step-summary').textContent = ev.summary;
+}
+
+function updateTurn(run) {
+  run.typing.hidden = run.ended || run.paused;
+  const status = run.ended ? run.status : run.paused ? 'waiting for you' : 'running';
+  const took = run.endedAt && run.startedAt ? ` · ${ms(run.endedAt - run.startedAt)}` : '';
+  run.meta.querySelector('.run-status').textContent = status + took;
+  run.el.dataset.status = run.ended ? run.status : run.paused ? 'paused' : 'running';
+  if (run === state.active || run === state.shown) updateComposer();
+}
+
+// Follows a run's events: GET /v1/runs/{id}/events with the last sequence seen, again and again
+// until the run ends, so a dropped connection only costs a short "reconnecting…".
+async function follow(run) {
+  if (run.following) return;
+  run.following = true;
+  const epoch = state.epoch;
+  let delay = 250;
+  while (!run.ended && epoch === state.epoch) {
+    const ctl = new AbortController();
+    run.ctl = ctl;
+    try {
+      const res = await fetch(`/v1/runs/${run.id}/events`, {
+        headers: { Accept: 'text/event-stream', 'Last-Event-ID': String(run.replayFrom ?? run.lastSeq) }, signal: ctl.signal, cache: 'no-store',
+      });
+      run.replayFrom = undefined;
+      if (res.status >= 400 && res.status < 500) {
+        const body = await res.json().catch(() => null);
+        run.el.insertBefore(h('p', { class: 'notice error' }, `Cannot follow this run: ${body?.error?.message || res.status}`), run.typing);
+        break;
+      }
+      if (!res.ok) throw new Error(`HTTP ${res.status}`);
+      setConn('live');
+      await readEvents(res.body, (ev) => { delay = 250; apply(run, ev, true); });
+    } catch (e) {
+      if (ctl.signal.reason === LEAVE) break;
+    }
+    if (run.ended || epoch !== state.epoch) break;
+    setConn('reconnecting');
+    await sleep(Math.max(delay, run.holdUntil - Date.now()));
+    delay = Math.min(delay * 2, state.retryMs);
+  }
+  run.following = false;
+  if (epoch === state.epoch && !state.runs.some((r) => r.following)) setConn('');
+}
+
+async function readEvents(body, onEvent) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = '';
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value.replace(/\r/g, ''); // the JSON in data: never holds a raw CR
+    let end;
+    while ((end = buf.indexOf('\n\n')) >= 0) {
+      const frame = buf.slice(0, end);
+      buf = buf.slice(end + 2);
+      let data = '';
+      for (const line of frame.split('\n')) {
+        if (line.startsWith('data:')) data += (data ? '\n' : '') + line.slice(5).replace(/^ /, '');
+        else if (line.startsWith('retry:')) state.retryMs = Number(line.slice(6)) || state.retryMs;
+      }
+      if (data) onEvent(JSON.parse(data));
+    }
+  }
+}
+
+// ------------------------------------------------------------------ confirmation cards
+
+function showCard(run, ev) {
+  if (run.cards.has(ev.interruptId)) return;
+  const p = ev.payload || {};
+  const actions = p.actions || [];
+  const multi = actions.length > 1;
+  const card = { id: ev.interruptId, run, state: 'pending', expiresAt: Date.parse(ev.expiresAt), keys: new Map(), actions: [] };
+  const countdown = h('span', { class: 'countdown', 'aria-live': 'off' });
+  const badge = h('span', { class: 'badge' }, 'Your approval is needed');
+  const message = h('p', { class: 'card-message', role: 'status' });
+  const list = h('ul', { class: 'actions' });
+  for (const a of actions) {
+    const act = { callId: a.callId, args: a.args || {}, choice: 'approve', editor: null };
+    const target = Object.values(act.args).filter((v) => typeof v === 'string').join(' · ') || a.tool;
+    const editor = h('textarea', { class: 'args-editor', rows: 4, spellcheck: 'false', 'aria-label': `Arguments of ${a.tool}`, hidden: true });
+    editor.value = JSON.stringify(act.args, null, 2);
+    act.editor = editor;
+    const editBtn = h('button', { type: 'button', class: 'btn ghost small', 'aria-expanded': 'false', onclick: () => {
+      editor.hidden = !editor.hidden;
+      editBtn.setAttribute('aria-expanded', String(!editor.hidden));
+      editBtn.textContent = editor.hidden ? 'Edit arguments' : 'Keep original arguments';
+      if (editor.hidden) editor.value = JSON.stringify(act.args, null, 2); else editor.focus();
+    } }, 'Edit arguments');
+    const choice = multi && h('div', { class: 'choice', role: 'radiogroup', 'aria-label': `Decision for ${a.tool}` },
+      ['approve', 'reject'].map((c) => h('label', {}, h('input', { type: 'radio', name: `${card.id}-${a.callId}`, value: c,
+        checked: c === 'approve', onchange: () => { act.choice = c; } }), c === 'approve' ? 'Approve' : 'Reject')));
+    list.append(h('li', { class: 'action' },
+      h('div', { class: 'action-head' }, h('code', {}, a.tool), h('span', { class: 'target' }, target)),
+      multi && a.title && h('p', { class: 'action-title' }, a.title),
+      a.description && h('p', { class: 'muted' }, a.description),
+      h('dl', { class: 'args' }, Object.entries(act.args).flatMap(([k, v]) => [h('dt', {}, k), h('dd', {}, typeof v === 'string' ? v : JSON.stringify(v))])),
+      choice, h('div', { class: 'action-tools' }, editBtn), editor));
+    card.actions.push(act);
+  }
+  const approve = h('button', { type: 'button', class: 'btn primary', onclick: () => decide(card, 'approve') }, multi ? 'Submit decisions' : 'Approve');
+  const reject = h('button', { type: 'button', class: 'btn', onclick: () => decide(card, 'reject') }, multi ? 'Reject all' : 'Reject');
+  card.buttons = [approve, reject];
+  card.countdown = countdown;
+  card.badge = badge;
+  card.message = message;
+  card.el = h('section', { class: 'card', 'data-interrupt': card.id, 'data-state': 'pending', 'aria-label': 'Confirmation needed' },
+    h('header', {}, badge, countdown),
+    h('h3', {}, p.title || 'Confirm the action'),
+    p.risk && h('p', { class: 'risk' }, h('strong', {}, 'Risk: '), p.risk),
+    p.outcomeUnknown && h('p', { class: 'risk' }, h('strong', {}, 'Outcome unknown: '), 'an earlier attempt was cut off and may or may not have happened.'),
+    list, h('footer', {}, approve, reject), message);
+  run.cards.set(card.id, card);
+  run.el.insertBefore(card.el, run.typing);
+  tick();
+}
+
+async function decide(card, verdict) {
+  if (card.state !== 'pending' || card.busy) return;
+  const calls = {};
+  let plain = true;
+  for (const a of card.actions) {
+    let d = verdict === 'reject' ? 'reject' : a.choice;
+    if (d === 'approve' && !a.editor.hidden) {
+      let edited;
+      try { edited = JSON.parse(a.editor.value); } catch { card.message.textContent = 'The edited arguments are not valid JSON.'; return; }
+      if (JSON.stringify(edited) !== JSON.stringify(a.args)) d = { edit: edited };
+    }
+    if (d !== verdict) plain = false;
+    calls[a.callId] = d;
+  }
+  const decision = plain ? verdict : { calls };
+  // One key per decision: sending the same decision again (a double click, a retry) is answered
+  // with the first answer, and nothing runs twice.
+  const body = JSON.stringify(decision);
+  if (!card.keys.has(body)) card.keys.set(body, `resume_${card.id}_${randomId()}`);
+  card.busy = true;
+  card.buttons.forEach((b) => { b.disabled = true; });
+  card.message.textContent = 'Sending your decision…';
+  for (let attempt = 0; ; attempt++) {
+    try {
+      await api('POST', `/v1/runs/${card.run.id}/resume`, { interruptId: card.id, decision, idempotencyKey: card.keys.get(body) });
+      if (card.state === 'pending') card.message.textContent = verdict === 'reject' ? 'Rejected; continuing…' : 'Approved; continuing…';
+      follow(card.run);
+      break;
+    } catch (e) {
+      if (e.code === 'IDEMPOTENCY_KEY_IN_FLIGHT' && attempt < 20) { await sleep(300); continue; }
+      if (e.code === 'INTERRUPT_EXPIRED') resolveCard(card.run, card.id, 'expired', 'This confirmation expired; nothing was done.');
+      else if (e.code === 'INTERRUPT_ALREADY_RESOLVED' || e.code === 'RUN_NOT_INTERRUPTED') {
+        if (card.state === 'pending') resolveCard(card.run, card.id, 'resolved', 'This confirmation was already answered elsewhere.');
+      } else {
+        card.message.textContent = `Not sent: ${e.message}`;
+        card.buttons.forEach((b) => { b.disabled = false; });
+      }
+      break;
+    }
+  }
+  card.busy = false;
+}
+
+function describeDecision(ev) {
+  const d = ev.decision;
+  const what = d === 'approve' ? 'Approved' : d === 'reject' ? 'Rejected' : d?.edit ? 'Approved with edited arguments'
+    : d?.calls ? 'Decided per action' : 'Answered';
+  return `${what}${ev.resolvedBy ? ` by ${ev.resolvedBy}` : ''} after ${ms(ev.humanWaitMs ?? 0)}.`;
+}
+
+function resolveCard(run, id, newState, text) {
+  const card = run.cards.get(id);
+  if (!card || card.state !== 'pending') return;
+  card.state = newState;
+  card.el.dataset.state = newState;
+  card.buttons.forEach((b) => { b.disabled = true; });
+  card.el.querySelectorAll('textarea, input, .action-tools button').forEach((c) => { c.disabled = true; });
+  card.countdown.textContent = '';
+  card.badge.textContent = { resolved: 'Decision recorded', expired: 'Expired', closed: 'Closed' }[newState];
+  card.message.textContent = text;
+  updateTurn(run);
+}
+
+function tick() {
+  for (const run of state.runs) {
+    for (const card of run.cards.values()) {
+      if (card.state !== 'pending') continue;
+      const left = Math.max(0, Math.ceil((card.expiresAt - Date.now()) / 1000));
+      card.countdown.textContent = `expires in ${Math.floor(left / 60)}:${String(left % 60).padStart(2, '0')}`;
+      if (left === 0) resolveCard(run, card.id, 'expired', 'This confirmation expired; nothing was done.');
+    }
+  }
+}
+setInterval(tick, 1000);
+
+// ------------------------------------------------------------------ execution graph
+
+function showGraph(run) {
+  state.shown = run || null;
+  drawGraph();
+}
+
+function drawGraph() {
+  const run = state.shown;
+  if (!run || !run.nodes.length) {
+    ui.caption.textContent = 'No run yet.';
+    ui.graph.replaceChildren();
+    return;
+  }
+  const status = run.ended ? run.status : run.paused ? 'paused' : 'running';
+  ui.caption.textContent = `${run.id} · ${status}${run.ended ? ' · the path taken is highlighted' : ''}`;
+  // Columns by breadth-first depth from the first node; an edge to a placed node goes back.
+  const col = new Map([[run.nodes[0].id, 0]]);
+  const queue = [run.nodes[0].id];
+  while (queue.length) {
+    const id = queue.shift();
+    for (const e of run.edges) if (e.from === id && !col.has(e.to)) { col.set(e.to, col.get(id) + 1); queue.push(e.to); }
+  }
+  const rows = new Map();
+  const pos = new Map();
+  const W = 92, H = 40, DX = 116, DY = 78, X0 = 6, Y0 = 50;
+  for (const n of run.nodes) {
+    const c = col.get(n.id) ?? 0;
+    const r = rows.get(c) || 0;
+    rows.set(c, r + 1);
+    pos.set(n.id, { x: X0 + c * DX, y: Y0 + r * DY });
+  }
+  const width = X0 * 2 + Math.max(...[...pos.values()].map((p) => p.x)) + W;
+  const height = Y0 + Math.max(...[...pos.values()].map((p) => p.y)) + H + 10;
+  const g = svg('svg', { viewBox: `0 0 ${width} ${height}`, role: 'img', 'aria-label': `Execution graph of ${run.id}` });
+  g.append(svg('defs', {}, ...['edge', 'taken'].map((k) => svg('marker', { id: `arrow-${k}`, viewBox: '0 0 10 10', refX: 9, refY: 5,
+    markerWidth: 7, markerHeight: 7, orient: 'auto-start-reverse', class: `arrow ${k}` }, svg('path', { d: 'M0,0 L10,5 L0,10 z' })))));
+  for (const e of run.edges) {
+    const a = pos.get(e.from), b = pos.get(e.to);
+    if (!a || !b) continue;
+    let d;
+    if (b.x > a.x) { // forward: from the right side of one to the left side of the other
+      const x1 = a.x + W, y1 = a.y + H / 2, x2 = b.x, y2 = b.y + H / 2;
+      d = `M${x1},${y1} C${x1 + 24},${y1} ${x2 - 24},${y2} ${x2},${y2}`;
+    } else { // back: an arc over the top, higher the further it goes
+      const x1 = a.x + W / 2, x2 = b.x + W / 2, y = a.y, lift = 14 + (a.x - b.x) / DX * 14;
+      d = `M${x1 - 8},${y} C${x1 - 8},${y - lift * 1.4} ${x2 + 8},${y - lift * 1.4} ${x2 + 8},${y}`;
+    }
+    const taken = run.taken.has(`${e.from}>${e.to}`);
+    g.append(svg('path', { d, class: `edge${taken ? ' taken' : ''}`, 'marker-end': `url(#arrow-${taken ? 'taken' : 'edge'})` }));
+  }
+  for (const n of run.nodes) {
+    const { x, y } = pos.get(n.id);
+    const s = run.stats.get(n.id);
+    const active = run.current === n.id && !run.ended;
+    const cls = active ? (run.paused ? 'paused' : 'active') : s ? 'visited' : 'idle';
+    const label = active && run.paused ? 'waiting…' : active ? 'running…' : s ? `${s.visits > 1 ? `${s.visits}× · ` : ''}${ms(s.totalMs)}` : '';
+    const words = n.label.split(' ');
+    const lines = n.label.length > 12 && words.length > 1 ? [words.slice(0, -1).join(' '), words.at(-1)] : [n.label];
+    g.append(svg('g', { class: `node ${cls}`, 'data-node': n.id },
+      svg('title', {}, `${n.label}${label ? `: ${label}` : ''}`),
+      svg('rect', { x, y, width: W, height: H, rx: 8 }),
+      ...lines.map((t, i) => svg('text', { x: x + W / 2, y: y + H / 2 + (i - (lines.length - 1) / 2) * 13 + 4, class: 'label' }, t)),
+      svg('text', { x: x + W / 2, y: y + H + 13, class: 'latency' }, label)));
+  }
+  ui.graph.replaceChildren(g);
+}
+
+// ------------------------------------------------------------------ facts and composer
+
+function renderFacts(facts) {
+  const changed = Object.keys(facts).filter((k) => state.facts[k] !== facts[k]);
+  const first = !Object.keys(state.facts).length;
+  state.facts = { ...facts };
+  const entries = Object.entries(facts).sort(([a], [b]) => a.localeCompare(b));
+  if (!entries.length) {
+    ui.facts.replaceChildren(h('p', { class: 'muted small' }, 'No confirmed facts yet. They appear when a tool result confirms them.'));
+    return;
+  }
+  ui.facts.replaceChildren(...entries.map(([k, v]) => h('div', { class: `fact${!first && changed.includes(k) ? ' changed' : ''}`, 'data-key': k },
+    h('dt', {}, k), h('dd', {}, v))));
+}
+
+function updateComposer() {
+  const run = state.active && !state.active.ended ? state.active : null;
+  ui.input.disabled = !!run;
+  ui.send.hidden = !!run;
+  ui.stop.hidden = !run;
+  ui.stop.disabled = !!run?.stopping;
+  ui.input.placeholder = run?.paused ? 'Waiting for your decision above…' : run ? 'OpsPilot is working… (Stop cancels the run)'
+    : 'Ask OpsPilot… (Enter sends, Shift+Enter for a new line)';
+  if (!run && document.activeElement === document.body) ui.input.focus();
+}
+
+function autogrow() {
+  ui.input.style.height = 'auto';
+  ui.input.style.height = `${Math.min(ui.input.scrollHeight, 160)}px`;
+}
+
+function closeDrawers() {
+  for (const [name, btn] of Object.entries(ui.toggles)) { ui[name].classList.remove('open'); btn.setAttribute('aria-expanded', 'false'); }
+  ui.scrim.hidden = true;
+}
+
+for (const [name, btn] of Object.entries(ui.toggles)) {
+  btn.addEventListener('click', () => {
+    const open = !ui[name].classList.contains('open');
+    closeDrawers();
+    ui[name].classList.toggle('open', open);
+    btn.setAttribute('aria-expanded', String(open));
+    ui.scrim.hidden = !open;
+  });
+}
+ui.scrim.addEventListener('click', closeDrawers);
+document.addEventListener('keydown', (e) => { if (e.key === 'Escape') closeDrawers(); });
+
+ui.form.addEventListener('submit', (e) => {
+  e.preventDefault();
+  const text = ui.input.value.trim();
+  if (text && !state.active) send(text);
+});
+ui.input.addEventListener('keydown', (e) => {
+  if (e.key === 'Enter' && !e.shiftKey && !e.isComposing) { e.preventDefault(); ui.form.requestSubmit(); }
+});
+ui.input.addEventListener('input', autogrow);
+ui.stop.addEventListener('click', async () => {
+  const run = state.active;
+  if (!run) return;
+  run.stopping = true;
+  updateComposer();
+  try { await api('POST', `/v1/runs/${run.id}/cancel`); } catch (e) {
+    run.el.insertBefore(h('p', { class: 'notice error' }, `Could not stop the run: ${e.message}`), run.typing);
+    run.stopping = false;
+    updateComposer();
+  }
+});
+ui.newConv.addEventListener('click', () => { history.pushState(null, '', location.pathname); showDraft(); ui.input.focus(); });
+
+function route() {
+  const id = decodeURIComponent(location.hash.slice(1));
+  if (id) openConversation(id); else showDraft();
+}
+window.addEventListener('hashchange', route);
+route();
+
+// Test hook for the browser tests: cut the current event stream as a network failure would, and
+// keep it down for `holdMs`; the page then reconnects with Last-Event-ID. `from` asks that
+// reconnect for events the page has already shown, as a replaying proxy might: it must drop them.
+window.keel = {
+  dropStream(holdMs = 0, { from } = {}) {
+    const run = state.active;
+    if (!run?.ctl) return false;
+    run.holdUntil = Date.now() + holdMs;
+    run.replayFrom = from;
+    run.ctl.abort(new Error('connection dropped (test)'));
+    return true;
+  },
+};

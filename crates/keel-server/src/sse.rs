@@ -1,0 +1,251 @@
+//! The SSE encoder: a run's events as `text/event-stream`.
+//!
+//! The body is fed through a bounded channel by one task per response, which reads the run's
+//! events (stored, then live) and writes keep-alives while none flow. The task waits at most
+//! `sse_send_timeout` for the reader to take a frame: a reader that slow is cut off, reconnects
+//! with `Last-Event-ID` and catches up from the store, so the server's memory never grows with a
+//! slow reader.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::{Stream, StreamExt};
+use keel_core::engine::Engine;
+use keel_core::store::StoreError;
+use keel_core::stream::Until;
+use keel_core::{Event, RunId};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::SendTimeoutError;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::state::AppState;
+
+pub const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
+
+/// `retry: <ms>`, written once at the start of a stream.
+pub fn retry_frame(ms: u64) -> Bytes {
+    Bytes::from(format!("retry: {ms}\n\n"))
+}
+
+/// `id: <sequence>`, `event: <type>`, `data: <the event as one line of JSON>`, blank line.
+pub fn event_frame(event: &Event) -> Result<Bytes, serde_json::Error> {
+    // serde_json escapes every control character inside strings, so the JSON is one line.
+    let data = serde_json::to_string(event)?;
+    Ok(Bytes::from(format!("id: {}\nevent: {}\ndata: {data}\n\n", event.sequence, event.type_name())))
+}
+
+/// The response streaming `run_id`'s events with `sequence > after` until `until`. The caller has
+/// checked that the run is the caller's.
+pub fn stream_run(state: &AppState, run_id: RunId, after: i64, until: Until) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
+    tokio::spawn(feed(state.clone(), tx, run_id, after, until));
+    sse_response(Body::from_stream(ReceiverStream::new(rx).map(Ok::<_, Infallible>)))
+}
+
+fn sse_response(body: Body) -> Response {
+    let mut response = (StatusCode::OK, body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache, no-transform"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}
+
+/// How a stream ended.
+#[derive(Debug, PartialEq, Eq)]
+enum End {
+    /// The run reached the stream's end (terminal event, or pause for a request's stream).
+    Finished,
+    /// The client went away first.
+    Detached,
+    /// The client did not take a frame within the send timeout.
+    TooSlow,
+    /// Reading or encoding the run's events failed (the reason, for the log).
+    Failed(String),
+    /// The server is stopping.
+    Shutdown,
+}
+
+/// The timing of one stream.
+#[derive(Debug, Clone, Copy)]
+struct Pacing {
+    retry_ms: u64,
+    heartbeat: Duration,
+    send_timeout: Duration,
+}
+
+async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i64, until: Until) {
+    let engine: Arc<Engine> = state.engine.clone();
+    let pacing = Pacing {
+        retry_ms: state.config.sse_retry_ms,
+        heartbeat: state.config.heartbeat,
+        send_timeout: state.config.sse_send_timeout,
+    };
+    let end = pump(&tx, engine.events(&run_id, after, until), pacing, state.shutdown.wait()).await;
+    // The response ends when the last sender goes.
+    drop(tx);
+    match end {
+        End::Detached => {
+            tracing::debug!(run_id = %run_id, "SSE client went away");
+            if let Err(e) = engine.client_detached(&run_id).await {
+                tracing::warn!(run_id = %run_id, error = %e, "handling a detached client failed");
+            }
+        }
+        End::TooSlow => {
+            tracing::info!(run_id = %run_id, "SSE client too slow to drain its buffer; cut off (it may reconnect)")
+        }
+        End::Failed(reason) => tracing::error!(run_id = %run_id, %reason, "ending the SSE stream"),
+        End::Finished | End::Shutdown => {}
+    }
+}
+
+/// Writes `retry`, then every event as a frame and a keep-alive whenever `heartbeat` passes without
+/// one, until the events end, the client goes or is too slow, or `shutdown` resolves.
+async fn pump<S>(tx: &mpsc::Sender<Bytes>, events: S, pacing: Pacing, shutdown: impl Future<Output = ()>) -> End
+where
+    S: Stream<Item = Result<Event, StoreError>>,
+{
+    let send = |frame: Bytes| async move {
+        match tx.send_timeout(frame, pacing.send_timeout).await {
+            Ok(()) => None,
+            Err(SendTimeoutError::Closed(_)) => Some(End::Detached),
+            Err(SendTimeoutError::Timeout(_)) => Some(End::TooSlow),
+        }
+    };
+    if let Some(end) = send(retry_frame(pacing.retry_ms)).await {
+        return end;
+    }
+    tokio::pin!(events);
+    tokio::pin!(shutdown);
+    let heartbeat = pacing.heartbeat.max(Duration::from_millis(1));
+    let mut keep_alive = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+    keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let frame = tokio::select! {
+            biased;
+            () = tx.closed() => return End::Detached,
+            () = &mut shutdown => return End::Shutdown,
+            next = events.next() => match next {
+                None => return End::Finished,
+                Some(Err(e)) => return End::Failed(format!("reading the run's events failed: {e}")),
+                Some(Ok(event)) => match event_frame(&event) {
+                    Ok(frame) => {
+                        keep_alive.reset();
+                        frame
+                    }
+                    Err(e) => return End::Failed(format!("encoding event {} failed: {e}", event.sequence)),
+                },
+            },
+            _ = keep_alive.tick() => Bytes::from_static(KEEP_ALIVE),
+        };
+        if let Some(end) = send(frame).await {
+            return end;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use keel_core::EventKind;
+
+    #[test]
+    fn frames_are_exact() {
+        assert_eq!(&retry_frame(2000)[..], b"retry: 2000\n\n");
+        let event = Event {
+            kind: EventKind::TextDelta {
+                message_id: keel_core::MessageId::parse("msg_1").unwrap(),
+                delta: "two\nlines\r\n".into(),
+            },
+            run_id: RunId::parse("run_1").unwrap(),
+            sequence: 7,
+            ts: chrono::DateTime::from_timestamp(0, 0).unwrap(),
+        };
+        let frame = String::from_utf8(event_frame(&event).unwrap().to_vec()).unwrap();
+        let mut lines = frame.split('\n');
+        assert_eq!(lines.next(), Some("id: 7"));
+        assert_eq!(lines.next(), Some("event: text_delta"));
+        let data = lines.next().unwrap().strip_prefix("data: ").unwrap();
+        let back: Event = serde_json::from_str(data).unwrap();
+        assert_eq!(back, event);
+        assert_eq!(lines.collect::<Vec<_>>(), vec!["", ""]);
+        assert!(!frame.contains('\r'));
+    }
+
+    fn event(sequence: i64) -> Event {
+        Event {
+            kind: EventKind::NodeStarted { node: "model".into() },
+            run_id: RunId::parse("run_1").unwrap(),
+            sequence,
+            ts: chrono::DateTime::from_timestamp(0, 0).unwrap(),
+        }
+    }
+
+    const PACING: Pacing =
+        Pacing { retry_ms: 2000, heartbeat: Duration::from_millis(100), send_timeout: Duration::from_secs(30) };
+
+    fn drain(rx: &mut mpsc::Receiver<Bytes>) -> Vec<String> {
+        let mut out = Vec::new();
+        while let Ok(frame) = rx.try_recv() {
+            out.push(String::from_utf8(frame.to_vec()).unwrap());
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_finished_stream_is_retry_then_events() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let events = futures::stream::iter((1..=3).map(|n| Ok(event(n))));
+        assert_eq!(pump(&tx, events, PACING, std::future::pending()).await, End::Finished);
+        let frames = drain(&mut rx);
+        assert_eq!(frames.len(), 4);
+        assert_eq!(frames[0], "retry: 2000\n\n");
+        assert!(frames[3].starts_with("id: 3\nevent: node_started\ndata: {"));
+    }
+
+    /// A reader that takes nothing holds at most the buffer; then the stream is cut off.
+    #[tokio::test(start_paused = true)]
+    async fn a_reader_too_slow_is_cut_off_with_bounded_memory() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let events = futures::stream::iter((1..).map(|n| Ok(event(n))));
+        let started = tokio::time::Instant::now();
+        assert_eq!(pump(&tx, events, PACING, std::future::pending()).await, End::TooSlow);
+        assert_eq!(started.elapsed(), PACING.send_timeout);
+        assert_eq!(drain(&mut rx).len(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn keep_alives_flow_while_no_events_do() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let events = futures::stream::pending::<Result<Event, StoreError>>();
+        let shutdown = tokio::time::sleep(Duration::from_millis(350));
+        assert_eq!(pump(&tx, events, PACING, shutdown).await, End::Shutdown);
+        assert_eq!(drain(&mut rx), vec!["retry: 2000\n\n", ": keep-alive\n\n", ": keep-alive\n\n", ": keep-alive\n\n"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reader_that_goes_away_is_noticed_while_idle() {
+        let (tx, rx) = mpsc::channel(16);
+        let events = futures::stream::pending::<Result<Event, StoreError>>();
+        let pump = pump(&tx, events, PACING, std::future::pending());
+        drop(rx);
+        assert_eq!(pump.await, End::Detached);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_store_error_ends_the_stream_without_an_event() {
+        let (tx, mut rx) = mpsc::channel(16);
+        let events = futures::stream::iter(vec![Ok(event(1)), Err(StoreError::Backend("disk on fire".into()))]);
+        let end = pump(&tx, events, PACING, std::future::pending()).await;
+        assert!(matches!(end, End::Failed(_)), "{end:?}");
+        let frames = drain(&mut rx);
+        assert_eq!(frames.len(), 2);
+        assert!(!frames.iter().any(|f| f.contains("event: error")));
+    }
+}

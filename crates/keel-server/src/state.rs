@@ -1,0 +1,84 @@
+//! What every handler shares: the engine, the server's settings and the shutdown signal.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use keel_core::engine::Engine;
+use tokio::sync::watch;
+
+/// The HTTP layer's settings. The engine's own settings live in `keel_core::engine::EngineConfig`.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// A `: keep-alive` comment is written after this long without an event.
+    pub heartbeat: Duration,
+    /// The `retry:` an EventSource waits before it reconnects.
+    pub sse_retry_ms: u64,
+    /// The largest request body accepted.
+    pub body_limit: usize,
+    /// Enables `POST /v1/demo/reset`.
+    pub demo_mode: bool,
+    /// Extra abnormal instances per service when the fleet is re-seeded.
+    pub demo_abnormal: u32,
+    /// A reader that does not take a frame within this long is cut off; it reconnects with
+    /// `Last-Event-ID` and catches up from the store.
+    pub sse_send_timeout: Duration,
+    /// Frames buffered per SSE response before the writer waits on the reader.
+    pub sse_buffer: usize,
+    /// The caller when a request names none.
+    ///
+    /// Development placeholder until authentication lands: the caller is whoever the
+    /// `X-Keel-User` header says, or this user.
+    pub default_user: String,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat: Duration::from_secs(15),
+            sse_retry_ms: 2000,
+            body_limit: 1024 * 1024,
+            demo_mode: false,
+            demo_abnormal: 0,
+            sse_send_timeout: Duration::from_secs(30),
+            sse_buffer: 64,
+            default_user: "demo".to_owned(),
+        }
+    }
+}
+
+/// Tells long-lived responses (SSE streams, `?wait=true`) that the server is stopping, so a graceful
+/// shutdown is not held up by a stream that would otherwise run until its run ends.
+#[derive(Debug, Clone)]
+pub(crate) struct Shutdown(Arc<watch::Sender<bool>>);
+
+impl Shutdown {
+    fn new() -> Self {
+        Self(Arc::new(watch::channel(false).0))
+    }
+
+    pub(crate) fn trigger(&self) {
+        self.0.send_replace(true);
+    }
+
+    /// Resolves once [`Shutdown::trigger`] was called (at once if it already was).
+    pub(crate) fn wait(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.0.subscribe();
+        async move {
+            // An error means the sender is gone, which only happens when the server is.
+            let _ = rx.wait_for(|stopping| *stopping).await;
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: Arc<Engine>,
+    pub config: Arc<ServerConfig>,
+    pub(crate) shutdown: Shutdown,
+}
+
+impl AppState {
+    pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
+        Self { engine, config: Arc::new(config), shutdown: Shutdown::new() }
+    }
+}

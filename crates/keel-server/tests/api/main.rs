@@ -1,0 +1,8 @@
+//! The HTTP API, spoken over HTTP against the real server.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod errors;
+mod hitl;
+mod streams;

@@ -1,0 +1,1304 @@
+//! What every [`Store`] backend must do, written once.
+//!
+//! Each case takes a fresh, empty store and panics when the backend gets something wrong. Times are
+//! explicit (every store method takes `now`), so no case sleeps or reads the wall clock. A backend
+//! runs every case as its own test with [`conformance_tests!`](crate::conformance_tests):
+//!
+//! ```text
+//! // async fn fresh() -> (Arc<dyn Store>, impl Sized): a new empty store and whatever keeps it alive
+//! keel_store::conformance_tests!(fresh);
+//! ```
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use chrono::{DateTime, Duration};
+use keel_core::domain::{
+    Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep, Role,
+    Run, RunStatus, Summary, Timestamp, ToolCall, ToolCallState, UserRole,
+};
+use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
+use keel_core::fleet::{Effect, FleetSeed};
+use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+use keel_core::store::{
+    Commit, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError, StoreResult,
+    TextAppend, ToolCallChange,
+};
+use serde_json::json;
+
+/// Runs every conformance case as a `#[tokio::test]` of the calling crate (which needs `tokio`).
+/// `$fresh` is an `async fn() -> (Arc<dyn Store>, G)`: a new, empty store, and a guard kept alive
+/// for the case (a temporary directory, a schema to drop).
+#[macro_export]
+macro_rules! conformance_tests {
+    ($fresh:path) => {
+        $crate::conformance_tests!(@cases $fresh;
+            conversations_are_per_user_and_newest_first,
+            start_run_writes_message_run_and_first_events,
+            start_run_needs_a_conversation,
+            one_active_run_per_conversation,
+            concurrent_starts_create_one_run,
+            sequences_are_contiguous_across_commits,
+            a_fenced_out_commit_writes_nothing,
+            acquire_wins_exactly_once_under_contention,
+            run_changes_follow_the_state_machine,
+            expired_interrupt_cannot_be_resolved,
+            interrupt_is_resolved_once,
+            tool_call_updates_are_conditional,
+            refused_effect_rolls_back_the_commit,
+            restart_effect_applies_exactly_once,
+            rollback_effect_moves_every_instance_back,
+            text_appends_build_one_message_and_discard_removes_it,
+            messages_facts_and_summary_are_written_by_commit,
+            duplicate_ids_are_refused,
+            claim_runs_takes_queued_and_expired_not_live,
+            concurrent_claimers_never_share_a_run,
+            leases_renew_and_release,
+            cancel_request_is_seen_by_the_next_commit,
+            idempotency_keys,
+            seed_fleet_matches_the_demo,
+            instances_awaiting_restart_lists_asking_restarts,
+            due_interrupts_are_pending_and_past_expiry,
+            conversation_tool_calls_span_runs,
+            user_roles,
+        );
+    };
+    (@cases $fresh:path; $($case:ident),+ $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let (store, _guard) = $fresh().await;
+                $crate::conformance::$case(store).await;
+            }
+        )+
+    };
+}
+
+pub type SharedStore = Arc<dyn Store>;
+
+// --- fixtures
+
+/// The suite's epoch (2030-01-01T12:00:00Z) plus `secs` seconds.
+pub fn at(secs: i64) -> Timestamp {
+    DateTime::from_timestamp(1_893_499_200 + secs, 0).expect("a representable time")
+}
+
+fn first_events(conversation_id: &ConversationId) -> Vec<EventKind> {
+    vec![
+        EventKind::RunStarted { conversation_id: conversation_id.clone() },
+        EventKind::GraphTopology {
+            nodes: vec![GraphNode { id: "call_model".into(), label: "Call model".into() }],
+            edges: vec![],
+        },
+    ]
+}
+
+fn node(name: &str) -> EventKind {
+    EventKind::NodeStarted { node: name.into() }
+}
+
+fn lease(owner: &str, lease_until: Timestamp) -> Fence {
+    Fence::Lease { owner: owner.into(), lease_until }
+}
+
+fn acquire(owner: &str, from: RunStatus, lease_until: Timestamp) -> Fence {
+    Fence::Acquire { owner: owner.into(), from: vec![from], lease_until }
+}
+
+fn to(status: RunStatus) -> Option<RunChange> {
+    Some(RunChange { to: status, reason: None })
+}
+
+async fn conversation(store: &SharedStore, user: &str) -> Conversation {
+    store.create_conversation(user, "troubleshoot payment-api", at(0)).await.expect("create conversation")
+}
+
+async fn start(store: &SharedStore, conversation: &Conversation, now: Timestamp) -> StartedRun {
+    store
+        .start_run(NewRun {
+            conversation_id: conversation.id.clone(),
+            user_id: conversation.user_id.clone(),
+            content: "Restart the abnormal instance of payment-api".into(),
+            cancel_on_disconnect: false,
+            now,
+            events: first_events(&conversation.id),
+        })
+        .await
+        .expect("start run")
+}
+
+/// A new conversation with a queued run.
+async fn queued(store: &SharedStore) -> (Conversation, Run) {
+    let conversation = conversation(store, "alice").await;
+    let started = start(store, &conversation, at(1)).await;
+    (conversation, started.run)
+}
+
+/// A new conversation with a run that `owner` works on (leased until `at(60)`).
+async fn running(store: &SharedStore, owner: &str) -> (Conversation, Run) {
+    let (conversation, run) = queued(store).await;
+    let mut c = Commit::new(run.id.clone(), acquire(owner, RunStatus::Queued, at(60)), at(2));
+    c.run = to(RunStatus::Running);
+    c.events.push(node("call_model"));
+    store.commit(c).await.expect("take the queued run");
+    (conversation, get_run(store, &run.id).await)
+}
+
+fn interrupt(run_id: &RunId, call_ids: Vec<CallId>, expires_at: Timestamp) -> Interrupt {
+    Interrupt {
+        id: InterruptId::new(),
+        run_id: run_id.clone(),
+        kind: InterruptKind::ConfirmAction,
+        status: InterruptStatus::Pending,
+        payload: json!({"title": "Restart pay-prod-2", "risk": "medium"}),
+        call_ids,
+        created_at: at(3),
+        expires_at,
+        decision: None,
+        resolved_by: None,
+        resolved_at: None,
+    }
+}
+
+/// A new conversation with a run paused on a pending interrupt that expires at `expires_at`.
+async fn interrupted(store: &SharedStore, expires_at: Timestamp) -> (Conversation, Run, Interrupt) {
+    let (conversation, run) = running(store, "w1").await;
+    let pending = interrupt(&run.id, vec![], expires_at);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(3));
+    c.run = to(RunStatus::Interrupted);
+    c.new_interrupts.push(pending.clone());
+    c.events.push(EventKind::Interrupt {
+        interrupt_id: pending.id.clone(),
+        kind: pending.kind,
+        payload: pending.payload.clone(),
+        expires_at,
+    });
+    store.commit(c).await.expect("pause the run");
+    (conversation, get_run(store, &run.id).await, pending)
+}
+
+fn resolve(interrupt: &Interrupt, by: &str) -> InterruptChange {
+    InterruptChange {
+        id: interrupt.id.clone(),
+        to: InterruptStatus::Resolved,
+        decision: Some(json!("approve")),
+        resolved_by: Some(by.into()),
+    }
+}
+
+fn resumed(interrupt: &Interrupt, by: &str) -> EventKind {
+    EventKind::Resumed {
+        interrupt_id: interrupt.id.clone(),
+        decision: json!("approve"),
+        human_wait_ms: 1000,
+        resolved_by: by.into(),
+    }
+}
+
+fn tool_call(run_id: &RunId, name: &str, instance_id: &str, state: ToolCallState) -> ToolCall {
+    ToolCall {
+        id: CallId::new(),
+        run_id: run_id.clone(),
+        name: name.into(),
+        args: json!({"instanceId": instance_id}),
+        state,
+        result: None,
+        summary: None,
+        started_at: None,
+        finished_at: None,
+    }
+}
+
+fn fact(key: &str, value: &str, source: FactSource, updated_at: Timestamp) -> Fact {
+    Fact { key: key.into(), value: value.into(), source, updated_at }
+}
+
+async fn get_run(store: &SharedStore, id: &RunId) -> Run {
+    store.get_run(id).await.expect("get run").expect("the run exists")
+}
+
+async fn events(store: &SharedStore, run_id: &RunId) -> Vec<Event> {
+    store.list_events(run_id, 0, 10_000).await.expect("list events")
+}
+
+async fn sequences(store: &SharedStore, run_id: &RunId) -> Vec<i64> {
+    events(store, run_id).await.iter().map(|e| e.sequence).collect()
+}
+
+async fn commit_ok(store: &SharedStore, c: Commit) -> keel_core::store::Committed {
+    store.commit(c).await.expect("commit")
+}
+
+fn assert_conflict<T: std::fmt::Debug>(result: StoreResult<T>) {
+    match result {
+        Err(StoreError::Conflict(_)) => {}
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+}
+
+fn assert_effect_refused<T: std::fmt::Debug>(result: StoreResult<T>) {
+    match result {
+        Err(StoreError::EffectRefused(_)) => {}
+        other => panic!("expected a refused effect, got {other:?}"),
+    }
+}
+
+/// Everything a commit on a run could have written.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    run: Run,
+    events: Vec<Event>,
+    messages: Vec<Message>,
+    tool_calls: Vec<ToolCall>,
+    facts: Vec<Fact>,
+    summary: Option<Summary>,
+    pending_interrupt: Option<Interrupt>,
+    instances: Vec<keel_core::fleet::Instance>,
+}
+
+async fn snapshot(store: &SharedStore, conversation_id: &ConversationId, run_id: &RunId) -> Snapshot {
+    let mut facts = store.list_facts(conversation_id).await.expect("facts");
+    facts.sort_by(|a, b| a.key.cmp(&b.key));
+    Snapshot {
+        run: get_run(store, run_id).await,
+        events: events(store, run_id).await,
+        messages: store.list_messages(conversation_id).await.expect("messages"),
+        tool_calls: store.list_tool_calls(run_id).await.expect("tool calls"),
+        facts,
+        summary: store.get_summary(conversation_id).await.expect("summary"),
+        pending_interrupt: store.pending_interrupt(run_id).await.expect("pending interrupt"),
+        instances: store.list_instances(None, None).await.expect("instances"),
+    }
+}
+
+/// A commit that touches everything: refused, it must leave no trace.
+fn everything(run: &Run, conversation_id: &ConversationId, fence: Fence, call: &ToolCall) -> Commit {
+    let mut c = Commit::new(run.id.clone(), fence, at(10));
+    c.run = to(RunStatus::Completed);
+    c.checkpoint = Some(Checkpoint { next_step: NextStep::Finalize, ..run.checkpoint.clone() });
+    c.text.push(TextAppend { message_id: MessageId::new(), text: "Restarted.".into() });
+    c.messages.push(Message {
+        id: MessageId::new(),
+        conversation_id: conversation_id.clone(),
+        run_id: Some(run.id.clone()),
+        role: Role::Tool,
+        content: "{\"ok\":true}".into(),
+        tool_call_id: Some(call.id.clone()),
+        created_at: at(10),
+    });
+    c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Allowed));
+    c.tool_calls.push(ToolCallChange::Insert(tool_call(
+        &run.id,
+        "get_instance",
+        "pay-prod-1",
+        ToolCallState::Requested,
+    )));
+    c.new_interrupts.push(interrupt(&run.id, vec![call.id.clone()], at(500)));
+    c.facts.push(fact("instance", "pay-prod-2", FactSource::ToolResult, at(10)));
+    c.summary = Some(Summary {
+        conversation_id: conversation_id.clone(),
+        through_message_id: run.user_message_id.clone(),
+        text: "asked for a restart".into(),
+    });
+    c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-2".into() });
+    c.events.push(node("finalize"));
+    c.events.push(EventKind::Done { message_id: None });
+    c
+}
+
+// --- the cases
+
+pub async fn conversations_are_per_user_and_newest_first(store: SharedStore) {
+    let mut created = Vec::new();
+    for secs in [10, 30, 20] {
+        created.push(store.create_conversation("alice", &format!("t{secs}"), at(secs)).await.expect("create"));
+    }
+    let bobs = store.create_conversation("bob", "bob's", at(40)).await.expect("create");
+
+    let listed = store.list_conversations("alice", 10).await.expect("list");
+    let titles: Vec<_> = listed.iter().map(|c| c.title.as_str()).collect();
+    assert_eq!(titles, vec!["t30", "t20", "t10"]);
+    assert!(listed.iter().all(|c| c.user_id == "alice" && c.version == 0));
+    assert_eq!(store.list_conversations("alice", 2).await.expect("list").len(), 2);
+    assert_eq!(store.list_conversations("bob", 10).await.expect("list"), vec![bobs]);
+    assert!(store.list_conversations("carol", 10).await.expect("list").is_empty());
+
+    assert_eq!(store.get_conversation(&created[0].id).await.expect("get"), Some(created[0].clone()));
+    assert_eq!(store.get_conversation(&ConversationId::new()).await.expect("get"), None);
+    store.ping().await.expect("ping");
+}
+
+pub async fn start_run_writes_message_run_and_first_events(store: SharedStore) {
+    let conversation = conversation(&store, "alice").await;
+    let started = start(&store, &conversation, at(5)).await;
+
+    let run = &started.run;
+    assert_eq!(run.status, RunStatus::Queued);
+    assert_eq!(run.conversation_id, conversation.id);
+    assert_eq!(run.user_id, "alice");
+    assert_eq!(run.next_sequence, 3, "two first events");
+    assert_eq!(run.checkpoint, Checkpoint::start(1));
+    assert_eq!((run.lease_owner.as_ref(), run.cancel_requested), (None, false));
+    assert_eq!(&get_run(&store, &run.id).await, run);
+    assert_eq!(store.active_run(&conversation.id).await.expect("active run").as_ref(), Some(run));
+
+    let message = &started.message;
+    assert_eq!((message.role, message.run_id.as_ref()), (Role::User, Some(&run.id)));
+    assert_eq!(message.id, run.user_message_id);
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages"), vec![message.clone()]);
+
+    assert_eq!(started.events.iter().map(|e| e.sequence).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(started.events[0].type_name(), "run_started");
+    assert!(started.events.iter().all(|e| e.ts == at(5) && e.run_id == run.id));
+    assert_eq!(events(&store, &run.id).await, started.events);
+
+    let stored = store.get_conversation(&conversation.id).await.expect("get").expect("exists");
+    assert_eq!(stored.version, 1);
+
+    // a second turn, once the first is over, sees the conversation one version later
+    let mut c = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, at(6));
+    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("user".into()) });
+    commit_ok(&store, c).await;
+    let second = start(&store, &conversation, at(7)).await;
+    assert_eq!(second.run.checkpoint.conversation_version, 2);
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages").len(), 2);
+}
+
+pub async fn start_run_needs_a_conversation(store: SharedStore) {
+    let result = store
+        .start_run(NewRun {
+            conversation_id: ConversationId::new(),
+            user_id: "alice".into(),
+            content: "hello".into(),
+            cancel_on_disconnect: true,
+            now: at(1),
+            events: vec![],
+        })
+        .await;
+    assert!(matches!(result, Err(StoreError::NotFound("conversation"))), "{result:?}");
+}
+
+pub async fn one_active_run_per_conversation(store: SharedStore) {
+    let (conversation, first) = queued(&store).await;
+    let refused = store
+        .start_run(NewRun {
+            conversation_id: conversation.id.clone(),
+            user_id: "alice".into(),
+            content: "again".into(),
+            cancel_on_disconnect: false,
+            now: at(2),
+            events: first_events(&conversation.id),
+        })
+        .await;
+    match refused {
+        Err(StoreError::RunActive(id)) => assert_eq!(id, first.id),
+        other => panic!("expected RunActive, got {other:?}"),
+    }
+    // the refused turn left nothing behind
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages").len(), 1);
+    let version = store.get_conversation(&conversation.id).await.expect("get").expect("exists").version;
+    assert_eq!(version, 1);
+
+    // running and interrupted runs hold the conversation too
+    let mut c = Commit::new(first.id.clone(), acquire("w1", RunStatus::Queued, at(60)), at(3));
+    c.run = to(RunStatus::Running);
+    commit_ok(&store, c).await;
+    let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(4));
+    c.run = to(RunStatus::Interrupted);
+    commit_ok(&store, c).await;
+    let err = store
+        .start_run(NewRun {
+            conversation_id: conversation.id.clone(),
+            user_id: "alice".into(),
+            content: "again".into(),
+            cancel_on_disconnect: false,
+            now: at(5),
+            events: vec![],
+        })
+        .await
+        .expect_err("interrupted run is active");
+    assert!(matches!(err, StoreError::RunActive(ref id) if *id == first.id), "{err:?}");
+
+    // once it is over, the conversation takes a new run
+    let mut c = Commit::new(first.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, at(6));
+    c.run = to(RunStatus::Cancelled);
+    commit_ok(&store, c).await;
+    assert_eq!(store.active_run(&conversation.id).await.expect("active"), None);
+    let second = start(&store, &conversation, at(7)).await;
+    assert_ne!(second.run.id, first.id);
+    assert_eq!(store.active_run(&conversation.id).await.expect("active").map(|r| r.id), Some(second.run.id));
+}
+
+pub async fn concurrent_starts_create_one_run(store: SharedStore) {
+    let conversation = conversation(&store, "alice").await;
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let store = store.clone();
+            let conversation_id = conversation.id.clone();
+            tokio::spawn(async move {
+                store
+                    .start_run(NewRun {
+                        conversation_id,
+                        user_id: "alice".into(),
+                        content: format!("message {i}"),
+                        cancel_on_disconnect: false,
+                        now: at(i),
+                        events: vec![],
+                    })
+                    .await
+            })
+        })
+        .collect();
+    let mut started = Vec::new();
+    let mut refused = Vec::new();
+    for task in tasks {
+        match task.await.expect("task") {
+            Ok(s) => started.push(s),
+            Err(StoreError::RunActive(id)) => refused.push(id),
+            Err(e) => panic!("unexpected error {e:?}"),
+        }
+    }
+    assert_eq!(started.len(), 1);
+    assert_eq!(refused.len(), 9);
+    assert!(refused.iter().all(|id| *id == started[0].run.id));
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages").len(), 1);
+}
+
+pub async fn sequences_are_contiguous_across_commits(store: SharedStore) {
+    let (_, run) = running(&store, "w1").await;
+    let mut expected_next = run.next_sequence;
+    let mut written = events(&store, &run.id).await;
+    for i in 0..40i64 {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60 + i)), at(10 + i));
+        for d in 0..(i % 4) {
+            c.events.push(EventKind::TextDelta { message_id: MessageId::new(), delta: format!("{i}.{d}") });
+        }
+        let committed = commit_ok(&store, c).await;
+        let seqs: Vec<_> = committed.events.iter().map(|e| e.sequence).collect();
+        assert_eq!(seqs, (expected_next..expected_next + i % 4).collect::<Vec<_>>());
+        assert!(committed.events.iter().all(|e| e.ts == at(10 + i)));
+        expected_next += i % 4;
+        written.extend(committed.events);
+    }
+    let stored = events(&store, &run.id).await;
+    let n = i64::try_from(stored.len()).expect("count");
+    assert_eq!(stored.iter().map(|e| e.sequence).collect::<Vec<_>>(), (1..=n).collect::<Vec<_>>());
+    assert_eq!(stored, written, "stored events are the events as committed");
+    assert_eq!(get_run(&store, &run.id).await.next_sequence, n + 1);
+
+    let page = store.list_events(&run.id, 5, 3).await.expect("page");
+    assert_eq!(page.iter().map(|e| e.sequence).collect::<Vec<_>>(), vec![6, 7, 8]);
+    assert!(store.list_events(&run.id, n, 10).await.expect("tail").is_empty());
+}
+
+pub async fn a_fenced_out_commit_writes_nothing(store: SharedStore) {
+    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, at(0)).await.expect("seed");
+    let (conversation, run) = running(&store, "w1").await;
+    let call = tool_call(&run.id, "restart_instance", "pay-prod-2", ToolCallState::Requested);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    c.facts.push(fact("service", "payment-api", FactSource::ToolResult, at(5)));
+    commit_ok(&store, c).await;
+    let before = snapshot(&store, &conversation.id, &run.id).await;
+
+    // another worker, a lease taken from a status the run is not in, an unowned write on a running run
+    let fences = [
+        lease("w2", at(120)),
+        acquire("w2", RunStatus::Interrupted, at(120)),
+        Fence::Unowned { from: vec![RunStatus::Queued, RunStatus::Interrupted] },
+        Fence::Acquire { owner: "w2".into(), from: vec![], lease_until: at(120) },
+    ];
+    for fence in fences {
+        assert_conflict(store.commit(everything(&run, &conversation.id, fence, &call)).await);
+        assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
+    }
+    let missing = store.commit(Commit::new(RunId::new(), lease("w1", at(60)), at(5)).event(node("x"))).await;
+    assert!(matches!(missing, Err(StoreError::NotFound("run"))), "{missing:?}");
+
+    // the same commit by the lease holder goes through, all of it
+    commit_ok(&store, everything(&run, &conversation.id, lease("w1", at(60)), &call)).await;
+    let after = snapshot(&store, &conversation.id, &run.id).await;
+    assert_eq!(after.run.status, RunStatus::Completed);
+    assert_eq!(after.run.checkpoint.next_step, NextStep::Finalize);
+    assert_eq!(after.events.len(), before.events.len() + 2);
+    assert_eq!(after.messages.len(), before.messages.len() + 2);
+    assert_eq!(after.tool_calls.len(), 2);
+    assert_eq!(after.tool_calls[0].state, ToolCallState::Allowed);
+    assert_eq!(after.facts.len(), 2);
+    assert!(after.summary.is_some());
+    assert!(after.pending_interrupt.is_some());
+    let restarted = store.get_instance("pay-prod-2").await.expect("get").expect("exists");
+    assert_eq!((restarted.status.as_str(), restarted.restart_count), ("healthy", 1));
+}
+
+pub async fn acquire_wins_exactly_once_under_contention(store: SharedStore) {
+    let (_, run, pending) = interrupted(&store, at(300)).await;
+    let before = get_run(&store, &run.id).await;
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let store = store.clone();
+            let run_id = run.id.clone();
+            let pending = pending.clone();
+            tokio::spawn(async move {
+                let owner = format!("worker-{i}");
+                let mut c = Commit::new(run_id, acquire(&owner, RunStatus::Interrupted, at(160)), at(100));
+                c.run = to(RunStatus::Running);
+                c.interrupt_changes.push(resolve(&pending, &owner));
+                c.events.push(resumed(&pending, &owner));
+                c.events.push(node("execute_tools"));
+                (owner, store.commit(c).await)
+            })
+        })
+        .collect();
+    let mut winners = Vec::new();
+    for task in tasks {
+        let (owner, result) = task.await.expect("task");
+        match result {
+            Ok(committed) => winners.push((owner, committed)),
+            Err(StoreError::Conflict(_)) => {}
+            Err(e) => panic!("unexpected error {e:?}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "exactly one resume wins");
+    let (owner, committed) = &winners[0];
+    let seqs: Vec<_> = committed.events.iter().map(|e| e.sequence).collect();
+    assert_eq!(seqs, vec![before.next_sequence, before.next_sequence + 1]);
+
+    let after = get_run(&store, &run.id).await;
+    assert_eq!(after.status, RunStatus::Running);
+    assert_eq!(after.lease_owner.as_ref(), Some(owner));
+    assert_eq!(after.lease_expires_at, Some(at(160)));
+    let n = after.last_sequence();
+    assert_eq!(sequences(&store, &run.id).await, (1..=n).collect::<Vec<_>>());
+    let resolved = store.get_interrupt(&pending.id).await.expect("get").expect("exists");
+    assert_eq!(resolved.status, InterruptStatus::Resolved);
+    assert_eq!(resolved.resolved_by.as_ref(), Some(owner));
+}
+
+pub async fn run_changes_follow_the_state_machine(store: SharedStore) {
+    // a refused move rolls back the lease its fence took
+    let (_, queued_run) = queued(&store).await;
+    let mut c = Commit::new(queued_run.id.clone(), acquire("w1", RunStatus::Queued, at(60)), at(2));
+    c.run = to(RunStatus::Completed);
+    c.events.push(node("x"));
+    assert_conflict(store.commit(c).await);
+    assert_eq!(get_run(&store, &queued_run.id).await, queued_run);
+
+    let (conversation, run) = running(&store, "w1").await;
+    for bad in [RunStatus::Queued, RunStatus::Running] {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+        c.run = to(bad);
+        assert_conflict(store.commit(c).await);
+    }
+    assert_eq!(get_run(&store, &run.id).await, run);
+
+    // pausing lets go of the lease
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.run = to(RunStatus::Interrupted);
+    commit_ok(&store, c).await;
+    let paused = get_run(&store, &run.id).await;
+    assert_eq!((paused.status, paused.lease_owner, paused.lease_expires_at), (RunStatus::Interrupted, None, None));
+    assert_conflict(store.commit(Commit::new(run.id.clone(), lease("w1", at(60)), at(6)).event(node("x"))).await);
+
+    let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(90)), at(7));
+    c.run = to(RunStatus::Running);
+    commit_ok(&store, c).await;
+    let resumed = get_run(&store, &run.id).await;
+    assert_eq!((resumed.status, resumed.lease_owner.as_deref()), (RunStatus::Running, Some("w2")));
+
+    // finishing lets go of it too, and records the reason
+    let mut c = Commit::new(run.id.clone(), lease("w2", at(90)), at(8));
+    c.run = Some(RunChange { to: RunStatus::Failed, reason: Some("model unavailable".into()) });
+    commit_ok(&store, c).await;
+    let failed = get_run(&store, &run.id).await;
+    assert_eq!((failed.status, failed.reason.as_deref()), (RunStatus::Failed, Some("model unavailable")));
+    assert_eq!((failed.lease_owner.as_deref(), failed.lease_expires_at), (None, None));
+    assert_eq!(failed.updated_at, at(8));
+    assert_eq!(store.active_run(&conversation.id).await.expect("active"), None);
+
+    // nothing moves a finished run
+    let all_statuses = RunStatus::ALL.to_vec();
+    for fence in [lease("w2", at(90)), Fence::Unowned { from: all_statuses.clone() }] {
+        let mut c = Commit::new(run.id.clone(), fence, at(9));
+        c.run = to(RunStatus::Running);
+        assert_conflict(store.commit(c).await);
+    }
+    assert_eq!(get_run(&store, &run.id).await, failed);
+}
+
+pub async fn expired_interrupt_cannot_be_resolved(store: SharedStore) {
+    let (conversation, run, pending) = interrupted(&store, at(300)).await;
+    let before = snapshot(&store, &conversation.id, &run.id).await;
+    for now in [at(300), at(301)] {
+        let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(400)), now);
+        c.run = to(RunStatus::Running);
+        c.interrupt_changes.push(resolve(&pending, "alice"));
+        c.events.push(resumed(&pending, "alice"));
+        assert_conflict(store.commit(c).await);
+        assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
+    }
+
+    // expiry itself goes through: interrupt expired, run cancelled
+    let mut c = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, at(301));
+    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt expired".into()) });
+    c.interrupt_changes.push(InterruptChange {
+        id: pending.id.clone(),
+        to: InterruptStatus::Expired,
+        decision: None,
+        resolved_by: None,
+    });
+    c.events.push(EventKind::Cancelled { reason: "interrupt expired".into() });
+    commit_ok(&store, c).await;
+    let expired = store.get_interrupt(&pending.id).await.expect("get").expect("exists");
+    assert_eq!((expired.status, expired.resolved_at), (InterruptStatus::Expired, Some(at(301))));
+    assert_eq!(get_run(&store, &run.id).await.status, RunStatus::Cancelled);
+    assert_eq!(store.pending_interrupt(&run.id).await.expect("pending"), None);
+}
+
+pub async fn interrupt_is_resolved_once(store: SharedStore) {
+    let (conversation, run, pending) = interrupted(&store, at(300)).await;
+    assert_eq!(store.pending_interrupt(&run.id).await.expect("pending"), Some(pending.clone()));
+    assert_eq!(store.get_interrupt(&pending.id).await.expect("get"), Some(pending.clone()));
+
+    let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(400)), at(299));
+    c.run = to(RunStatus::Running);
+    c.interrupt_changes.push(resolve(&pending, "alice"));
+    c.events.push(resumed(&pending, "alice"));
+    commit_ok(&store, c).await;
+    let resolved = store.get_interrupt(&pending.id).await.expect("get").expect("exists");
+    assert_eq!(resolved.status, InterruptStatus::Resolved);
+    assert_eq!(resolved.decision, Some(json!("approve")));
+    assert_eq!(resolved.resolved_by.as_deref(), Some("alice"));
+    assert_eq!(resolved.resolved_at, Some(at(299)));
+    assert_eq!(store.pending_interrupt(&run.id).await.expect("pending"), None);
+
+    // a second decision, even by the lease holder, and a move back to pending, are refused
+    let before = snapshot(&store, &conversation.id, &run.id).await;
+    for change in [
+        resolve(&pending, "bob"),
+        InterruptChange { to: InterruptStatus::Cancelled, ..resolve(&pending, "bob") },
+        InterruptChange { to: InterruptStatus::Pending, ..resolve(&pending, "bob") },
+        resolve(&Interrupt { id: InterruptId::new(), ..pending.clone() }, "bob"),
+    ] {
+        let mut c = Commit::new(run.id.clone(), lease("w2", at(400)), at(299));
+        c.interrupt_changes.push(change);
+        c.events.push(resumed(&pending, "bob"));
+        assert_conflict(store.commit(c).await);
+    }
+    assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
+    let still = store.get_interrupt(&pending.id).await.expect("get").expect("exists");
+    assert_eq!(still, resolved);
+}
+
+pub async fn tool_call_updates_are_conditional(store: SharedStore) {
+    let (conversation, run) = running(&store, "w1").await;
+    let call = tool_call(&run.id, "restart_instance", "pay-prod-2", ToolCallState::Requested);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    commit_ok(&store, c).await;
+    assert_eq!(store.list_tool_calls(&run.id).await.expect("calls"), vec![call.clone()]);
+    let before = snapshot(&store, &conversation.id, &run.id).await;
+
+    let refused = [
+        // the state is not what the writer thinks
+        ToolCallChange::transition(&call.id, ToolCallState::Asking, ToolCallState::Allowed),
+        // the state machine does not allow the move
+        ToolCallChange::transition(&call.id, ToolCallState::Requested, ToolCallState::Executing),
+        ToolCallChange::transition(&call.id, ToolCallState::Requested, ToolCallState::Succeeded),
+        // no such call in this run
+        ToolCallChange::transition(&CallId::new(), ToolCallState::Requested, ToolCallState::Allowed),
+    ];
+    for change in refused {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6));
+        c.tool_calls.push(change);
+        c.events.push(node("execute_tools"));
+        assert_conflict(store.commit(c).await);
+        assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
+    }
+
+    let steps = [
+        ToolCallChange::transition(&call.id, ToolCallState::Requested, ToolCallState::Asking),
+        ToolCallChange::Update {
+            id: call.id.clone(),
+            from: ToolCallState::Asking,
+            to: ToolCallState::Allowed,
+            args: Some(json!({"instanceId": "pay-prod-3"})),
+            result: None,
+            summary: None,
+            started_at: None,
+            finished_at: None,
+        },
+        ToolCallChange::Update {
+            id: call.id.clone(),
+            from: ToolCallState::Allowed,
+            to: ToolCallState::Executing,
+            args: None,
+            result: None,
+            summary: None,
+            started_at: Some(at(7)),
+            finished_at: None,
+        },
+        ToolCallChange::Update {
+            id: call.id.clone(),
+            from: ToolCallState::Executing,
+            to: ToolCallState::Succeeded,
+            args: None,
+            result: Some(json!({"status": "healthy", "restartCount": 1})),
+            summary: Some("pay-prod-3 restarted".into()),
+            started_at: None,
+            finished_at: Some(at(8)),
+        },
+    ];
+    for step in steps {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(7));
+        c.tool_calls.push(step);
+        commit_ok(&store, c).await;
+    }
+    let done = store.list_tool_calls(&run.id).await.expect("calls").remove(0);
+    assert_eq!(done.state, ToolCallState::Succeeded);
+    assert_eq!(done.args, json!({"instanceId": "pay-prod-3"}), "the approved edit replaced the args");
+    assert_eq!(done.result, Some(json!({"status": "healthy", "restartCount": 1})));
+    assert_eq!(done.summary.as_deref(), Some("pay-prod-3 restarted"));
+    assert_eq!((done.started_at, done.finished_at), (Some(at(7)), Some(at(8))));
+}
+
+pub async fn refused_effect_rolls_back_the_commit(store: SharedStore) {
+    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, at(0)).await.expect("seed");
+    let (conversation, run) = running(&store, "w1").await;
+    let call = tool_call(&run.id, "restart_instance", "pay-prod-1", ToolCallState::Executing);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    commit_ok(&store, c).await;
+    let before = snapshot(&store, &conversation.id, &run.id).await;
+
+    let effects = [
+        Effect::RestartInstance { instance_id: "pay-prod-1".into() }, // healthy
+        Effect::RestartInstance { instance_id: "nope-1".into() },
+        Effect::RollbackRelease { service: "payment-api".into(), env: "prod".into(), from_release: "v9".into() },
+        Effect::RollbackRelease { service: "no-such-api".into(), env: "prod".into(), from_release: "v2.4.1".into() },
+    ];
+    for effect in effects {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(120)), at(6));
+        // a valid effect first: refusing the second must undo it too
+        c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-2".into() });
+        c.effects.push(effect);
+        c.tool_calls.push(ToolCallChange::Update {
+            id: call.id.clone(),
+            from: ToolCallState::Executing,
+            to: ToolCallState::Succeeded,
+            args: None,
+            result: Some(json!({"ok": true})),
+            summary: Some("restarted".into()),
+            started_at: None,
+            finished_at: Some(at(6)),
+        });
+        c.facts.push(fact("instance", "pay-prod-1", FactSource::ToolResult, at(6)));
+        c.events.push(EventKind::ToolFinished {
+            call_id: call.id.clone(),
+            tool: "restart_instance".into(),
+            status: ToolOutcomeStatus::Success,
+            summary: "restarted".into(),
+        });
+        assert_effect_refused(store.commit(c).await);
+        assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
+    }
+}
+
+pub async fn restart_effect_applies_exactly_once(store: SharedStore) {
+    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, at(0)).await.expect("seed");
+    let (_, run) = running(&store, "w1").await;
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            let run_id = run.id.clone();
+            tokio::spawn(async move {
+                let mut c = Commit::new(run_id, lease("w1", at(60)), at(10 + i));
+                c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-2".into() });
+                c.events.push(node("restart"));
+                store.commit(c).await
+            })
+        })
+        .collect();
+    let mut applied = 0;
+    for task in tasks {
+        match task.await.expect("task") {
+            Ok(_) => applied += 1,
+            Err(StoreError::EffectRefused(_)) => {}
+            Err(e) => panic!("unexpected error {e:?}"),
+        }
+    }
+    assert_eq!(applied, 1);
+    let instance = store.get_instance("pay-prod-2").await.expect("get").expect("exists");
+    assert_eq!((instance.status.as_str(), instance.restart_count), ("healthy", 1));
+    // only the applied commit's event was written
+    let n = get_run(&store, &run.id).await.last_sequence();
+    assert_eq!(sequences(&store, &run.id).await, (1..=n).collect::<Vec<_>>());
+    assert_eq!(events(&store, &run.id).await.iter().filter(|e| e.kind == node("restart")).count(), 1);
+}
+
+pub async fn rollback_effect_moves_every_instance_back(store: SharedStore) {
+    store.seed_fleet(FleetSeed { extra_abnormal: 1 }, at(0)).await.expect("seed");
+    let (_, run) = running(&store, "w1").await;
+    let rollback =
+        || Effect::RollbackRelease { service: "payment-api".into(), env: "prod".into(), from_release: "v2.4.1".into() };
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.effects.push(rollback());
+    commit_ok(&store, c).await;
+
+    let prod = store.list_instances(Some("payment-api"), Some("prod")).await.expect("list");
+    assert_eq!(prod.len(), 4);
+    for i in &prod {
+        assert_eq!((i.release.as_str(), i.previous_release.as_deref()), ("v2.4.0", Some("v2.4.1")), "{}", i.id);
+        assert_eq!(i.status, "healthy");
+    }
+    // other environments and services are untouched
+    let staging = store.list_instances(Some("payment-api"), Some("staging")).await.expect("list");
+    assert!(staging.iter().all(|i| i.release == "v2.4.1"));
+    let orders = store.list_instances(Some("order-api"), Some("prod")).await.expect("list");
+    assert!(orders.iter().all(|i| i.release == "v2.4.1"));
+
+    // they are no longer on v2.4.1: a second rollback is refused
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6));
+    c.effects.push(rollback());
+    assert_effect_refused(store.commit(c).await);
+    assert_eq!(store.list_instances(Some("payment-api"), Some("prod")).await.expect("list"), prod);
+}
+
+pub async fn text_appends_build_one_message_and_discard_removes_it(store: SharedStore) {
+    let (conversation, run) = running(&store, "w1").await;
+    let answer = MessageId::new();
+    let append = |id: &MessageId, text: &str| TextAppend { message_id: id.clone(), text: text.into() };
+
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.text.push(append(&answer, "Hel"));
+    commit_ok(&store, c).await;
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6));
+    c.text.push(append(&answer, "lo"));
+    c.text.push(append(&answer, ", world"));
+    commit_ok(&store, c).await;
+
+    let messages = store.list_messages(&conversation.id).await.expect("messages");
+    assert_eq!(messages.len(), 2);
+    let m = &messages[1];
+    assert_eq!((m.id.clone(), m.role, m.content.as_str()), (answer.clone(), Role::Assistant, "Hello, world"));
+    assert_eq!((m.run_id.as_ref(), &m.conversation_id), (Some(&run.id), &conversation.id));
+    assert_eq!(m.created_at, at(5), "created by the first append");
+
+    // a cut-off model call: its message goes, the earlier one stays
+    let cut = MessageId::new();
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(7));
+    c.text.push(append(&cut, "I will resta"));
+    commit_ok(&store, c).await;
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages").len(), 3);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(8));
+    c.discard_messages.push(cut.clone());
+    c.discard_messages.push(MessageId::new()); // never created: nothing to do
+    c.events.push(EventKind::TextDiscarded { message_id: cut, reason: "recovered".into() });
+    commit_ok(&store, c).await;
+    let after: Vec<_> =
+        store.list_messages(&conversation.id).await.expect("messages").into_iter().map(|m| m.id).collect();
+    assert_eq!(after, vec![run.user_message_id.clone(), answer]);
+
+    // text never goes into a message that is not this run's assistant message
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(9));
+    c.text.push(append(&run.user_message_id, "!"));
+    assert_conflict(store.commit(c).await);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(9));
+    c.discard_messages.push(run.user_message_id.clone());
+    commit_ok(&store, c).await;
+    let messages = store.list_messages(&conversation.id).await.expect("messages");
+    assert_eq!(messages[0].content, "Restart the abnormal instance of payment-api", "the user message stays");
+    assert_eq!(messages.len(), 2);
+}
+
+pub async fn messages_facts_and_summary_are_written_by_commit(store: SharedStore) {
+    let (conversation, run) = running(&store, "w1").await;
+    let call = tool_call(&run.id, "get_instance", "pay-prod-2", ToolCallState::Succeeded);
+    let tool_message = Message {
+        id: MessageId::new(),
+        conversation_id: conversation.id.clone(),
+        run_id: Some(run.id.clone()),
+        role: Role::Tool,
+        content: "{\"status\":\"abnormal\"}".into(),
+        tool_call_id: Some(call.id.clone()),
+        created_at: at(5),
+    };
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.tool_calls.push(ToolCallChange::Insert(call));
+    c.messages.push(tool_message.clone());
+    c.facts.push(fact("service", "payment-api", FactSource::ToolResult, at(5)));
+    c.facts.push(fact("env", "prod", FactSource::ToolResult, at(5)));
+    c.summary = Some(Summary {
+        conversation_id: conversation.id.clone(),
+        through_message_id: run.user_message_id.clone(),
+        text: "first".into(),
+    });
+    commit_ok(&store, c).await;
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages")[1], tool_message);
+
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6));
+    c.facts.push(fact("service", "order-api", FactSource::UserConfirmed, at(6)));
+    c.summary = Some(Summary {
+        conversation_id: conversation.id.clone(),
+        through_message_id: tool_message.id.clone(),
+        text: "second".into(),
+    });
+    commit_ok(&store, c).await;
+
+    let mut facts = store.list_facts(&conversation.id).await.expect("facts");
+    facts.sort_by(|a, b| a.key.cmp(&b.key));
+    assert_eq!(
+        facts,
+        vec![
+            fact("env", "prod", FactSource::ToolResult, at(5)),
+            fact("service", "order-api", FactSource::UserConfirmed, at(6)),
+        ]
+    );
+    let summary = store.get_summary(&conversation.id).await.expect("summary").expect("exists");
+    assert_eq!((summary.text.as_str(), &summary.through_message_id), ("second", &tool_message.id));
+
+    // facts belong to their conversation
+    let other = store.create_conversation("alice", "other", at(0)).await.expect("create");
+    assert!(store.list_facts(&other.id).await.expect("facts").is_empty());
+    assert_eq!(store.get_summary(&other.id).await.expect("summary"), None);
+}
+
+pub async fn duplicate_ids_are_refused(store: SharedStore) {
+    let (conversation, run) = running(&store, "w1").await;
+    let call = tool_call(&run.id, "get_instance", "pay-prod-2", ToolCallState::Requested);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+    c.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    commit_ok(&store, c).await;
+    let before = snapshot(&store, &conversation.id, &run.id).await;
+
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6)).event(node("x"));
+    c.tool_calls.push(ToolCallChange::Insert(call));
+    assert!(matches!(store.commit(c).await, Err(StoreError::Duplicate(_))));
+
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6)).event(node("x"));
+    c.messages.push(Message {
+        id: run.user_message_id.clone(),
+        conversation_id: conversation.id.clone(),
+        run_id: Some(run.id.clone()),
+        role: Role::Tool,
+        content: "{}".into(),
+        tool_call_id: None,
+        created_at: at(6),
+    });
+    assert!(matches!(store.commit(c).await, Err(StoreError::Duplicate(_))));
+    assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
+}
+
+pub async fn claim_runs_takes_queued_and_expired_not_live(store: SharedStore) {
+    let mut runs = Vec::new();
+    for secs in 1..=4 {
+        let conversation = conversation(&store, "alice").await;
+        runs.push(start(&store, &conversation, at(secs)).await.run);
+    }
+    // a finished run is never claimed
+    let mut c = Commit::new(runs[3].id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, at(5));
+    c.run = to(RunStatus::Cancelled);
+    commit_ok(&store, c).await;
+    let ids = |claimed: &[Run]| claimed.iter().map(|r| r.id.clone()).collect::<Vec<_>>();
+
+    let first = store.claim_runs("w1", at(10), at(70), false, 2).await.expect("claim");
+    assert_eq!(ids(&first), vec![runs[0].id.clone(), runs[1].id.clone()], "oldest first, at most limit");
+    for r in &first {
+        assert_eq!(
+            (r.status, r.lease_owner.as_deref(), r.lease_expires_at),
+            (RunStatus::Running, Some("w1"), Some(at(70)))
+        );
+        assert_eq!(&get_run(&store, &r.id).await, r);
+    }
+    let second = store.claim_runs("w2", at(10), at(70), false, 10).await.expect("claim");
+    assert_eq!(ids(&second), vec![runs[2].id.clone()]);
+    assert!(store.claim_runs("w3", at(69), at(130), false, 10).await.expect("claim").is_empty(), "leases are live");
+
+    let stolen = store.claim_runs("w3", at(20), at(200), true, 1).await.expect("steal");
+    assert_eq!(ids(&stolen), vec![runs[0].id.clone()]);
+    assert_eq!(stolen[0].lease_owner.as_deref(), Some("w3"));
+
+    // at the expiry instant the lease is gone
+    let expired = store.claim_runs("w4", at(70), at(130), false, 10).await.expect("claim");
+    assert_eq!(ids(&expired), vec![runs[1].id.clone(), runs[2].id.clone()]);
+    assert!(expired.iter().all(|r| r.lease_owner.as_deref() == Some("w4")));
+
+    // a paused run waits for a human, not for a worker
+    let mut c = Commit::new(runs[2].id.clone(), lease("w4", at(130)), at(71));
+    c.run = to(RunStatus::Interrupted);
+    commit_ok(&store, c).await;
+    let rest = store.claim_runs("w5", at(1000), at(1060), true, 10).await.expect("claim");
+    assert_eq!(ids(&rest), vec![runs[0].id.clone(), runs[1].id.clone()]);
+    assert_eq!(get_run(&store, &runs[2].id).await.status, RunStatus::Interrupted);
+    assert_eq!(get_run(&store, &runs[3].id).await.status, RunStatus::Cancelled);
+}
+
+pub async fn concurrent_claimers_never_share_a_run(store: SharedStore) {
+    let mut all = BTreeSet::new();
+    for secs in 0..12 {
+        let conversation = conversation(&store, "alice").await;
+        all.insert(start(&store, &conversation, at(secs)).await.run.id);
+    }
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let owner = format!("w{i}");
+                let mut mine = Vec::new();
+                // bounded: a store that hands out live leases again must fail, not hang
+                for _ in 0..20 {
+                    let claimed = store.claim_runs(&owner, at(100), at(160), false, 2).await.expect("claim");
+                    if claimed.is_empty() {
+                        break;
+                    }
+                    assert!(claimed.iter().all(|r| r.lease_owner.as_deref() == Some(owner.as_str())));
+                    mine.extend(claimed.into_iter().map(|r| r.id));
+                }
+                mine
+            })
+        })
+        .collect();
+    let mut claimed = Vec::new();
+    for task in tasks {
+        claimed.extend(task.await.expect("task"));
+    }
+    assert_eq!(claimed.len(), all.len(), "every run claimed exactly once");
+    assert_eq!(claimed.into_iter().collect::<BTreeSet<_>>(), all);
+}
+
+pub async fn leases_renew_and_release(store: SharedStore) {
+    let (_, run) = queued(&store).await;
+    store.claim_runs("w1", at(10), at(70), false, 1).await.expect("claim");
+
+    assert!(!store.renew_lease(&run.id, "w2", at(100)).await.expect("renew"));
+    assert!(store.renew_lease(&run.id, "w1", at(100)).await.expect("renew"));
+    assert_eq!(get_run(&store, &run.id).await.lease_expires_at, Some(at(100)));
+    assert!(store.claim_runs("w2", at(80), at(140), false, 10).await.expect("claim").is_empty(), "renewed");
+
+    store.release_lease(&run.id, "w2").await.expect("release by another");
+    assert_eq!(get_run(&store, &run.id).await.lease_owner.as_deref(), Some("w1"));
+    store.release_lease(&run.id, "w1").await.expect("release");
+    let released = get_run(&store, &run.id).await;
+    assert_eq!((released.status, released.lease_owner, released.lease_expires_at), (RunStatus::Running, None, None));
+    assert!(!store.renew_lease(&run.id, "w1", at(120)).await.expect("renew"), "released");
+
+    // a released run is claimable at once
+    let claimed = store.claim_runs("w2", at(81), at(141), false, 10).await.expect("claim");
+    assert_eq!(claimed.iter().map(|r| &r.id).collect::<Vec<_>>(), vec![&run.id]);
+
+    let mut c = Commit::new(run.id.clone(), lease("w2", at(141)), at(82));
+    c.run = to(RunStatus::Completed);
+    commit_ok(&store, c).await;
+    assert!(!store.renew_lease(&run.id, "w2", at(200)).await.expect("renew"), "finished");
+}
+
+pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
+    let (_, run) = running(&store, "w1").await;
+    let committed = commit_ok(&store, Commit::new(run.id.clone(), lease("w1", at(60)), at(5)).event(node("a"))).await;
+    assert!(!committed.cancel_requested);
+
+    let flagged = store.request_cancel(&run.id, at(6)).await.expect("cancel");
+    assert!(flagged.cancel_requested);
+    assert_eq!(flagged.status, RunStatus::Running, "the worker cancels, not the request");
+    assert_eq!(get_run(&store, &run.id).await, flagged);
+    let committed = commit_ok(&store, Commit::new(run.id.clone(), lease("w1", at(60)), at(7)).event(node("b"))).await;
+    assert!(committed.cancel_requested);
+
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(8));
+    c.run = to(RunStatus::Cancelled);
+    c.events.push(EventKind::Cancelled { reason: "user".into() });
+    assert!(commit_ok(&store, c).await.cancel_requested);
+
+    // a queued run is flagged too; a missing one is not found
+    let (_, waiting) = queued(&store).await;
+    assert!(store.request_cancel(&waiting.id, at(9)).await.expect("cancel").cancel_requested);
+    let missing = store.request_cancel(&RunId::new(), at(9)).await;
+    assert!(matches!(missing, Err(StoreError::NotFound("run"))), "{missing:?}");
+
+    // a finished run is returned as it is
+    let (_, done) = running(&store, "w1").await;
+    let mut c = Commit::new(done.id.clone(), lease("w1", at(60)), at(10));
+    c.run = to(RunStatus::Completed);
+    commit_ok(&store, c).await;
+    let finished = store.request_cancel(&done.id, at(11)).await.expect("cancel");
+    assert_eq!((finished.status, finished.cancel_requested), (RunStatus::Completed, false));
+}
+
+pub async fn idempotency_keys(store: SharedStore) {
+    let begin = |user: &'static str, key: &'static str, hash: &'static str, now: i64| {
+        let store = store.clone();
+        async move { store.idempotency_begin(user, key, hash, at(now), at(now + 100)).await.expect("begin") }
+    };
+    assert_eq!(begin("alice", "k1", "h1", 0).await, IdempotencyBegin::Started);
+    assert_eq!(begin("alice", "k1", "h1", 1).await, IdempotencyBegin::InFlight);
+    assert_eq!(begin("alice", "k1", "h2", 1).await, IdempotencyBegin::Mismatch);
+    // keys are per user
+    assert_eq!(begin("bob", "k1", "h2", 1).await, IdempotencyBegin::Started);
+
+    let response = json!({"runId": "run_1", "status": "running"});
+    store.idempotency_complete("alice", "k1", 202, &response).await.expect("complete");
+    assert_eq!(begin("alice", "k1", "h1", 2).await, IdempotencyBegin::Done { status: 202, response: response.clone() });
+    assert_eq!(begin("alice", "k1", "h2", 2).await, IdempotencyBegin::Mismatch);
+
+    // abandoning forgets an in-flight key, never an answered one
+    store.idempotency_abandon("bob", "k1").await.expect("abandon");
+    assert_eq!(begin("bob", "k1", "h3", 3).await, IdempotencyBegin::Started);
+    store.idempotency_abandon("alice", "k1").await.expect("abandon");
+    assert_eq!(begin("alice", "k1", "h1", 4).await, IdempotencyBegin::Done { status: 202, response });
+
+    // an expired key starts afresh, whatever it held (the first one expires at 100)
+    assert_eq!(begin("alice", "k1", "h9", 100).await, IdempotencyBegin::Started);
+    assert_eq!(begin("alice", "k1", "h1", 101).await, IdempotencyBegin::Mismatch);
+    assert_eq!(begin("alice", "k1", "h9", 101).await, IdempotencyBegin::InFlight);
+
+    let missing = store.idempotency_complete("alice", "never", 200, &json!({})).await;
+    assert!(matches!(missing, Err(StoreError::NotFound(_))), "{missing:?}");
+}
+
+pub async fn seed_fleet_matches_the_demo(store: SharedStore) {
+    store.set_user_role("alice", UserRole::Viewer).await.expect("role");
+    let now = at(3600 * 5);
+    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, now).await.expect("seed");
+
+    let recent = store.recent_errors("payment-api", "prod", now - Duration::minutes(15)).await.expect("errors");
+    assert_eq!(recent.len(), 12);
+    assert!(recent.iter().all(|e| (500..600).contains(&e.status_code) && e.instance_id == "pay-prod-2"));
+    assert!(recent.iter().all(|e| e.service == "payment-api" && e.env == "prod" && e.at <= now));
+    assert!(recent.windows(2).all(|w| w[0].at >= w[1].at), "newest first");
+    let codes: BTreeSet<_> = recent.iter().map(|e| e.status_code).collect();
+    assert!(codes.len() >= 2, "a mix of 5xx codes: {codes:?}");
+    let older = store.recent_errors("payment-api", "prod", now - Duration::hours(4)).await.expect("errors");
+    assert_eq!(older.len(), 17);
+    assert!(older[12..].iter().all(|e| e.at <= now - Duration::hours(2) && e.at >= now - Duration::hours(3)));
+    assert_eq!(store.recent_errors("order-api", "prod", now - Duration::minutes(15)).await.expect("errors").len(), 2);
+    assert!(store.recent_errors("payment-api", "staging", now - Duration::hours(4)).await.expect("errors").is_empty());
+
+    let all = store.list_instances(None, None).await.expect("instances");
+    assert_eq!(all.len(), 15);
+    assert!(all.windows(2).all(|w| w[0].id < w[1].id), "ordered by id");
+    let abnormal: Vec<_> = all.iter().filter(|i| i.status == "abnormal").map(|i| i.id.as_str()).collect();
+    assert_eq!(abnormal, vec!["pay-prod-2"]);
+    assert!(all.iter().all(|i| i.release == "v2.4.1" && i.previous_release.as_deref() == Some("v2.4.0")));
+    let pay_prod: Vec<_> = store
+        .list_instances(Some("payment-api"), Some("prod"))
+        .await
+        .expect("list")
+        .into_iter()
+        .map(|i| i.id)
+        .collect();
+    assert_eq!(pay_prod, vec!["pay-prod-1", "pay-prod-2", "pay-prod-3"]);
+    assert_eq!(store.list_instances(None, Some("staging")).await.expect("list").len(), 6);
+    assert_eq!(store.list_instances(Some("inventory-api"), None).await.expect("list").len(), 5);
+    assert_eq!(store.user_role("demo").await.expect("role"), Some(UserRole::Operator));
+
+    // reseeding replaces the fleet and its log, and leaves users alone
+    store.set_user_role("demo", UserRole::Admin).await.expect("role");
+    store.seed_fleet(FleetSeed { extra_abnormal: 2 }, now).await.expect("reseed");
+    let all = store.list_instances(None, None).await.expect("instances");
+    assert_eq!(all.len(), 21);
+    let extra: Vec<_> = all.iter().filter(|i| i.id.contains("-prod-a")).collect();
+    assert_eq!(extra.len(), 6);
+    assert!(extra.iter().all(|i| i.status == "abnormal" && i.env == "prod"));
+    assert!(all.iter().any(|i| i.id == "order-prod-a2" && i.service == "order-api"));
+    assert_eq!(store.recent_errors("payment-api", "prod", now - Duration::hours(4)).await.expect("errors").len(), 17);
+    assert_eq!(store.user_role("demo").await.expect("role"), Some(UserRole::Admin));
+    assert_eq!(store.user_role("alice").await.expect("role"), Some(UserRole::Viewer));
+    assert_eq!(store.get_instance("pay-prod-a1").await.expect("get").map(|i| i.status), Some("abnormal".into()));
+}
+
+pub async fn instances_awaiting_restart_lists_asking_restarts(store: SharedStore) {
+    assert!(store.instances_awaiting_restart().await.expect("awaiting").is_empty());
+    let (_, first) = running(&store, "w1").await;
+    let (_, second) = running(&store, "w2").await;
+    let later = tool_call(&second.id, "restart_instance", "inv-prod-1", ToolCallState::Requested);
+    let calls = [
+        (&first, tool_call(&first.id, "restart_instance", "pay-prod-2", ToolCallState::Asking), "w1"),
+        (&first, tool_call(&first.id, "restart_instance", "order-prod-3", ToolCallState::Allowed), "w1"),
+        (&first, tool_call(&first.id, "get_instance", "order-prod-1", ToolCallState::Asking), "w1"),
+        (&second, tool_call(&second.id, "restart_instance", "pay-prod-2", ToolCallState::Asking), "w2"),
+        (&second, later.clone(), "w2"),
+    ];
+    for (run, call, owner) in calls {
+        let mut c = Commit::new(run.id.clone(), lease(owner, at(60)), at(5));
+        c.tool_calls.push(ToolCallChange::Insert(call));
+        commit_ok(&store, c).await;
+    }
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(store.instances_awaiting_restart().await.expect("awaiting")), vec!["pay-prod-2"]);
+
+    let mut c = Commit::new(second.id.clone(), lease("w2", at(60)), at(6));
+    c.tool_calls.push(ToolCallChange::transition(&later.id, ToolCallState::Requested, ToolCallState::Asking));
+    commit_ok(&store, c).await;
+    assert_eq!(sorted(store.instances_awaiting_restart().await.expect("awaiting")), vec!["inv-prod-1", "pay-prod-2"]);
+}
+
+pub async fn due_interrupts_are_pending_and_past_expiry(store: SharedStore) {
+    let mut pending = Vec::new();
+    for expires in [100, 200, 300] {
+        let (_, run, interrupt) = interrupted(&store, at(expires)).await;
+        pending.push((run, interrupt));
+    }
+    let due = |now: i64, limit: u32| {
+        let store = store.clone();
+        async move {
+            let due = store.due_interrupts(at(now), limit).await.expect("due");
+            assert!(due.iter().all(|i| i.status == InterruptStatus::Pending && i.expires_at <= at(now)));
+            due.into_iter().map(|i| i.id).collect::<BTreeSet<_>>()
+        }
+    };
+    let ids = |which: &[usize]| which.iter().map(|&i| pending[i].1.id.clone()).collect::<BTreeSet<_>>();
+    assert!(due(99, 10).await.is_empty());
+    assert_eq!(due(100, 10).await, ids(&[0]), "due at its expiry instant");
+    assert_eq!(due(250, 10).await, ids(&[0, 1]));
+    assert_eq!(due(1000, 2).await.len(), 2);
+
+    // resolved in time: never due
+    let (run, interrupt) = &pending[1];
+    let mut c = Commit::new(run.id.clone(), acquire("w9", RunStatus::Interrupted, at(260)), at(199));
+    c.run = to(RunStatus::Running);
+    c.interrupt_changes.push(resolve(interrupt, "alice"));
+    commit_ok(&store, c).await;
+    assert_eq!(due(1000, 10).await, ids(&[0, 2]));
+}
+
+pub async fn conversation_tool_calls_span_runs(store: SharedStore) {
+    let (conversation, first) = running(&store, "w1").await;
+    let a = tool_call(&first.id, "get_recent_errors", "pay-prod-2", ToolCallState::Succeeded);
+    let b = tool_call(&first.id, "find_abnormal_instances", "pay-prod-2", ToolCallState::Succeeded);
+    let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(5));
+    c.tool_calls.push(ToolCallChange::Insert(a.clone()));
+    c.tool_calls.push(ToolCallChange::Insert(b.clone()));
+    c.run = to(RunStatus::Completed);
+    commit_ok(&store, c).await;
+
+    let second = start(&store, &conversation, at(6)).await.run;
+    let d = tool_call(&second.id, "restart_instance", "pay-prod-2", ToolCallState::Requested);
+    let mut c = Commit::new(second.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(7));
+    c.run = to(RunStatus::Running);
+    c.tool_calls.push(ToolCallChange::Insert(d.clone()));
+    commit_ok(&store, c).await;
+
+    // a call handed to another run's commit is refused
+    let mut c = Commit::new(second.id.clone(), lease("w2", at(60)), at(8));
+    c.tool_calls.push(ToolCallChange::Insert(tool_call(&first.id, "get_instance", "x", ToolCallState::Requested)));
+    assert_conflict(store.commit(c).await);
+
+    let listed = store.list_conversation_tool_calls(&conversation.id).await.expect("calls");
+    assert_eq!(listed, vec![a.clone(), b.clone(), d.clone()]);
+    assert_eq!(store.list_tool_calls(&first.id).await.expect("calls"), vec![a, b]);
+    assert_eq!(store.list_tool_calls(&second.id).await.expect("calls"), vec![d]);
+    let other = store.create_conversation("alice", "other", at(0)).await.expect("create");
+    assert!(store.list_conversation_tool_calls(&other.id).await.expect("calls").is_empty());
+}
+
+pub async fn user_roles(store: SharedStore) {
+    assert_eq!(store.user_role("alice").await.expect("role"), None);
+    store.set_user_role("alice", UserRole::Viewer).await.expect("set");
+    assert_eq!(store.user_role("alice").await.expect("role"), Some(UserRole::Viewer));
+    store.set_user_role("alice", UserRole::Operator).await.expect("set");
+    assert_eq!(store.user_role("alice").await.expect("role"), Some(UserRole::Operator));
+    assert_eq!(store.user_role("bob").await.expect("role"), None);
+}

@@ -1,0 +1,270 @@
+//! Settings, layered: defaults < `keel.toml` (or `--config PATH`) < `KEEL_…` environment < flags.
+//! clap merges the last two; this module puts the file under them and validates the result once.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use serde::Deserialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The flags every subcommand takes; each may also come from the environment or the file.
+#[derive(Debug, Clone, Default, Args)]
+pub struct Options {
+    /// A TOML settings file [default: ./keel.toml, if present].
+    #[arg(long, global = true, env = "KEEL_CONFIG", value_name = "PATH")]
+    pub config: Option<PathBuf>,
+    /// The address to listen on [default: 127.0.0.1:8080].
+    #[arg(long, global = true, env = "KEEL_LISTEN", value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// Where the embedded database lives [default: ./keel-data].
+    #[arg(long, global = true, env = "KEEL_DATA_DIR", value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// The database URL; only `sqlite://PATH` for now [default: sqlite://<data-dir>/keel.db].
+    #[arg(long, global = true, env = "KEEL_DB", value_name = "URL")]
+    pub db: Option<String>,
+    /// The model; only `demo` (offline, rule-based) for now [default: demo].
+    #[arg(long, global = true, env = "KEEL_MODEL")]
+    pub model: Option<String>,
+    /// The demo model's delay between streamed tokens, in milliseconds [default: 15].
+    #[arg(long, global = true, env = "KEEL_DEMO_DELAY_MS", value_name = "MS")]
+    pub demo_delay_ms: Option<u64>,
+    /// How long a human has to decide, e.g. `15m`, `90s`, `1h` [default: 15m].
+    #[arg(long, global = true, env = "KEEL_INTERRUPT_TTL", value_name = "DURATION")]
+    pub interrupt_ttl: Option<String>,
+    /// The SSE keep-alive interval, e.g. `15s`, `500ms` [default: 15s].
+    #[arg(long, global = true, env = "KEEL_HEARTBEAT", value_name = "DURATION")]
+    pub heartbeat: Option<String>,
+    /// Extra abnormal instances per service in the seeded fleet [default: 0].
+    #[arg(long, global = true, env = "KEEL_DEMO_ABNORMAL", value_name = "N")]
+    pub demo_abnormal: Option<u32>,
+    /// Log lines as text or JSON; the level comes from RUST_LOG [default: text].
+    #[arg(long, global = true, env = "KEEL_LOG_FORMAT", value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// `keel.toml`: the same settings, snake_case keys.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub listen: Option<String>,
+    pub data_dir: Option<PathBuf>,
+    pub db: Option<String>,
+    pub model: Option<String>,
+    pub demo_delay_ms: Option<u64>,
+    pub interrupt_ttl: Option<String>,
+    pub heartbeat: Option<String>,
+    pub demo_abnormal: Option<u32>,
+    pub log_format: Option<LogFormat>,
+}
+
+impl FileConfig {
+    /// `path` if given (it must exist), else `./keel.toml` if it exists, else nothing.
+    pub fn load(path: Option<&Path>) -> anyhow::Result<Self> {
+        let (path, required) = match path {
+            Some(p) => (p.to_owned(), true),
+            None => (PathBuf::from("keel.toml"), false),
+        };
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+        };
+        toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelChoice {
+    /// The offline, rule-based `DemoModel`.
+    Demo,
+}
+
+/// The settings, resolved and validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub listen: String,
+    pub data_dir: PathBuf,
+    /// The SQLite database file.
+    pub sqlite_path: PathBuf,
+    pub model: ModelChoice,
+    pub demo_delay: Duration,
+    pub interrupt_ttl: Duration,
+    pub heartbeat: Duration,
+    pub demo_abnormal: u32,
+    pub log_format: LogFormat,
+}
+
+impl Settings {
+    /// `cli` already holds environment and flags (flags win); `file` sits under both.
+    pub fn resolve(cli: &Options, file: &FileConfig) -> anyhow::Result<Self> {
+        let pick = |flag: &Option<String>, file: &Option<String>| flag.clone().or_else(|| file.clone());
+        let listen = pick(&cli.listen, &file.listen).unwrap_or_else(|| "127.0.0.1:8080".to_owned());
+        let data_dir = cli.data_dir.clone().or_else(|| file.data_dir.clone()).unwrap_or_else(|| "keel-data".into());
+        let sqlite_path = match pick(&cli.db, &file.db) {
+            None => data_dir.join("keel.db"),
+            Some(url) => sqlite_path(&url)?,
+        };
+        let model = match pick(&cli.model, &file.model).as_deref().unwrap_or("demo") {
+            "demo" => ModelChoice::Demo,
+            other => bail!("--model {other:?} is not supported; the only model for now is `demo`"),
+        };
+        let demo_delay = Duration::from_millis(cli.demo_delay_ms.or(file.demo_delay_ms).unwrap_or(15));
+        let interrupt_ttl = positive_duration("--interrupt-ttl", pick(&cli.interrupt_ttl, &file.interrupt_ttl), "15m")?;
+        let heartbeat = positive_duration("--heartbeat", pick(&cli.heartbeat, &file.heartbeat), "15s")?;
+        Ok(Self {
+            listen,
+            data_dir,
+            sqlite_path,
+            model,
+            demo_delay,
+            interrupt_ttl,
+            heartbeat,
+            demo_abnormal: cli.demo_abnormal.or(file.demo_abnormal).unwrap_or(0),
+            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
+        })
+    }
+}
+
+fn positive_duration(name: &str, value: Option<String>, default: &str) -> anyhow::Result<Duration> {
+    let text = value.unwrap_or_else(|| default.to_owned());
+    let d = parse_duration(&text).with_context(|| format!("{name} {text:?}"))?;
+    if d.is_zero() {
+        bail!("{name} must be longer than zero");
+    }
+    Ok(d)
+}
+
+/// `sqlite://PATH` (or `sqlite:PATH`) → PATH; any other scheme is not supported yet.
+fn sqlite_path(url: &str) -> anyhow::Result<PathBuf> {
+    let path = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:"));
+    match path {
+        Some(p) if !p.is_empty() => Ok(PathBuf::from(p.split('?').next().unwrap_or(p))),
+        Some(_) => bail!("--db {url:?} names no file; expected sqlite://PATH"),
+        None => bail!("--db {url:?} is not supported; only sqlite://PATH databases are, for now"),
+    }
+}
+
+/// `500ms`, `2s`, `15m`, `1h`, `1d`, or a combination like `1h30m`; a bare number is seconds.
+pub fn parse_duration(text: &str) -> anyhow::Result<Duration> {
+    let text = text.trim();
+    if text.is_empty() {
+        bail!("empty duration");
+    }
+    if text.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(Duration::from_secs(text.parse().context("duration out of range")?));
+    }
+    let mut total = Duration::ZERO;
+    let mut rest = text;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            bail!("expected a number in {text:?}; durations look like 500ms, 2s, 15m, 1h");
+        }
+        let n: u64 = rest[..digits].parse().context("duration out of range")?;
+        rest = &rest[digits..];
+        let unit_len = rest.bytes().take_while(u8::is_ascii_alphabetic).count();
+        let unit = &rest[..unit_len];
+        rest = &rest[unit_len..];
+        let part = match unit {
+            "ms" => Duration::from_millis(n),
+            "s" => Duration::from_secs(n),
+            "m" => Duration::from_secs(n.saturating_mul(60)),
+            "h" => Duration::from_secs(n.saturating_mul(3600)),
+            "d" => Duration::from_secs(n.saturating_mul(86_400)),
+            "" => bail!("missing unit in {text:?}; use ms, s, m, h or d"),
+            other => bail!("unknown unit {other:?} in {text:?}; use ms, s, m, h or d"),
+        };
+        total = total.saturating_add(part);
+    }
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("15m").unwrap(), Duration::from_secs(900));
+        assert_eq!(parse_duration("2s").unwrap(), Duration::from_secs(2));
+        assert_eq!(parse_duration("1h").unwrap(), Duration::from_secs(3600));
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration(" 30 ").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("0s").unwrap(), Duration::ZERO);
+        for bad in ["", "m", "15x", "1.5s", "-2s", "s15", "10 m"] {
+            assert!(parse_duration(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn defaults() {
+        let s = Settings::resolve(&Options::default(), &FileConfig::default()).unwrap();
+        assert_eq!(s.listen, "127.0.0.1:8080");
+        assert_eq!(s.sqlite_path, PathBuf::from("keel-data").join("keel.db"));
+        assert_eq!(s.model, ModelChoice::Demo);
+        assert_eq!(s.demo_delay, Duration::from_millis(15));
+        assert_eq!(s.interrupt_ttl, Duration::from_secs(900));
+        assert_eq!(s.heartbeat, Duration::from_secs(15));
+        assert_eq!(s.demo_abnormal, 0);
+        assert_eq!(s.log_format, LogFormat::Text);
+    }
+
+    #[test]
+    fn the_file_sits_under_environment_and_flags() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            listen = "0.0.0.0:9000"
+            data_dir = "/srv/keel"
+            heartbeat = "5s"
+            demo_abnormal = 3
+            log_format = "json"
+            "#,
+        )
+        .unwrap();
+        let s = Settings::resolve(&Options::default(), &file).unwrap();
+        assert_eq!(s.listen, "0.0.0.0:9000");
+        assert_eq!(s.sqlite_path, PathBuf::from("/srv/keel/keel.db"));
+        assert_eq!(s.heartbeat, Duration::from_secs(5));
+        assert_eq!(s.demo_abnormal, 3);
+        assert_eq!(s.log_format, LogFormat::Json);
+
+        let cli = Options {
+            listen: Some("127.0.0.1:0".into()),
+            heartbeat: Some("250ms".into()),
+            db: Some("sqlite:///tmp/other.db".into()),
+            ..Options::default()
+        };
+        let s = Settings::resolve(&cli, &file).unwrap();
+        assert_eq!(s.listen, "127.0.0.1:0");
+        assert_eq!(s.heartbeat, Duration::from_millis(250));
+        assert_eq!(s.sqlite_path, PathBuf::from("/tmp/other.db"));
+        assert_eq!(s.demo_abnormal, 3);
+    }
+
+    #[test]
+    fn unknown_file_keys_are_refused() {
+        assert!(toml::from_str::<FileConfig>("lisen = \"x\"").is_err());
+    }
+
+    #[test]
+    fn unsupported_choices_are_clear_errors() {
+        let with = |o: Options| Settings::resolve(&o, &FileConfig::default()).unwrap_err().to_string();
+        assert!(with(Options { db: Some("postgres://x/y".into()), ..Default::default() }).contains("sqlite://"));
+        assert!(with(Options { model: Some("gpt".into()), ..Default::default() }).contains("demo"));
+        let err = Settings::resolve(
+            &Options { interrupt_ttl: Some("0s".into()), ..Default::default() },
+            &FileConfig::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("longer than zero"));
+    }
+}
