@@ -114,6 +114,26 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// Every code [`EngineError::code`] can return (the API docs list them; a test compares).
+    pub const CODES: &'static [&'static str] = &[
+        "CONVERSATION_NOT_FOUND",
+        "RUN_NOT_FOUND",
+        "INTERRUPT_NOT_FOUND",
+        "NOT_FOUND",
+        "RUN_ACTIVE",
+        "INTERRUPT_ALREADY_RESOLVED",
+        "INTERRUPT_EXPIRED",
+        "RUN_NOT_INTERRUPTED",
+        "IDEMPOTENCY_KEY_IN_FLIGHT",
+        "IDEMPOTENCY_KEY_REUSED",
+        "FORBIDDEN",
+        "INVALID_DECISION",
+        "INVALID_ARGS",
+        "VALIDATION_FAILED",
+        "SHUTTING_DOWN",
+        "INTERNAL",
+    ];
+
     pub fn code(&self) -> &'static str {
         match self {
             EngineError::NotFound("conversation") => "CONVERSATION_NOT_FOUND",
@@ -1683,4 +1703,34 @@ enum StreamEnd {
     Completed { text_len: usize, tool_calls: Vec<crate::model::ModelToolCall> },
     Failed(ModelError),
     Cancelled,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_code_is_listed() {
+        let all = [
+            EngineError::NotFound("conversation"),
+            EngineError::NotFound("run"),
+            EngineError::NotFound("interrupt"),
+            EngineError::NotFound("tool call"),
+            EngineError::RunActive(RunId::new()),
+            EngineError::InterruptAlreadyResolved,
+            EngineError::InterruptExpired,
+            EngineError::RunNotInterrupted,
+            EngineError::IdempotencyKeyInFlight,
+            EngineError::IdempotencyKeyReused,
+            EngineError::Forbidden(String::new()),
+            EngineError::InvalidDecision(String::new()),
+            EngineError::InvalidArgs(String::new()),
+            EngineError::Invalid(String::new()),
+            EngineError::ShuttingDown,
+            EngineError::Store(StoreError::Backend(String::new())),
+        ];
+        let codes: std::collections::BTreeSet<_> = all.iter().map(EngineError::code).collect();
+        let listed: std::collections::BTreeSet<_> = EngineError::CODES.iter().copied().collect();
+        assert_eq!(codes, listed);
+    }
 }

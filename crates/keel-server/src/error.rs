@@ -93,6 +93,24 @@ impl IntoResponse for ApiError {
 
 pub type ApiResult<T> = Result<T, ApiError>;
 
+/// The codes the server answers with on its own, besides the engine's
+/// ([`keel_core::engine::EngineError::CODES`]). docs/api.md lists both; a test compares.
+pub const ERROR_CODES: &[&str] = &[
+    "MALFORMED_JSON",
+    "INVALID_CURSOR",
+    "CURSOR_OUT_OF_RANGE",
+    "INVALID_USER",
+    "INVALID_QUERY",
+    "INVALID_BODY",
+    "NOT_FOUND",
+    "METHOD_NOT_ALLOWED",
+    "PAYLOAD_TOO_LARGE",
+    "UNSUPPORTED_MEDIA_TYPE",
+    "VALIDATION_FAILED",
+    "NOT_READY",
+    "INTERNAL",
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;

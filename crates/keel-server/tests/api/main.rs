@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod docs;
 mod errors;
 mod hitl;
 mod streams;
