@@ -48,6 +48,44 @@ pub struct Options {
     /// Log lines as text or JSON; the level comes from RUST_LOG [default: text].
     #[arg(long, global = true, env = "KEEL_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// `--model openai`: the API root, e.g. `http://127.0.0.1:11434/v1`. The API key comes from
+    /// `KEEL_MODEL_API_KEY` or `model_api_key` in keel.toml, never from a flag.
+    #[arg(long, global = true, env = "KEEL_MODEL_BASE_URL", value_name = "URL")]
+    pub model_base_url: Option<String>,
+    /// `--model openai`: the model (or deployment) name.
+    #[arg(long, global = true, env = "KEEL_MODEL_NAME", value_name = "NAME")]
+    pub model_name: Option<String>,
+    /// `--model openai`: send the key in this header as it is (e.g. `api-key` for Azure) instead of
+    /// `Authorization: Bearer`.
+    #[arg(long, global = true, env = "KEEL_MODEL_API_KEY_HEADER", value_name = "HEADER")]
+    pub model_api_key_header: Option<String>,
+    #[arg(long, global = true, env = "KEEL_MODEL_TEMPERATURE")]
+    pub model_temperature: Option<f32>,
+    #[arg(long, global = true, env = "KEEL_MODEL_MAX_TOKENS")]
+    pub model_max_tokens: Option<u32>,
+    /// [default: 10s]
+    #[arg(long, global = true, env = "KEEL_MODEL_CONNECT_TIMEOUT", value_name = "DURATION")]
+    pub model_connect_timeout: Option<String>,
+    /// [default: 60s]
+    #[arg(long, global = true, env = "KEEL_MODEL_FIRST_TOKEN_TIMEOUT", value_name = "DURATION")]
+    pub model_first_token_timeout: Option<String>,
+    /// [default: 30s]
+    #[arg(long, global = true, env = "KEEL_MODEL_IDLE_TIMEOUT", value_name = "DURATION")]
+    pub model_idle_timeout: Option<String>,
+    /// [default: 2]
+    #[arg(long, global = true, env = "KEEL_MODEL_MAX_RETRIES")]
+    pub model_max_retries: Option<u32>,
+}
+
+/// A secret read from the environment or the file; `***` in `Debug`.
+#[derive(Clone, Default, PartialEq, Deserialize)]
+#[serde(transparent)]
+pub struct SecretString(pub String);
+
+impl std::fmt::Debug for SecretString {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
 }
 
 /// `keel.toml`: the same settings, snake_case keys.
@@ -63,6 +101,19 @@ pub struct FileConfig {
     pub heartbeat: Option<String>,
     pub demo_abnormal: Option<u32>,
     pub log_format: Option<LogFormat>,
+    pub model_base_url: Option<String>,
+    pub model_name: Option<String>,
+    pub model_api_key: Option<SecretString>,
+    pub model_api_key_header: Option<String>,
+    pub model_temperature: Option<f32>,
+    pub model_max_tokens: Option<u32>,
+    pub model_connect_timeout: Option<String>,
+    pub model_first_token_timeout: Option<String>,
+    pub model_idle_timeout: Option<String>,
+    pub model_max_retries: Option<u32>,
+    /// Extra headers sent to the model server (their values are treated as secrets).
+    #[serde(default)]
+    pub model_headers: std::collections::BTreeMap<String, SecretString>,
 }
 
 impl FileConfig {
@@ -81,10 +132,12 @@ impl FileConfig {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum ModelChoice {
     /// The offline, rule-based `DemoModel`.
     Demo,
+    /// An OpenAI-compatible Chat Completions endpoint.
+    OpenAi(Box<keel_models::OpenAiConfig>),
 }
 
 /// The settings, resolved and validated.
@@ -114,7 +167,8 @@ impl Settings {
         };
         let model = match pick(&cli.model, &file.model).as_deref().unwrap_or("demo") {
             "demo" => ModelChoice::Demo,
-            other => bail!("--model {other:?} is not supported; the only model for now is `demo`"),
+            "openai" => ModelChoice::OpenAi(Box::new(openai_config(cli, file)?)),
+            other => bail!("--model {other:?} is not supported; use `demo` or `openai`"),
         };
         let demo_delay = Duration::from_millis(cli.demo_delay_ms.or(file.demo_delay_ms).unwrap_or(15));
         let interrupt_ttl = positive_duration("--interrupt-ttl", pick(&cli.interrupt_ttl, &file.interrupt_ttl), "15m")?;
@@ -131,6 +185,51 @@ impl Settings {
             log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
         })
     }
+}
+
+/// `--model openai`: the flags and environment over the file; the key from the environment or
+/// the file only.
+fn openai_config(cli: &Options, file: &FileConfig) -> anyhow::Result<keel_models::OpenAiConfig> {
+    let pick = |flag: &Option<String>, file: &Option<String>| flag.clone().or_else(|| file.clone());
+    let Some(base_url) = pick(&cli.model_base_url, &file.model_base_url) else {
+        bail!("--model openai needs --model-base-url (or KEEL_MODEL_BASE_URL), e.g. http://127.0.0.1:11434/v1");
+    };
+    let Some(name) = pick(&cli.model_name, &file.model_name) else {
+        bail!("--model openai needs --model-name (or KEEL_MODEL_NAME)");
+    };
+    let mut config = keel_models::OpenAiConfig::new(base_url, name);
+    let key = std::env::var("KEEL_MODEL_API_KEY").ok().or_else(|| file.model_api_key.clone().map(|k| k.0));
+    config.api_key = key.filter(|k| !k.is_empty()).map(keel_models::ApiKey::new);
+    config.api_key_header = pick(&cli.model_api_key_header, &file.model_api_key_header);
+    config.temperature = cli.model_temperature.or(file.model_temperature);
+    config.max_tokens = cli.model_max_tokens.or(file.model_max_tokens);
+    config.extra_headers = file.model_headers.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect();
+    let duration = |name: &str, flag: &Option<String>, file: &Option<String>, default: Duration| match pick(flag, file)
+    {
+        Some(text) => positive_duration(name, Some(text), ""),
+        None => Ok(default),
+    };
+    config.connect_timeout = duration(
+        "--model-connect-timeout",
+        &cli.model_connect_timeout,
+        &file.model_connect_timeout,
+        config.connect_timeout,
+    )?;
+    config.first_token_timeout = duration(
+        "--model-first-token-timeout",
+        &cli.model_first_token_timeout,
+        &file.model_first_token_timeout,
+        config.first_token_timeout,
+    )?;
+    config.idle_timeout =
+        duration("--model-idle-timeout", &cli.model_idle_timeout, &file.model_idle_timeout, config.idle_timeout)?;
+    if let Some(n) = cli.model_max_retries.or(file.model_max_retries) {
+        config.max_retries = n;
+    }
+    if let Ok(v) = std::env::var("KEEL_MODEL_INCLUDE_USAGE") {
+        config.include_usage = !matches!(v.as_str(), "0" | "false" | "no");
+    }
+    Ok(config)
 }
 
 fn positive_duration(name: &str, value: Option<String>, default: &str) -> anyhow::Result<Duration> {
@@ -251,6 +350,35 @@ mod tests {
     }
 
     #[test]
+    fn openai_settings_come_from_flags_and_the_file_and_hide_the_key() {
+        let file: FileConfig = toml::from_str(
+            r#"
+            model = "openai"
+            model_base_url = "http://127.0.0.1:11434/v1"
+            model_name = "qwen2.5"
+            model_api_key = "sk-file-secret"
+            model_idle_timeout = "5s"
+            [model_headers]
+            OpenAI-Organization = "org-1"
+            "#,
+        )
+        .unwrap();
+        assert!(!format!("{file:?}").contains("sk-file-secret"));
+        let cli = Options { model_name: Some("llama3".into()), model_max_tokens: Some(512), ..Default::default() };
+        let s = Settings::resolve(&cli, &file).unwrap();
+        let ModelChoice::OpenAi(c) = &s.model else { panic!("openai") };
+        assert_eq!(c.model, "llama3");
+        assert_eq!(c.base_url, "http://127.0.0.1:11434/v1");
+        assert_eq!(c.max_tokens, Some(512));
+        assert_eq!(c.idle_timeout, Duration::from_secs(5));
+        assert_eq!(c.extra_headers, vec![("OpenAI-Organization".to_owned(), "org-1".to_owned())]);
+        if std::env::var("KEEL_MODEL_API_KEY").is_err() {
+            assert_eq!(c.api_key.as_ref().map(|k| k.expose()), Some("sk-file-secret"));
+        }
+        assert!(!format!("{s:?}").contains("sk-file-secret"), "the key never shows in Debug");
+    }
+
+    #[test]
     fn unknown_file_keys_are_refused() {
         assert!(toml::from_str::<FileConfig>("lisen = \"x\"").is_err());
     }
@@ -260,6 +388,13 @@ mod tests {
         let with = |o: Options| Settings::resolve(&o, &FileConfig::default()).unwrap_err().to_string();
         assert!(with(Options { db: Some("postgres://x/y".into()), ..Default::default() }).contains("sqlite://"));
         assert!(with(Options { model: Some("gpt".into()), ..Default::default() }).contains("demo"));
+        assert!(with(Options { model: Some("openai".into()), ..Default::default() }).contains("--model-base-url"));
+        let no_name = Options {
+            model: Some("openai".into()),
+            model_base_url: Some("http://127.0.0.1:11434/v1".into()),
+            ..Default::default()
+        };
+        assert!(with(no_name).contains("--model-name"));
         let err = Settings::resolve(
             &Options { interrupt_ttl: Some("0s".into()), ..Default::default() },
             &FileConfig::default(),

@@ -13,9 +13,10 @@ use keel_core::bus::LocalBus;
 use keel_core::clock::SystemClock;
 use keel_core::engine::{Engine, EngineConfig, EngineParts};
 use keel_core::fleet::FleetSeed;
+use keel_core::model::Model;
 use keel_core::store::Store;
 use keel_core::UserRole;
-use keel_models::DemoModel;
+use keel_models::{DemoModel, OpenAiCompatible};
 use keel_server::{AppState, ServerConfig};
 use keel_store::SqliteStore;
 use tokio::sync::watch;
@@ -105,8 +106,12 @@ async fn serve(store: SqliteStore, settings: Settings, demo_mode: bool) -> anyho
     }
     store.set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")?;
 
-    let model = match settings.model {
+    let model: Arc<dyn Model> = match &settings.model {
         ModelChoice::Demo => Arc::new(DemoModel::new(settings.demo_delay)),
+        ModelChoice::OpenAi(config) => {
+            tracing::info!(base_url = %config.base_url, model = %config.model, "using an OpenAI-compatible model");
+            Arc::new(OpenAiCompatible::new((**config).clone()).context("model settings")?)
+        }
     };
     let engine = Arc::new(Engine::new(
         EngineParts {

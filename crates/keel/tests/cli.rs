@@ -42,7 +42,8 @@ fn unsupported_settings_are_clear_startup_errors() {
     let dir = tempfile::tempdir().unwrap();
     for (args, needle) in [
         (vec!["serve", "--db", "postgres://localhost/keel"], "only sqlite://"),
-        (vec!["serve", "--model", "gpt-4o"], "only model for now is `demo`"),
+        (vec!["serve", "--model", "gpt-4o"], "use `demo` or `openai`"),
+        (vec!["serve", "--model", "openai"], "--model-base-url"),
         (vec!["serve", "--interrupt-ttl", "soon"], "--interrupt-ttl"),
         (vec!["serve", "--config", "missing.toml"], "missing.toml"),
     ] {
