@@ -670,9 +670,9 @@ async fn an_error_event_mid_stream_is_reported() {
 }
 
 #[tokio::test]
-async fn https_without_tls_support_fails_clearly() {
-    // This build has no TLS backend: the call fails at once, without retries, saying why. (With TLS
-    // compiled in, it is a plain connection failure instead.)
+async fn an_unreachable_https_endpoint_fails_clearly() {
+    // With TLS compiled in (the default build), a plain connection failure after the retries; a
+    // build without a TLS backend fails at once, saying why.
     let mut config = OpenAiConfig::new("https://127.0.0.1:9/v1", "m");
     config.retry_base_delay = Duration::from_millis(5);
     let (_, err) = collect(&OpenAiCompatible::new(config).unwrap(), request("hi")).await;
