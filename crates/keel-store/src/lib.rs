@@ -2,7 +2,9 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+mod postgres;
 pub mod seed;
 mod sqlite;
 
+pub use postgres::PostgresStore;
 pub use sqlite::SqliteStore;

@@ -1,0 +1,1555 @@
+//! The Postgres backend.
+//!
+//! The same semantics as the SQLite backend, with no reliance on SERIALIZABLE: every transaction
+//! runs at READ COMMITTED, and every check that guards a write is part of a conditional statement
+//! (`UPDATE … WHERE <condition> RETURNING`), so a concurrent writer either waits for the row lock and
+//! then sees the row as it is now, or matches nothing. Where SQLite's single writer serialises a
+//! read-then-write, this backend locks the rows first (the fleet's instances for an effect, the
+//! conversation row for a new run) or folds the read into the write (idempotency keys).
+//!
+//! Timestamps are `timestamptz`, which keeps microseconds: times are truncated to the microsecond on
+//! the way in, and the values the store returns are truncated the same way, so a returned record
+//! equals the record read back.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use keel_core::domain::{
+    Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role, Run,
+    RunStatus, Summary, Timestamp, ToolCall, ToolCallState, UserRole,
+};
+use keel_core::event::{Event, EventKind};
+use keel_core::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
+use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
+use keel_core::store::{
+    Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError,
+    StoreResult, TextAppend, ToolCallChange,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
+use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transaction};
+
+use crate::seed;
+
+static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
+
+const MAX_CONNECTIONS: u32 = 10;
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The statuses of a run that holds its conversation (`RunStatus::is_active`).
+const ACTIVE: &str = "('queued', 'running', 'interrupted')";
+/// The partial unique index that keeps one active run per conversation.
+const ONE_ACTIVE_RUN: &str = "runs_one_active_per_conversation";
+/// How often `start_run` starts over when it lost a race to the unique index and the winner is
+/// already gone again.
+const START_ATTEMPTS: usize = 3;
+/// How often `idempotency_begin` looks again when the key it collided with vanished meanwhile.
+const IDEMPOTENCY_ATTEMPTS: usize = 3;
+
+/// The Postgres store. Cloning shares the pool.
+#[derive(Debug, Clone)]
+pub struct PostgresStore {
+    pool: PgPool,
+    /// The dedicated schema of [`PostgresStore::connect_with_schema`], if any.
+    schema: Option<String>,
+}
+
+impl PostgresStore {
+    /// Connects to `postgres://…` and migrates the database (in the connection's default schema,
+    /// as its `search_path` says).
+    pub async fn connect(url: &str) -> StoreResult<Self> {
+        let options = url_options(url)?;
+        probe(&options).await?;
+        let pool = pool_options().connect_with(options).await.map_err(db("connect to the database"))?;
+        let store = Self { pool, schema: None };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Connects to `postgres://…`, creates `schema` if it does not exist, makes it every
+    /// connection's `search_path` and migrates it: the store's tables live in that schema only.
+    /// `schema` is a plain identifier (letters, digits and `_`, not starting with a digit or `pg_`).
+    pub async fn connect_with_schema(url: &str, schema: &str) -> StoreResult<Self> {
+        let quoted = quote_schema(schema)?;
+        let options = url_options(url)?;
+        probe(&options).await?;
+        let set_path = format!("SET search_path TO {quoted}");
+        let pool = pool_options()
+            .after_connect(move |conn, _meta| {
+                let set_path = set_path.clone();
+                Box::pin(async move {
+                    conn.execute(set_path.as_str()).await?;
+                    Ok(())
+                })
+            })
+            .connect_with(options)
+            .await
+            .map_err(db("connect to the database"))?;
+        sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {quoted}"))
+            .execute(&pool)
+            .await
+            .map_err(db("create the schema"))?;
+        let store = Self { pool, schema: Some(schema.to_owned()) };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Creates or upgrades the schema at `url`, then closes the pool (`keel migrate`).
+    pub async fn migrate_only(url: &str) -> StoreResult<()> {
+        Self::connect(url).await?.close().await;
+        Ok(())
+    }
+
+    /// Drops the dedicated schema of [`PostgresStore::connect_with_schema`] with everything in it,
+    /// then closes the pool. An error for a store connected without one: it never drops a schema it
+    /// did not create for itself.
+    pub async fn drop_schema(&self) -> StoreResult<()> {
+        let Some(schema) = &self.schema else {
+            return Err(StoreError::Backend("drop the schema: the store has no dedicated schema".into()));
+        };
+        let quoted = quote_schema(schema)?;
+        sqlx::query(&format!("DROP SCHEMA IF EXISTS {quoted} CASCADE"))
+            .execute(&self.pool)
+            .await
+            .map_err(db("drop the schema"))?;
+        self.close().await;
+        Ok(())
+    }
+
+    /// The dedicated schema, if the store was connected with one.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// Closes every connection; waits for the ones in use.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    async fn migrate(&self) -> StoreResult<()> {
+        MIGRATOR.run(&self.pool).await.map_err(|e| StoreError::Backend(format!("migrate the database: {e}")))
+    }
+
+    async fn begin(&self) -> StoreResult<Transaction<'static, Postgres>> {
+        // READ COMMITTED, the server's default: correctness comes from conditional statements.
+        self.pool.begin().await.map_err(db("begin a transaction"))
+    }
+}
+
+fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new().max_connections(MAX_CONNECTIONS).acquire_timeout(ACQUIRE_TIMEOUT)
+}
+
+/// One connection, at once: an unreachable database is an error with its reason (the pool would
+/// retry until its timeout and then say only that it timed out).
+async fn probe(options: &PgConnectOptions) -> StoreResult<()> {
+    let conn = PgConnection::connect_with(options).await.map_err(db("connect to the database"))?;
+    conn.close().await.map_err(db("connect to the database"))
+}
+
+fn url_options(url: &str) -> StoreResult<PgConnectOptions> {
+    // the url is not quoted: it may carry a password
+    let invalid = || StoreError::Backend("the database url is not a valid postgres: url".into());
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return Err(invalid());
+    }
+    PgConnectOptions::from_str(url).map_err(|_| invalid())
+}
+
+/// The schema name as a quoted identifier, after checking it is a plain one.
+fn quote_schema(schema: &str) -> StoreResult<String> {
+    let plain = !schema.is_empty()
+        && schema.len() <= 63
+        && schema.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+        && !schema.as_bytes()[0].is_ascii_digit()
+        && !schema.to_ascii_lowercase().starts_with("pg_");
+    if !plain {
+        return Err(StoreError::Backend(
+            "the schema name must be letters, digits and `_` (at most 63, not starting with a digit or pg_)".into(),
+        ));
+    }
+    Ok(format!("\"{schema}\""))
+}
+
+// --- errors and encodings
+
+/// Maps a driver error to `Backend`, naming the operation. Only the server's primary message is
+/// kept (never its detail, which quotes the row), so no value written leaks into the error.
+fn db(op: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| {
+        let detail = match &e {
+            sqlx::Error::Database(d) => d.message().to_owned(),
+            other => other.to_string(),
+        };
+        StoreError::Backend(format!("{op}: {detail}"))
+    }
+}
+
+/// Like [`db`], but a unique violation is a reused id: `Duplicate`.
+fn insert(what: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
+    move |e| match &e {
+        sqlx::Error::Database(d) if d.is_unique_violation() => {
+            StoreError::Duplicate(format!("{what} id already exists"))
+        }
+        _ => db(what)(e),
+    }
+}
+
+/// A unique violation (23505) of the one-active-run index.
+fn is_active_run_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation() && d.constraint() == Some(ONE_ACTIVE_RUN))
+}
+
+/// `timestamptz` keeps microseconds: the time as the database stores it (the driver truncates).
+fn micros(t: Timestamp) -> Timestamp {
+    t - chrono::Duration::nanoseconds(i64::from(t.timestamp_subsec_nanos() % 1_000))
+}
+
+fn json<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult<Value> {
+    serde_json::to_value(value).map_err(|e| StoreError::Backend(format!("encode {what}: {e}")))
+}
+
+fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
+    statuses.iter().map(|s| s.as_str()).collect()
+}
+
+fn status_list(statuses: &[RunStatus]) -> String {
+    statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" or ")
+}
+
+/// What went wrong with a stored JSON value, without quoting it: serde's messages can carry the
+/// offending text, which may be anything a tool returned.
+fn json_error(e: &serde_json::Error) -> String {
+    let kind = match e.classify() {
+        serde_json::error::Category::Io => "unreadable",
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof => "not valid JSON",
+        serde_json::error::Category::Data => "not the expected shape",
+    };
+    kind.to_owned()
+}
+
+/// Reads the columns of one row, turning anything unreadable into `Backend` instead of a panic.
+struct Cols<'r> {
+    row: &'r PgRow,
+    table: &'static str,
+}
+
+impl<'r> Cols<'r> {
+    fn new(row: &'r PgRow, table: &'static str) -> Self {
+        Self { row, table }
+    }
+
+    fn bad(&self, col: &str, why: impl std::fmt::Display) -> StoreError {
+        StoreError::Backend(format!("unreadable {}.{col}: {why}", self.table))
+    }
+
+    fn get<T>(&self, col: &str) -> StoreResult<T>
+    where
+        T: sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+    {
+        self.row.try_get(col).map_err(|e| self.bad(col, e))
+    }
+
+    fn id<T: FromStr<Err = InvalidId>>(&self, col: &str) -> StoreResult<T> {
+        let s: String = self.get(col)?;
+        s.parse().map_err(|e| self.bad(col, e))
+    }
+
+    fn opt_id<T: FromStr<Err = InvalidId>>(&self, col: &str) -> StoreResult<Option<T>> {
+        let s: Option<String> = self.get(col)?;
+        s.map(|s| s.parse().map_err(|e| self.bad(col, e))).transpose()
+    }
+
+    fn parse<T>(&self, col: &str, parse: fn(&str) -> Option<T>) -> StoreResult<T> {
+        let s: String = self.get(col)?;
+        parse(&s).ok_or_else(|| self.bad(col, format!("unknown value `{}`", s.chars().take(40).collect::<String>())))
+    }
+
+    fn ts(&self, col: &str) -> StoreResult<Timestamp> {
+        self.get::<DateTime<Utc>>(col)
+    }
+
+    fn opt_ts(&self, col: &str) -> StoreResult<Option<Timestamp>> {
+        self.get::<Option<DateTime<Utc>>>(col)
+    }
+
+    fn json<T: DeserializeOwned>(&self, col: &str) -> StoreResult<T> {
+        let v: Value = self.get(col)?;
+        serde_json::from_value(v).map_err(|e| self.bad(col, json_error(&e)))
+    }
+
+    fn opt_json<T: DeserializeOwned>(&self, col: &str) -> StoreResult<Option<T>> {
+        let v: Option<Value> = self.get(col)?;
+        v.map(|v| serde_json::from_value(v).map_err(|e| self.bad(col, json_error(&e)))).transpose()
+    }
+}
+
+fn conversation_from(row: &PgRow) -> StoreResult<Conversation> {
+    let c = Cols::new(row, "conversations");
+    Ok(Conversation {
+        id: c.id("id")?,
+        user_id: c.get("user_id")?,
+        title: c.get("title")?,
+        version: c.get("version")?,
+        created_at: c.ts("created_at")?,
+    })
+}
+
+fn message_from(row: &PgRow) -> StoreResult<Message> {
+    let c = Cols::new(row, "messages");
+    Ok(Message {
+        id: c.id("id")?,
+        conversation_id: c.id("conversation_id")?,
+        run_id: c.opt_id("run_id")?,
+        role: c.parse("role", Role::parse)?,
+        content: c.get("content")?,
+        tool_call_id: c.opt_id("tool_call_id")?,
+        created_at: c.ts("created_at")?,
+    })
+}
+
+fn fact_from(row: &PgRow) -> StoreResult<Fact> {
+    let c = Cols::new(row, "facts");
+    Ok(Fact {
+        key: c.get("key")?,
+        value: c.get("value")?,
+        source: c.parse("source", FactSource::parse)?,
+        updated_at: c.ts("updated_at")?,
+    })
+}
+
+fn summary_from(row: &PgRow) -> StoreResult<Summary> {
+    let c = Cols::new(row, "summaries");
+    Ok(Summary {
+        conversation_id: c.id("conversation_id")?,
+        through_message_id: c.id("through_message_id")?,
+        text: c.get("text")?,
+    })
+}
+
+fn run_from(row: &PgRow) -> StoreResult<Run> {
+    let c = Cols::new(row, "runs");
+    Ok(Run {
+        id: c.id("id")?,
+        conversation_id: c.id("conversation_id")?,
+        user_message_id: c.id("user_message_id")?,
+        user_id: c.get("user_id")?,
+        status: c.parse("status", RunStatus::parse)?,
+        reason: c.get("reason")?,
+        cancel_on_disconnect: c.get("cancel_on_disconnect")?,
+        cancel_requested: c.get("cancel_requested")?,
+        next_sequence: c.get("next_sequence")?,
+        lease_owner: c.get("lease_owner")?,
+        lease_expires_at: c.opt_ts("lease_expires_at")?,
+        checkpoint: c.json("checkpoint")?,
+        created_at: c.ts("created_at")?,
+        updated_at: c.ts("updated_at")?,
+    })
+}
+
+fn event_from(run_id: &RunId, row: &PgRow) -> StoreResult<Event> {
+    let c = Cols::new(row, "run_events");
+    let type_name: String = c.get("type")?;
+    let data: Value = c.json("data")?;
+    let kind = EventKind::from_parts(&type_name, &data).map_err(|e| c.bad("data", json_error(&e)))?;
+    Ok(Event { kind, run_id: run_id.clone(), sequence: c.get("sequence")?, ts: c.ts("created_at")? })
+}
+
+fn interrupt_from(row: &PgRow) -> StoreResult<Interrupt> {
+    let c = Cols::new(row, "interrupts");
+    Ok(Interrupt {
+        id: c.id("id")?,
+        run_id: c.id("run_id")?,
+        kind: c.parse("kind", InterruptKind::parse)?,
+        status: c.parse("status", InterruptStatus::parse)?,
+        payload: c.json("payload")?,
+        call_ids: c.json("call_ids")?,
+        created_at: c.ts("created_at")?,
+        expires_at: c.ts("expires_at")?,
+        decision: c.opt_json("decision")?,
+        resolved_by: c.get("resolved_by")?,
+        resolved_at: c.opt_ts("resolved_at")?,
+    })
+}
+
+fn tool_call_from(row: &PgRow) -> StoreResult<ToolCall> {
+    let c = Cols::new(row, "tool_calls");
+    Ok(ToolCall {
+        id: c.id("id")?,
+        run_id: c.id("run_id")?,
+        name: c.get("name")?,
+        args: c.json("args")?,
+        state: c.parse("state", ToolCallState::parse)?,
+        result: c.opt_json("result")?,
+        summary: c.get("summary")?,
+        started_at: c.opt_ts("started_at")?,
+        finished_at: c.opt_ts("finished_at")?,
+    })
+}
+
+fn instance_from(row: &PgRow) -> StoreResult<Instance> {
+    let c = Cols::new(row, "instances");
+    Ok(Instance {
+        id: c.get("id")?,
+        service: c.get("service")?,
+        env: c.get("env")?,
+        status: c.get("status")?,
+        restart_count: c.get("restart_count")?,
+        release: c.get("release")?,
+        previous_release: c.get("previous_release")?,
+    })
+}
+
+fn error_log_from(row: &PgRow) -> StoreResult<ErrorLogEntry> {
+    let c = Cols::new(row, "error_logs");
+    Ok(ErrorLogEntry {
+        service: c.get("service")?,
+        env: c.get("env")?,
+        instance_id: c.get("instance_id")?,
+        status_code: c.get("status_code")?,
+        message: c.get("message")?,
+        at: c.ts("at")?,
+    })
+}
+
+fn all<T>(rows: &[PgRow], from: fn(&PgRow) -> StoreResult<T>) -> StoreResult<Vec<T>> {
+    rows.iter().map(from).collect()
+}
+
+// --- writes shared by several operations, on one transaction
+
+async fn active_run_id<'e, E>(conn: E, conversation_id: &ConversationId) -> StoreResult<Option<RunId>>
+where
+    E: sqlx::Executor<'e, Database = Postgres>,
+{
+    let row = sqlx::query(&format!("SELECT id FROM runs WHERE conversation_id = $1 AND status IN {ACTIVE} LIMIT 1"))
+        .bind(conversation_id.as_str())
+        .fetch_optional(conn)
+        .await
+        .map_err(db("find the active run"))?;
+    row.map(|r| Cols::new(&r, "runs").id("id")).transpose()
+}
+
+async fn insert_message(conn: &mut PgConnection, m: &Message) -> StoreResult<()> {
+    sqlx::query(
+        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(m.id.as_str())
+    .bind(m.conversation_id.as_str())
+    .bind(m.run_id.as_ref().map(|r| r.as_str()))
+    .bind(m.role.as_str())
+    .bind(&m.content)
+    .bind(m.tool_call_id.as_ref().map(|c| c.as_str()))
+    .bind(m.created_at)
+    .execute(&mut *conn)
+    .await
+    .map_err(insert("message"))?;
+    Ok(())
+}
+
+/// Writes the events with sequences from `first_sequence` on, in one statement. `now` is already
+/// truncated to what the database keeps.
+async fn insert_events(
+    conn: &mut PgConnection,
+    run_id: &RunId,
+    first_sequence: i64,
+    kinds: &[EventKind],
+    now: Timestamp,
+) -> StoreResult<Vec<Event>> {
+    if kinds.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut sequences = Vec::with_capacity(kinds.len());
+    let mut types = Vec::with_capacity(kinds.len());
+    let mut data = Vec::with_capacity(kinds.len());
+    let mut events = Vec::with_capacity(kinds.len());
+    for (sequence, kind) in (first_sequence..).zip(kinds) {
+        sequences.push(sequence);
+        types.push(kind.type_name());
+        data.push(kind.to_data());
+        events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: now });
+    }
+    sqlx::query(
+        "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
+         SELECT $1, e.sequence, e.type, e.data, $5 \
+         FROM unnest($2::bigint[], $3::text[], $4::jsonb[]) AS e (sequence, type, data)",
+    )
+    .bind(run_id.as_str())
+    .bind(&sequences)
+    .bind(&types)
+    .bind(&data)
+    .bind(now)
+    .execute(&mut *conn)
+    .await
+    .map_err(insert("event"))?;
+    Ok(events)
+}
+
+/// What the fence read of the run row, before the commit changes it.
+struct Fenced {
+    status: RunStatus,
+    conversation_id: ConversationId,
+    /// The sequence of the commit's first event.
+    first_sequence: i64,
+    cancel_requested: bool,
+}
+
+/// The fence: one conditional update of the run row that checks the writer's right to write,
+/// renews or takes the lease and reserves the commit's event sequences. It locks the run row until
+/// the transaction ends: commits on one run are serialised, and a concurrent writer that waited
+/// for the lock re-checks the condition against the row as the winner left it.
+async fn fence(conn: &mut PgConnection, c: &Commit) -> StoreResult<Fenced> {
+    let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    const RETURNING: &str = "RETURNING status, conversation_id, next_sequence, cancel_requested";
+    let row = match &c.fence {
+        Fence::Lease { owner, lease_until } => {
+            let sql = format!(
+                "UPDATE runs SET lease_expires_at = $1, next_sequence = next_sequence + $2, updated_at = $3 \
+                 WHERE id = $4 AND lease_owner = $5 AND status IN {ACTIVE} {RETURNING}"
+            );
+            sqlx::query(&sql)
+                .bind(lease_until)
+                .bind(n)
+                .bind(c.now)
+                .bind(c.run_id.as_str())
+                .bind(owner)
+                .fetch_optional(&mut *conn)
+                .await
+        }
+        Fence::Acquire { owner, from, lease_until } => {
+            let sql = format!(
+                "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, next_sequence = next_sequence + $3, \
+                 updated_at = $4 WHERE id = $5 AND status = ANY($6) {RETURNING}"
+            );
+            sqlx::query(&sql)
+                .bind(owner)
+                .bind(lease_until)
+                .bind(n)
+                .bind(c.now)
+                .bind(c.run_id.as_str())
+                .bind(statuses(from))
+                .fetch_optional(&mut *conn)
+                .await
+        }
+        Fence::Unowned { from } => {
+            let sql = format!(
+                "UPDATE runs SET next_sequence = next_sequence + $1, updated_at = $2 \
+                 WHERE id = $3 AND status = ANY($4) {RETURNING}"
+            );
+            sqlx::query(&sql)
+                .bind(n)
+                .bind(c.now)
+                .bind(c.run_id.as_str())
+                .bind(statuses(from))
+                .fetch_optional(&mut *conn)
+                .await
+        }
+    }
+    .map_err(db("fence the run"))?;
+
+    let Some(row) = row else {
+        return Err(fence_refusal(conn, c).await);
+    };
+    let cols = Cols::new(&row, "runs");
+    let next_sequence: i64 = cols.get("next_sequence")?;
+    Ok(Fenced {
+        status: cols.parse("status", RunStatus::parse)?,
+        conversation_id: cols.id("conversation_id")?,
+        first_sequence: next_sequence - n,
+        cancel_requested: cols.get("cancel_requested")?,
+    })
+}
+
+/// Why the fence matched nothing: the run is missing, or it is not in the state the writer expects.
+async fn fence_refusal(conn: &mut PgConnection, c: &Commit) -> StoreError {
+    let status = sqlx::query_scalar::<_, String>("SELECT status FROM runs WHERE id = $1")
+        .bind(c.run_id.as_str())
+        .fetch_optional(&mut *conn)
+        .await;
+    let status = match status {
+        Ok(Some(status)) => status,
+        Ok(None) => return StoreError::NotFound("run"),
+        Err(e) => return db("fence the run")(e),
+    };
+    StoreError::Conflict(match &c.fence {
+        Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
+        Fence::Acquire { from, .. } | Fence::Unowned { from } => {
+            format!("run {} is {status}, not {}", c.run_id, status_list(from))
+        }
+    })
+}
+
+async fn change_status(conn: &mut PgConnection, c: &Commit, from: RunStatus, change: &RunChange) -> StoreResult<()> {
+    if !from.can_transition_to(change.to) {
+        return Err(StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to)));
+    }
+    // A paused or finished run has no worker.
+    let release = change.to == RunStatus::Interrupted || change.to.is_terminal();
+    sqlx::query(
+        "UPDATE runs SET status = $1, reason = $2, \
+         lease_owner = CASE WHEN $3 THEN NULL ELSE lease_owner END, \
+         lease_expires_at = CASE WHEN $3 THEN NULL ELSE lease_expires_at END \
+         WHERE id = $4",
+    )
+    .bind(change.to.as_str())
+    .bind(&change.reason)
+    .bind(release)
+    .bind(c.run_id.as_str())
+    .execute(&mut *conn)
+    .await
+    .map_err(|e| {
+        if is_active_run_violation(&e) {
+            // only a move back to an active status can collide with another active run
+            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
+        } else {
+            db("change the run status")(e)
+        }
+    })?;
+    Ok(())
+}
+
+async fn append_text(
+    conn: &mut PgConnection,
+    c: &Commit,
+    conversation_id: &ConversationId,
+    t: &TextAppend,
+    now: Timestamp,
+) -> StoreResult<()> {
+    let done = sqlx::query(
+        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+         VALUES ($1, $2, $3, 'assistant', $4, NULL, $5) \
+         ON CONFLICT (id) DO UPDATE SET content = messages.content || excluded.content \
+         WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'",
+    )
+    .bind(t.message_id.as_str())
+    .bind(conversation_id.as_str())
+    .bind(c.run_id.as_str())
+    .bind(&t.text)
+    .bind(now)
+    .execute(&mut *conn)
+    .await
+    .map_err(db("append text"))?;
+    if done.rows_affected() == 0 {
+        return Err(StoreError::Conflict(format!(
+            "message {} is not an assistant message of run {}",
+            t.message_id, c.run_id
+        )));
+    }
+    Ok(())
+}
+
+async fn discard_message(conn: &mut PgConnection, c: &Commit, id: &MessageId) -> StoreResult<()> {
+    // A message that never got its first text was never created: nothing to delete is fine.
+    sqlx::query("DELETE FROM messages WHERE id = $1 AND run_id = $2 AND role = 'assistant'")
+        .bind(id.as_str())
+        .bind(c.run_id.as_str())
+        .execute(&mut *conn)
+        .await
+        .map_err(db("discard a message"))?;
+    Ok(())
+}
+
+/// A record handed to a commit must belong to the commit's run.
+fn check_owner<T: PartialEq + std::fmt::Display>(
+    what: std::fmt::Arguments<'_>,
+    of: &T,
+    expected: &T,
+) -> StoreResult<()> {
+    if of == expected {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("{what} belongs to {of}, not {expected}")))
+    }
+}
+
+async fn apply_tool_call(
+    conn: &mut PgConnection,
+    c: &Commit,
+    conversation_id: &ConversationId,
+    change: &ToolCallChange,
+) -> StoreResult<()> {
+    match change {
+        ToolCallChange::Insert(call) => {
+            check_owner(format_args!("tool call {}", call.id), &call.run_id, &c.run_id)?;
+            sqlx::query(
+                "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
+                 started_at, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            )
+            .bind(call.id.as_str())
+            .bind(call.run_id.as_str())
+            .bind(conversation_id.as_str())
+            .bind(&call.name)
+            .bind(&call.args)
+            .bind(call.state.as_str())
+            .bind(&call.result)
+            .bind(&call.summary)
+            .bind(call.started_at)
+            .bind(call.finished_at)
+            .execute(&mut *conn)
+            .await
+            .map_err(insert("tool call"))?;
+        }
+        ToolCallChange::Update { id, from, to, args, result, summary, started_at, finished_at } => {
+            if !from.can_transition_to(*to) {
+                return Err(StoreError::Conflict(format!("tool call {id}: {from} -> {to} is not allowed")));
+            }
+            let done = sqlx::query(
+                "UPDATE tool_calls SET state = $1, args = COALESCE($2, args), result = COALESCE($3, result), \
+                 summary = COALESCE($4, summary), started_at = COALESCE($5, started_at), \
+                 finished_at = COALESCE($6, finished_at) \
+                 WHERE id = $7 AND run_id = $8 AND state = $9",
+            )
+            .bind(to.as_str())
+            .bind(args)
+            .bind(result)
+            .bind(summary)
+            .bind(started_at)
+            .bind(finished_at)
+            .bind(id.as_str())
+            .bind(c.run_id.as_str())
+            .bind(from.as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(db("update a tool call"))?;
+            if done.rows_affected() == 0 {
+                let state =
+                    sqlx::query_scalar::<_, String>("SELECT state FROM tool_calls WHERE id = $1 AND run_id = $2")
+                        .bind(id.as_str())
+                        .bind(c.run_id.as_str())
+                        .fetch_optional(&mut *conn)
+                        .await
+                        .map_err(db("update a tool call"))?;
+                return Err(StoreError::Conflict(match state {
+                    Some(state) => format!("tool call {id} is {state}, not {from}"),
+                    None => format!("tool call {id} is not a call of run {}", c.run_id),
+                }));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn insert_interrupt(conn: &mut PgConnection, c: &Commit, i: &Interrupt) -> StoreResult<()> {
+    check_owner(format_args!("interrupt {}", i.id), &i.run_id, &c.run_id)?;
+    sqlx::query(
+        "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
+         resolved_by, resolved_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+    )
+    .bind(i.id.as_str())
+    .bind(i.run_id.as_str())
+    .bind(i.kind.as_str())
+    .bind(i.status.as_str())
+    .bind(&i.payload)
+    .bind(json("interrupt call ids", &i.call_ids)?)
+    .bind(i.created_at)
+    .bind(i.expires_at)
+    .bind(&i.decision)
+    .bind(&i.resolved_by)
+    .bind(i.resolved_at)
+    .execute(&mut *conn)
+    .await
+    .map_err(insert("interrupt"))?;
+    Ok(())
+}
+
+async fn change_interrupt(conn: &mut PgConnection, c: &Commit, change: &InterruptChange) -> StoreResult<()> {
+    let id = &change.id;
+    if !InterruptStatus::Pending.can_transition_to(change.to) {
+        return Err(StoreError::Conflict(format!("interrupt {id}: pending -> {} is not allowed", change.to)));
+    }
+    // An interrupt past its expiry may still expire or be cancelled, never be resolved.
+    let resolving = change.to == InterruptStatus::Resolved;
+    let done = sqlx::query(
+        "UPDATE interrupts SET status = $1, decision = COALESCE($2, decision), \
+         resolved_by = COALESCE($3, resolved_by), resolved_at = $4 \
+         WHERE id = $5 AND run_id = $6 AND status = 'pending' AND (NOT $7 OR expires_at > $4)",
+    )
+    .bind(change.to.as_str())
+    .bind(&change.decision)
+    .bind(&change.resolved_by)
+    .bind(c.now)
+    .bind(id.as_str())
+    .bind(c.run_id.as_str())
+    .bind(resolving)
+    .execute(&mut *conn)
+    .await
+    .map_err(db("change an interrupt"))?;
+    if done.rows_affected() > 0 {
+        return Ok(());
+    }
+    let row = sqlx::query("SELECT status FROM interrupts WHERE id = $1 AND run_id = $2")
+        .bind(id.as_str())
+        .bind(c.run_id.as_str())
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(db("change an interrupt"))?;
+    Err(StoreError::Conflict(match row {
+        None => format!("interrupt {id} is not an interrupt of run {}", c.run_id),
+        Some(row) => match Cols::new(&row, "interrupts").parse("status", InterruptStatus::parse)? {
+            InterruptStatus::Pending => format!("interrupt {id} has expired"),
+            status => format!("interrupt {id} is already {status}"),
+        },
+    }))
+}
+
+async fn upsert_fact(conn: &mut PgConnection, conversation_id: &ConversationId, f: &Fact) -> StoreResult<()> {
+    sqlx::query(
+        "INSERT INTO facts (conversation_id, key, value, source, updated_at) VALUES ($1, $2, $3, $4, $5) \
+         ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
+         updated_at = excluded.updated_at",
+    )
+    .bind(conversation_id.as_str())
+    .bind(&f.key)
+    .bind(&f.value)
+    .bind(f.source.as_str())
+    .bind(f.updated_at)
+    .execute(&mut *conn)
+    .await
+    .map_err(db("upsert a fact"))?;
+    Ok(())
+}
+
+async fn upsert_summary(conn: &mut PgConnection, conversation_id: &ConversationId, s: &Summary) -> StoreResult<()> {
+    check_owner(format_args!("the summary"), &s.conversation_id, conversation_id)?;
+    sqlx::query(
+        "INSERT INTO summaries (conversation_id, through_message_id, text) VALUES ($1, $2, $3) \
+         ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
+         text = excluded.text",
+    )
+    .bind(conversation_id.as_str())
+    .bind(s.through_message_id.as_str())
+    .bind(&s.text)
+    .execute(&mut *conn)
+    .await
+    .map_err(db("upsert the summary"))?;
+    Ok(())
+}
+
+/// Locks, in one statement and in id order, every instance the commit's effects may touch: two
+/// commits with overlapping effects then wait for each other instead of deadlocking, and a
+/// rollback's check of every instance holds until its update.
+async fn lock_instances(conn: &mut PgConnection, effects: &[Effect]) -> StoreResult<()> {
+    let mut ids = Vec::new();
+    let (mut services, mut envs) = (Vec::new(), Vec::new());
+    for effect in effects {
+        match effect {
+            Effect::RestartInstance { instance_id } => ids.push(instance_id.as_str()),
+            Effect::RollbackRelease { service, env, .. } => {
+                services.push(service.as_str());
+                envs.push(env.as_str());
+            }
+        }
+    }
+    sqlx::query(
+        "SELECT id FROM instances WHERE id = ANY($1) \
+            OR (service, env) IN (SELECT s.service, s.env FROM unnest($2::text[], $3::text[]) AS s (service, env)) \
+         ORDER BY id FOR UPDATE",
+    )
+    .bind(&ids)
+    .bind(&services)
+    .bind(&envs)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db("lock the instances"))?;
+    Ok(())
+}
+
+async fn apply_effect(conn: &mut PgConnection, effect: &Effect) -> StoreResult<()> {
+    match effect {
+        Effect::RestartInstance { instance_id } => {
+            let done = sqlx::query(
+                "UPDATE instances SET status = 'healthy', restart_count = restart_count + 1 \
+                 WHERE id = $1 AND status = 'abnormal'",
+            )
+            .bind(instance_id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db("restart an instance"))?;
+            if done.rows_affected() == 0 {
+                return Err(StoreError::EffectRefused(format!("instance {instance_id} is not abnormal")));
+            }
+        }
+        Effect::RollbackRelease { service, env, from_release } => {
+            let row = sqlx::query(
+                "SELECT COUNT(*) AS total, \
+                 COUNT(*) FILTER (WHERE release = $1 AND previous_release IS NOT NULL) AS ready \
+                 FROM instances WHERE service = $2 AND env = $3",
+            )
+            .bind(from_release)
+            .bind(service)
+            .bind(env)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(db("roll back a release"))?;
+            let cols = Cols::new(&row, "instances");
+            let (total, ready): (i64, i64) = (cols.get("total")?, cols.get("ready")?);
+            if total == 0 {
+                return Err(StoreError::EffectRefused(format!("{service} has no instances in {env}")));
+            }
+            if ready != total {
+                return Err(StoreError::EffectRefused(format!(
+                    "not every instance of {service} in {env} is on {from_release} with a release to go back to"
+                )));
+            }
+            sqlx::query(
+                "UPDATE instances SET release = previous_release, previous_release = $1, status = 'healthy' \
+                 WHERE service = $2 AND env = $3",
+            )
+            .bind(from_release)
+            .bind(service)
+            .bind(env)
+            .execute(&mut *conn)
+            .await
+            .map_err(db("roll back a release"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Everything of one commit, in one transaction; the caller commits or drops it.
+async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Committed> {
+    let now = micros(c.now);
+    let run = fence(conn, c).await?;
+    if let Some(change) = &c.run {
+        change_status(conn, c, run.status, change).await?;
+    }
+    if let Some(checkpoint) = &c.checkpoint {
+        sqlx::query("UPDATE runs SET checkpoint = $1 WHERE id = $2")
+            .bind(json("checkpoint", checkpoint)?)
+            .bind(c.run_id.as_str())
+            .execute(&mut *conn)
+            .await
+            .map_err(db("write the checkpoint"))?;
+    }
+    for t in &c.text {
+        append_text(conn, c, &run.conversation_id, t, now).await?;
+    }
+    for m in &c.messages {
+        check_owner(format_args!("message {}", m.id), &m.conversation_id, &run.conversation_id)?;
+        if let Some(run_id) = &m.run_id {
+            check_owner(format_args!("message {}", m.id), run_id, &c.run_id)?;
+        }
+        insert_message(conn, m).await?;
+    }
+    for id in &c.discard_messages {
+        discard_message(conn, c, id).await?;
+    }
+    for change in &c.tool_calls {
+        apply_tool_call(conn, c, &run.conversation_id, change).await?;
+    }
+    for i in &c.new_interrupts {
+        insert_interrupt(conn, c, i).await?;
+    }
+    for change in &c.interrupt_changes {
+        change_interrupt(conn, c, change).await?;
+    }
+    for f in &c.facts {
+        upsert_fact(conn, &run.conversation_id, f).await?;
+    }
+    if let Some(s) = &c.summary {
+        upsert_summary(conn, &run.conversation_id, s).await?;
+    }
+    if !c.effects.is_empty() {
+        lock_instances(conn, &c.effects).await?;
+    }
+    for effect in &c.effects {
+        apply_effect(conn, effect).await?;
+    }
+    let events = insert_events(conn, &c.run_id, run.first_sequence, &c.events, now).await?;
+    Ok(Committed { events, cancel_requested: run.cancel_requested })
+}
+
+/// Inserts the run; `Ok(false)` if the one-active-run index refused it (another run of the
+/// conversation became active first). The transaction is then aborted: the caller rolls it back.
+async fn insert_run(conn: &mut PgConnection, run: &Run) -> StoreResult<bool> {
+    let result = sqlx::query(
+        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, reason, cancel_on_disconnect, \
+         cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+    )
+    .bind(run.id.as_str())
+    .bind(run.conversation_id.as_str())
+    .bind(run.user_message_id.as_str())
+    .bind(&run.user_id)
+    .bind(run.status.as_str())
+    .bind(&run.reason)
+    .bind(run.cancel_on_disconnect)
+    .bind(run.cancel_requested)
+    .bind(run.next_sequence)
+    .bind(&run.lease_owner)
+    .bind(run.lease_expires_at)
+    .bind(json("checkpoint", &run.checkpoint)?)
+    .bind(run.created_at)
+    .bind(run.updated_at)
+    .execute(&mut *conn)
+    .await;
+    match result {
+        Ok(_) => Ok(true),
+        Err(e) if is_active_run_violation(&e) => Ok(false),
+        Err(e) => Err(insert("run")(e)),
+    }
+}
+
+/// One attempt at `start_run`: `Ok(None)` if it lost the race to the one-active-run index.
+async fn try_start_run(tx: &mut PgConnection, new: &NewRun) -> StoreResult<Option<StartedRun>> {
+    let now = micros(new.now);
+    // Locks the conversation row: starts on one conversation are serialised, and the active-run
+    // check below sees the run of a start that committed while this one waited.
+    let version =
+        sqlx::query_scalar::<_, i64>("UPDATE conversations SET version = version + 1 WHERE id = $1 RETURNING version")
+            .bind(new.conversation_id.as_str())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db("start a run"))?
+            .ok_or(StoreError::NotFound("conversation"))?;
+    if let Some(active) = active_run_id(&mut *tx, &new.conversation_id).await? {
+        return Err(StoreError::RunActive(active));
+    }
+    let events_len = i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let run = Run {
+        id: RunId::new(),
+        conversation_id: new.conversation_id.clone(),
+        user_message_id: MessageId::new(),
+        user_id: new.user_id.clone(),
+        status: RunStatus::Queued,
+        reason: None,
+        cancel_on_disconnect: new.cancel_on_disconnect,
+        cancel_requested: false,
+        next_sequence: 1 + events_len,
+        lease_owner: None,
+        lease_expires_at: None,
+        checkpoint: Checkpoint::start(version),
+        created_at: now,
+        updated_at: now,
+    };
+    let message = Message {
+        id: run.user_message_id.clone(),
+        conversation_id: new.conversation_id.clone(),
+        run_id: Some(run.id.clone()),
+        role: Role::User,
+        content: new.content.clone(),
+        tool_call_id: None,
+        created_at: now,
+    };
+    // the run first: the message refers to it
+    if !insert_run(&mut *tx, &run).await? {
+        return Ok(None);
+    }
+    insert_message(&mut *tx, &message).await?;
+    let events = insert_events(&mut *tx, &run.id, 1, &new.events, now).await?;
+    Ok(Some(StartedRun { message, run, events }))
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db("ping"))?;
+        Ok(())
+    }
+
+    async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation> {
+        let conversation = Conversation {
+            id: ConversationId::new(),
+            user_id: user_id.to_owned(),
+            title: title.to_owned(),
+            version: 0,
+            created_at: micros(now),
+        };
+        sqlx::query("INSERT INTO conversations (id, user_id, title, version, created_at) VALUES ($1, $2, $3, $4, $5)")
+            .bind(conversation.id.as_str())
+            .bind(&conversation.user_id)
+            .bind(&conversation.title)
+            .bind(conversation.version)
+            .bind(conversation.created_at)
+            .execute(&self.pool)
+            .await
+            .map_err(insert("conversation"))?;
+        Ok(conversation)
+    }
+
+    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
+        let row = sqlx::query("SELECT * FROM conversations WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get a conversation"))?;
+        row.as_ref().map(conversation_from).transpose()
+    }
+
+    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>> {
+        let rows =
+            sqlx::query("SELECT * FROM conversations WHERE user_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2")
+                .bind(user_id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db("list conversations"))?;
+        all(&rows, conversation_from)
+    }
+
+    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>> {
+        let rows = sqlx::query("SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq")
+            .bind(conversation_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list messages"))?;
+        all(&rows, message_from)
+    }
+
+    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
+        let rows = sqlx::query("SELECT * FROM facts WHERE conversation_id = $1 ORDER BY key")
+            .bind(conversation_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list facts"))?;
+        all(&rows, fact_from)
+    }
+
+    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
+        let row = sqlx::query("SELECT * FROM summaries WHERE conversation_id = $1")
+            .bind(conversation_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get the summary"))?;
+        row.as_ref().map(summary_from).transpose()
+    }
+
+    async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
+        for _ in 0..START_ATTEMPTS {
+            let mut tx = self.begin().await?;
+            // On an error the transaction is dropped, which rolls it back.
+            if let Some(started) = try_start_run(&mut tx, &new).await? {
+                tx.commit().await.map_err(db("start a run"))?;
+                return Ok(started);
+            }
+            // Another run became active between the check and the insert (the unique index saw
+            // it): the transaction is aborted; the winner, read afresh, is the answer.
+            tx.rollback().await.map_err(db("start a run"))?;
+            if let Some(active) = active_run_id(&self.pool, &new.conversation_id).await? {
+                return Err(StoreError::RunActive(active));
+            }
+            // ... unless it is over already: start again.
+        }
+        Err(StoreError::Backend("start a run: the conversation's active run kept changing".into()))
+    }
+
+    async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>> {
+        let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get a run"))?;
+        row.as_ref().map(run_from).transpose()
+    }
+
+    async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
+        let row = sqlx::query(&format!("SELECT * FROM runs WHERE conversation_id = $1 AND status IN {ACTIVE} LIMIT 1"))
+            .bind(conversation_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get the active run"))?;
+        row.as_ref().map(run_from).transpose()
+    }
+
+    async fn claim_runs(
+        &self,
+        owner: &str,
+        now: Timestamp,
+        lease_until: Timestamp,
+        steal: bool,
+        limit: u32,
+    ) -> StoreResult<Vec<Run>> {
+        // One statement: the subquery locks the rows it picks and skips the ones another claimer
+        // (or a commit) holds, so concurrent claimers never take the same run and never wait.
+        // A row changed since the statement began is re-checked against the condition when locked.
+        let rows = sqlx::query(
+            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3 \
+             WHERE id IN (SELECT id FROM runs \
+                 WHERE status = 'queued' \
+                    OR (status = 'running' AND (lease_owner IS NULL OR lease_expires_at IS NULL \
+                        OR lease_expires_at <= $3 OR $4)) \
+                 ORDER BY created_at, id LIMIT $5 FOR UPDATE SKIP LOCKED) \
+             RETURNING *",
+        )
+        .bind(owner)
+        .bind(lease_until)
+        .bind(now)
+        .bind(steal)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("claim runs"))?;
+        let mut runs = all(&rows, run_from)?;
+        runs.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        Ok(runs)
+    }
+
+    async fn renew_lease(&self, run_id: &RunId, owner: &str, lease_until: Timestamp) -> StoreResult<bool> {
+        let done = sqlx::query(&format!(
+            "UPDATE runs SET lease_expires_at = $1 WHERE id = $2 AND lease_owner = $3 AND status IN {ACTIVE}"
+        ))
+        .bind(lease_until)
+        .bind(run_id.as_str())
+        .bind(owner)
+        .execute(&self.pool)
+        .await
+        .map_err(db("renew a lease"))?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    async fn release_lease(&self, run_id: &RunId, owner: &str) -> StoreResult<()> {
+        sqlx::query("UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = $1 AND lease_owner = $2")
+            .bind(run_id.as_str())
+            .bind(owner)
+            .execute(&self.pool)
+            .await
+            .map_err(db("release a lease"))?;
+        Ok(())
+    }
+
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
+        let mut tx = self.begin().await?;
+        let updated = sqlx::query(&format!(
+            "UPDATE runs SET cancel_requested = true, updated_at = $1 WHERE id = $2 AND status IN {ACTIVE} RETURNING *"
+        ))
+        .bind(now)
+        .bind(run_id.as_str())
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db("request a cancel"))?;
+        let row = match updated {
+            Some(row) => row,
+            // a finished run stays as it is
+            None => sqlx::query("SELECT * FROM runs WHERE id = $1")
+                .bind(run_id.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db("request a cancel"))?
+                .ok_or(StoreError::NotFound("run"))?,
+        };
+        let run = run_from(&row)?;
+        tx.commit().await.map_err(db("request a cancel"))?;
+        Ok(run)
+    }
+
+    async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
+        let mut tx = self.begin().await?;
+        // On an error the transaction is dropped, which rolls it back.
+        let committed = apply_commit(&mut tx, &commit).await?;
+        tx.commit().await.map_err(db("commit"))?;
+        Ok(committed)
+    }
+
+    async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
+        let rows = sqlx::query(
+            "SELECT sequence, type, data, created_at FROM run_events WHERE run_id = $1 AND sequence > $2 \
+             ORDER BY sequence LIMIT $3",
+        )
+        .bind(run_id.as_str())
+        .bind(after)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list events"))?;
+        rows.iter().map(|row| event_from(run_id, row)).collect()
+    }
+
+    async fn get_interrupt(&self, id: &InterruptId) -> StoreResult<Option<Interrupt>> {
+        let row = sqlx::query("SELECT * FROM interrupts WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get an interrupt"))?;
+        row.as_ref().map(interrupt_from).transpose()
+    }
+
+    async fn pending_interrupt(&self, run_id: &RunId) -> StoreResult<Option<Interrupt>> {
+        let row = sqlx::query(
+            "SELECT * FROM interrupts WHERE run_id = $1 AND status = 'pending' \
+             ORDER BY created_at DESC, id DESC LIMIT 1",
+        )
+        .bind(run_id.as_str())
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db("get the pending interrupt"))?;
+        row.as_ref().map(interrupt_from).transpose()
+    }
+
+    async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>> {
+        let rows = sqlx::query(
+            "SELECT * FROM interrupts WHERE status = 'pending' AND expires_at <= $1 ORDER BY expires_at, id LIMIT $2",
+        )
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list due interrupts"))?;
+        all(&rows, interrupt_from)
+    }
+
+    async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
+        let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = $1 ORDER BY seq")
+            .bind(run_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list tool calls"))?;
+        all(&rows, tool_call_from)
+    }
+
+    async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>> {
+        let rows = sqlx::query("SELECT * FROM tool_calls WHERE conversation_id = $1 ORDER BY seq")
+            .bind(conversation_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list tool calls"))?;
+        all(&rows, tool_call_from)
+    }
+
+    async fn instances_awaiting_restart(&self) -> StoreResult<Vec<String>> {
+        let rows = sqlx::query(
+            "SELECT DISTINCT (args ->> 'instanceId') COLLATE \"C\" AS instance_id FROM tool_calls \
+             WHERE name = 'restart_instance' AND state = 'asking' \
+               AND jsonb_typeof(args -> 'instanceId') = 'string' \
+             ORDER BY instance_id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list instances awaiting a restart"))?;
+        rows.iter().map(|row| Cols::new(row, "tool_calls").get("instance_id")).collect()
+    }
+
+    async fn idempotency_begin(
+        &self,
+        user_id: &str,
+        key: &str,
+        request_hash: &str,
+        now: Timestamp,
+        expires_at: Timestamp,
+    ) -> StoreResult<IdempotencyBegin> {
+        for _ in 0..IDEMPOTENCY_ATTEMPTS {
+            // New, or expired: this request starts it (again). One statement, so two requests with
+            // one new key cannot both start it.
+            let started = sqlx::query(
+                "INSERT INTO idempotency_keys (user_id, key, request_hash, state, status, response, expires_at) \
+                 VALUES ($1, $2, $3, 'in_flight', NULL, NULL, $5) \
+                 ON CONFLICT (user_id, key) DO UPDATE SET request_hash = excluded.request_hash, \
+                 state = 'in_flight', status = NULL, response = NULL, expires_at = excluded.expires_at \
+                 WHERE idempotency_keys.expires_at <= $4 \
+                 RETURNING 1",
+            )
+            .bind(user_id)
+            .bind(key)
+            .bind(request_hash)
+            .bind(now)
+            .bind(expires_at)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("begin an idempotent request"))?;
+            if started.is_some() {
+                return Ok(IdempotencyBegin::Started);
+            }
+            // A live key: what it holds decides.
+            let row = sqlx::query(
+                "SELECT request_hash, state, status, response FROM idempotency_keys WHERE user_id = $1 AND key = $2",
+            )
+            .bind(user_id)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("begin an idempotent request"))?;
+            // abandoned since: try again
+            let Some(row) = row else { continue };
+            let c = Cols::new(&row, "idempotency_keys");
+            let stored_hash: String = c.get("request_hash")?;
+            if stored_hash != request_hash {
+                return Ok(IdempotencyBegin::Mismatch);
+            }
+            let state: String = c.get("state")?;
+            return match state.as_str() {
+                "in_flight" => Ok(IdempotencyBegin::InFlight),
+                "done" => {
+                    let status: i64 = c.get("status")?;
+                    let status = u16::try_from(status).map_err(|e| c.bad("status", e))?;
+                    Ok(IdempotencyBegin::Done { status, response: c.json("response")? })
+                }
+                _ => Err(c.bad("state", "unknown value")),
+            };
+        }
+        // the key keeps being started and abandoned by other requests: one of them is in flight
+        Ok(IdempotencyBegin::InFlight)
+    }
+
+    async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()> {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2 WHERE user_id = $3 AND key = $4",
+        )
+        .bind(i64::from(status))
+        .bind(response)
+        .bind(user_id)
+        .bind(key)
+        .execute(&self.pool)
+        .await
+        .map_err(db("complete an idempotent request"))?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound("idempotency key"));
+        }
+        Ok(())
+    }
+
+    async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()> {
+        sqlx::query("DELETE FROM idempotency_keys WHERE user_id = $1 AND key = $2 AND state = 'in_flight'")
+            .bind(user_id)
+            .bind(key)
+            .execute(&self.pool)
+            .await
+            .map_err(db("abandon an idempotent request"))?;
+        Ok(())
+    }
+
+    async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
+        let row = sqlx::query("SELECT role FROM users WHERE id = $1")
+            .bind(user_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get a user's role"))?;
+        row.map(|row| Cols::new(&row, "users").parse("role", UserRole::parse)).transpose()
+    }
+
+    async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()> {
+        sqlx::query("INSERT INTO users (id, role) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE SET role = excluded.role")
+            .bind(user_id)
+            .bind(role.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(db("set a user's role"))?;
+        Ok(())
+    }
+
+    async fn seed_fleet(&self, fleet: FleetSeed, now: Timestamp) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        // Seeds are serialised with each other and with effects (which lock instance rows): a
+        // second seed deletes what the first inserted instead of colliding with it. Plain reads go on.
+        sqlx::query("LOCK TABLE instances, error_logs IN EXCLUSIVE MODE")
+            .execute(&mut *tx)
+            .await
+            .map_err(db("seed the fleet"))?;
+        for table in ["DELETE FROM error_logs", "DELETE FROM instances"] {
+            sqlx::query(table).execute(&mut *tx).await.map_err(db("seed the fleet"))?;
+        }
+        for i in seed::instances(fleet) {
+            sqlx::query(
+                "INSERT INTO instances (id, service, env, status, restart_count, release, previous_release) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(&i.id)
+            .bind(&i.service)
+            .bind(&i.env)
+            .bind(&i.status)
+            .bind(i.restart_count)
+            .bind(&i.release)
+            .bind(&i.previous_release)
+            .execute(&mut *tx)
+            .await
+            .map_err(db("seed the fleet"))?;
+        }
+        for e in seed::error_logs(now) {
+            sqlx::query(
+                "INSERT INTO error_logs (service, env, instance_id, status_code, message, at) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&e.service)
+            .bind(&e.env)
+            .bind(&e.instance_id)
+            .bind(e.status_code)
+            .bind(&e.message)
+            .bind(e.at)
+            .execute(&mut *tx)
+            .await
+            .map_err(db("seed the fleet"))?;
+        }
+        sqlx::query("INSERT INTO users (id, role) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING")
+            .bind(seed::DEMO_USER)
+            .bind(UserRole::Operator.as_str())
+            .execute(&mut *tx)
+            .await
+            .map_err(db("seed the fleet"))?;
+        tx.commit().await.map_err(db("seed the fleet"))?;
+        Ok(())
+    }
+
+    async fn list_instances(&self, service: Option<&str>, env: Option<&str>) -> StoreResult<Vec<Instance>> {
+        let rows = sqlx::query(
+            "SELECT * FROM instances WHERE ($1::text IS NULL OR service = $1) AND ($2::text IS NULL OR env = $2) \
+             ORDER BY id",
+        )
+        .bind(service)
+        .bind(env)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list instances"))?;
+        all(&rows, instance_from)
+    }
+
+    async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>> {
+        let row = sqlx::query("SELECT * FROM instances WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get an instance"))?;
+        row.as_ref().map(instance_from).transpose()
+    }
+
+    async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>> {
+        let rows = sqlx::query(
+            "SELECT * FROM error_logs WHERE service = $1 AND env = $2 AND at >= $3 ORDER BY at DESC, id DESC",
+        )
+        .bind(service)
+        .bind(env)
+        .bind(since)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list recent errors"))?;
+        all(&rows, error_log_from)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    #[test]
+    fn micros_truncates_like_the_driver() {
+        let t = Utc.with_ymd_and_hms(2030, 1, 1, 10, 0, 0).unwrap() + chrono::Duration::nanoseconds(123_456_789);
+        assert_eq!(
+            micros(t),
+            Utc.with_ymd_and_hms(2030, 1, 1, 10, 0, 0).unwrap() + chrono::Duration::microseconds(123_456)
+        );
+        assert_eq!(micros(micros(t)), micros(t));
+        let before_2000 = Utc.with_ymd_and_hms(1990, 1, 1, 0, 0, 0).unwrap() + chrono::Duration::nanoseconds(999);
+        assert_eq!(micros(before_2000), Utc.with_ymd_and_hms(1990, 1, 1, 0, 0, 0).unwrap());
+    }
+
+    #[test]
+    fn schema_names_are_plain_identifiers() {
+        assert_eq!(quote_schema("keel_test_01").unwrap(), "\"keel_test_01\"");
+        for bad in ["", "1abc", "a-b", "a\"b", "pg_temp", "PG_x", "x; DROP TABLE runs", &"a".repeat(64)] {
+            assert!(matches!(quote_schema(bad), Err(StoreError::Backend(_))), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_bad_url_is_refused_without_quoting_it() {
+        for url in ["sqlite://keel.db", "postgres://user:secret-pw@host:notaport/db"] {
+            match url_options(url) {
+                Err(StoreError::Backend(message)) => assert!(!message.contains("secret"), "{message}"),
+                other => panic!("{url}: expected a backend error, got {other:?}"),
+            }
+        }
+    }
+}
