@@ -3,20 +3,35 @@
 //! Three parts, in this order: the system prompt with the confirmed facts; a summary of earlier
 //! turns once the history exceeds the token budget; the recent turns verbatim. Facts come only from
 //! validated tool results or explicit user confirmation, never from model text, so "restart it"
-//! resolves against what the tools established rather than against what the model once said.
+//! resolves against what the tools established rather than against what the model once said. The
+//! summary is marked as a summary in the prompt and is never turned into facts.
+//!
+//! Assembly is two pure steps: [`plan`] decides which turns stay verbatim and which older ones the
+//! stored summary does not cover yet; [`Plan::render`] builds the messages around a summary text —
+//! the extractive one ([`Plan::extractive_summary`]) or one a model wrote from
+//! [`Plan::summary_request`]. [`assemble`] is both steps with the extractive summary.
+//!
+//! The recent part is sticky: once a summary exists, every turn after it stays verbatim for as long
+//! as they fit. When they no longer do, older turns are summarised down to half the recent budget,
+//! so that a new summary is needed only after that much history has accumulated again.
 
 use crate::domain::{Fact, Message, Role, Summary, ToolCall};
-use crate::mask::truncate;
+use crate::mask::{mask_text, truncate};
 use crate::model::{ModelMessage, ModelToolCall};
 
 #[derive(Debug, Clone)]
 pub struct ContextConfig {
     pub system_prompt: String,
-    /// Tokens of recent turns kept verbatim; older turns are summarised. The current turn is always
-    /// kept whole.
-    pub recent_budget_tokens: usize,
+    /// Tokens (as [`estimate_tokens`] counts them) of the whole prompt: the system prompt, the
+    /// facts, the summary and the recent turns. The recent turns get what is left after the others
+    /// (with room for a summary of `summary_max_chars` reserved once one is needed). The current
+    /// turn is always kept whole, even if alone it is larger. Tool specs are not counted.
+    pub context_budget_tokens: usize,
     /// Upper bound of the summary text, in characters.
     pub summary_max_chars: usize,
+    /// Have the model write the summary of older turns (a separate call without tools) instead of
+    /// the extractive one. If that call fails, the extractive summary is used.
+    pub summarize_with_model: bool,
 }
 
 impl Default for ContextConfig {
@@ -25,17 +40,44 @@ impl Default for ContextConfig {
             system_prompt: "You are an operations assistant. Use the tools to look at the fleet; never invent \
                             instance names or numbers. Actions that change the fleet need a human's approval."
                 .to_owned(),
-            recent_budget_tokens: 3000,
+            context_budget_tokens: 4000,
             summary_max_chars: 2000,
+            summarize_with_model: false,
         }
     }
 }
+
+/// How the summary is introduced in the system message.
+pub const SUMMARY_LABEL: &str = "Summary of earlier turns (not verified facts):";
+
+/// The system prompt of a summary call; a model server can tell summary calls by it.
+pub const SUMMARIZER_PROMPT: &str = "You summarise the earlier part of a conversation between a user and an \
+operations assistant, for the assistant's own later use.";
 
 /// A rough, conservative token estimate (about four characters a token).
 pub fn estimate_tokens(text: &str) -> usize {
     text.chars().count().div_ceil(4) + 4
 }
 
+/// The estimate of one message: its content and the name and arguments of each tool call.
+pub fn estimate_message_tokens(message: &ModelMessage) -> usize {
+    match message {
+        ModelMessage::System { content } | ModelMessage::User { content } | ModelMessage::Tool { content, .. } => {
+            estimate_tokens(content)
+        }
+        ModelMessage::Assistant { content, tool_calls } => {
+            estimate_tokens(content)
+                + tool_calls.iter().map(|c| estimate_tokens(&format!("{}{}", c.name, c.arguments))).sum::<usize>()
+        }
+    }
+}
+
+/// The estimate of a whole prompt.
+pub fn estimate_prompt_tokens(messages: &[ModelMessage]) -> usize {
+    messages.iter().map(estimate_message_tokens).sum()
+}
+
+#[derive(Debug, Clone, Copy)]
 pub struct ContextInput<'a> {
     pub messages: &'a [Message],
     pub tool_calls: &'a [ToolCall],
@@ -50,75 +92,210 @@ pub struct Assembled {
     pub new_summary: Option<Summary>,
 }
 
-/// Builds the model input. Pure: everything it needs is passed in.
-pub fn assemble(config: &ContextConfig, input: ContextInput<'_>) -> Assembled {
+/// Which turns stay verbatim and which older ones still need summarising.
+#[derive(Debug, Clone)]
+pub struct Plan<'a> {
+    config: &'a ContextConfig,
+    input: ContextInput<'a>,
+    /// The system prompt with the facts.
+    header: String,
+    /// Older messages the stored summary does not cover yet, oldest first.
+    uncovered: Vec<&'a Message>,
+    /// The turns kept verbatim, oldest first.
+    recent: Vec<&'a Message>,
+}
+
+/// Decides what of the history is sent verbatim. Pure.
+pub fn plan<'a>(config: &'a ContextConfig, input: ContextInput<'a>) -> Plan<'a> {
+    let header = header(config, input.facts);
     let turns = split_turns(input.messages);
-    // Keep whole turns from the end while they fit; the last turn always.
-    let mut kept = 0usize;
-    let mut used = 0usize;
-    for turn in turns.iter().rev() {
-        let cost: usize = turn.iter().map(|m| estimate_tokens(&m.content)).sum();
-        if kept > 0 && used + cost > config.recent_budget_tokens {
-            break;
-        }
-        used += cost;
-        kept += 1;
-    }
-    let older = &turns[..turns.len() - kept];
-    let recent = &turns[turns.len() - kept..];
+    let cost: Vec<usize> =
+        turns.iter().map(|t| estimate_prompt_tokens(&to_model_messages(t, input.tool_calls))).collect();
+    let available = config.context_budget_tokens.saturating_sub(estimate_tokens(&header));
 
-    // The summary covers every older turn; extend the stored one if older turns go past it.
-    let mut summary_text = input.summary.map(|s| s.text.clone());
-    let mut new_summary = None;
-    if let Some(last_older) = older.last().and_then(|t| t.last()) {
-        let covered = input.summary.map(|s| &s.through_message_id);
-        let start = match covered {
-            Some(id) => older.iter().flatten().position(|m| &m.id == id).map(|i| i + 1).unwrap_or(0),
-            None => 0,
-        };
-        let uncovered: Vec<&Message> = older.iter().flatten().skip(start).copied().collect();
-        if !uncovered.is_empty() {
-            let mut text = summary_text.clone().unwrap_or_default();
-            for m in uncovered {
-                let line = match m.role {
-                    Role::User => format!("- User asked: {}\n", truncate(&m.content, 160)),
-                    Role::Assistant if !m.content.is_empty() => {
-                        format!("- Assistant answered: {}\n", truncate(&m.content, 200))
-                    }
-                    _ => continue,
-                };
-                text.push_str(&line);
+    // Turns the stored summary covers: up to the one that ends with its last message.
+    let covered = input
+        .summary
+        .and_then(|s| turns.iter().position(|t| t.iter().any(|m| m.id == s.through_message_id)))
+        .map(|i| i + 1)
+        .unwrap_or(0);
+    let total: usize = cost[covered..].iter().sum();
+    let (summarise_to, keep_from) = if input.summary.is_none() && total <= available {
+        // Everything fits: no summary.
+        (0, 0)
+    } else {
+        let recent_budget = available.saturating_sub(summary_reserve(config));
+        if total <= recent_budget {
+            // The stored summary still does: the turns after it stay verbatim.
+            (covered, covered)
+        } else {
+            // Summarise down to half the recent budget, so the next summary waits until that much
+            // history has accumulated again. The last turn is always kept.
+            let low = recent_budget / 2;
+            let mut keep = turns.len();
+            let mut used = 0usize;
+            while keep > covered {
+                let c = cost[keep - 1];
+                if keep < turns.len() && used + c > low {
+                    break;
+                }
+                used += c;
+                keep -= 1;
             }
-            // Keep the most recent part when it grows past the bound.
-            let chars = text.chars().count();
-            if chars > config.summary_max_chars {
-                text = text.chars().skip(chars - config.summary_max_chars).collect();
-            }
-            new_summary = Some(Summary {
-                conversation_id: last_older.conversation_id.clone(),
-                through_message_id: last_older.id.clone(),
-                text: text.clone(),
-            });
-            summary_text = Some(text);
+            (keep, keep)
         }
-    }
+    };
+    let uncovered = turns[covered.min(summarise_to)..summarise_to].iter().flatten().copied().collect();
+    let recent = turns[keep_from..].iter().flatten().copied().collect();
+    Plan { config, input, header, uncovered, recent }
+}
 
+/// Room for the label and a summary of the largest allowed size.
+fn summary_reserve(config: &ContextConfig) -> usize {
+    estimate_tokens(SUMMARY_LABEL) + config.summary_max_chars.div_ceil(4) + 1
+}
+
+fn header(config: &ContextConfig, facts: &[Fact]) -> String {
     let mut system = config.system_prompt.clone();
-    if !input.facts.is_empty() {
+    if !facts.is_empty() {
         system.push_str("\n\nConfirmed facts (from validated tool results or the user's confirmation):\n");
-        for f in input.facts {
+        for f in facts {
             system.push_str(&format!("- {}: {}\n", f.key, f.value));
         }
     }
-    if let Some(text) = &summary_text {
-        system.push_str("\n\nSummary of earlier turns:\n");
-        system.push_str(text);
+    system
+}
+
+impl<'a> Plan<'a> {
+    /// Older turns fell out of the budget that the stored summary does not cover.
+    pub fn needs_summary(&self) -> bool {
+        !self.uncovered.is_empty()
     }
 
-    let mut messages = vec![ModelMessage::System { content: system }];
-    let recent_messages: Vec<&Message> = recent.iter().flatten().copied().collect();
-    messages.extend(to_model_messages(&recent_messages, input.tool_calls));
-    Assembled { messages, new_summary }
+    /// The messages the stored summary does not cover yet and the new one has to.
+    pub fn uncovered(&self) -> &[&'a Message] {
+        &self.uncovered
+    }
+
+    /// The summary so far followed by a line per uncovered user question and assistant answer,
+    /// bounded by keeping its most recent part. `None` when no new summary is needed.
+    pub fn extractive_summary(&self) -> Option<String> {
+        if !self.needs_summary() {
+            return None;
+        }
+        let mut text = self.input.summary.map(|s| s.text.clone()).unwrap_or_default();
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        for m in &self.uncovered {
+            match m.role {
+                Role::User => text.push_str(&format!("- User asked: {}\n", truncate(&m.content, 160))),
+                Role::Assistant if !m.content.is_empty() => {
+                    text.push_str(&format!("- Assistant answered: {}\n", truncate(&m.content, 200)))
+                }
+                _ => {}
+            }
+        }
+        // Keep the most recent whole lines within the bound.
+        let chars = text.chars().count();
+        if chars > self.config.summary_max_chars {
+            let tail: String = text.chars().skip(chars - self.config.summary_max_chars).collect();
+            text = match tail.split_once('\n') {
+                Some((_, rest)) if !rest.is_empty() => rest.to_owned(),
+                _ => tail,
+            };
+        }
+        Some(text)
+    }
+
+    /// The request for a model-written summary: the previous summary and the uncovered turns, in a
+    /// prompt that fits the context budget. `None` when no new summary is needed.
+    pub fn summary_request(&self) -> Option<Vec<ModelMessage>> {
+        if !self.needs_summary() {
+            return None;
+        }
+        let words = (self.config.summary_max_chars / 7).max(20);
+        let system = format!(
+            "{SUMMARIZER_PROMPT} Write a short, factual summary, at most {words} words, of the turns you are \
+             given, merged with the previous summary if there is one: what the user asked, what the tools \
+             reported, what was done and what is still open. Keep instance names, numbers and decisions \
+             exactly as they are; add nothing that is not in the turns; no preamble."
+        );
+        let mut head = String::new();
+        if let Some(previous) = self.input.summary {
+            head.push_str("Previous summary:\n");
+            head.push_str(&truncate(&previous.text, self.config.summary_max_chars));
+            head.push_str("\n\n");
+        }
+        head.push_str("Turns to add to it:\n");
+        let lines: Vec<String> = self
+            .uncovered
+            .iter()
+            .filter_map(|m| {
+                let (who, text) = match m.role {
+                    Role::User => ("User".to_owned(), m.content.as_str()),
+                    Role::Assistant if m.content.is_empty() => return None,
+                    Role::Assistant => ("Assistant".to_owned(), m.content.as_str()),
+                    Role::Tool => {
+                        let call = self.input.tool_calls.iter().find(|c| Some(&c.id) == m.tool_call_id.as_ref());
+                        (
+                            format!("Tool result ({})", call.map(|c| c.name.as_str()).unwrap_or("tool")),
+                            m.content.as_str(),
+                        )
+                    }
+                };
+                Some(format!("{who}: {}\n", truncate(text, 600)))
+            })
+            .collect();
+        // Keep the most recent lines that fit in the budget.
+        let room = self
+            .config
+            .context_budget_tokens
+            .saturating_sub(estimate_tokens(&system) + estimate_tokens(&head))
+            .saturating_mul(4);
+        let mut used = 0usize;
+        let mut from = lines.len();
+        while from > 0 && used + lines[from - 1].chars().count() <= room {
+            used += lines[from - 1].chars().count();
+            from -= 1;
+        }
+        let mut user = head;
+        for line in &lines[from..] {
+            user.push_str(line);
+        }
+        Some(vec![ModelMessage::System { content: system }, ModelMessage::User { content: user }])
+    }
+
+    /// Builds the model input around `new_summary_text` — the summary of the uncovered turns merged
+    /// with the stored one — or, when none is given, the stored summary. The text is masked and cut
+    /// to `summary_max_chars`.
+    pub fn render(&self, new_summary_text: Option<String>) -> Assembled {
+        let new_summary = match (new_summary_text, self.uncovered.last()) {
+            (Some(text), Some(last)) => Some(Summary {
+                conversation_id: last.conversation_id.clone(),
+                through_message_id: last.id.clone(),
+                text: truncate(mask_text(text.trim()).as_str(), self.config.summary_max_chars),
+            }),
+            _ => None,
+        };
+        let mut system = self.header.clone();
+        if let Some(summary) = new_summary.as_ref().or(self.input.summary) {
+            system.push_str("\n\n");
+            system.push_str(SUMMARY_LABEL);
+            system.push('\n');
+            system.push_str(&truncate(&summary.text, self.config.summary_max_chars));
+        }
+        let mut messages = vec![ModelMessage::System { content: system }];
+        messages.extend(to_model_messages(&self.recent, self.input.tool_calls));
+        Assembled { messages, new_summary }
+    }
+}
+
+/// Builds the model input with the extractive summary. Pure: everything it needs is passed in.
+pub fn assemble(config: &ContextConfig, input: ContextInput<'_>) -> Assembled {
+    let plan = plan(config, input);
+    let summary = plan.extractive_summary();
+    plan.render(summary)
 }
 
 /// A turn: a user message and everything after it up to the next user message.
@@ -204,6 +381,23 @@ mod tests {
         }
     }
 
+    fn system_of(messages: &[ModelMessage]) -> &str {
+        match &messages[0] {
+            ModelMessage::System { content } => content,
+            other => panic!("system first, not {other:?}"),
+        }
+    }
+
+    fn user_texts(messages: &[ModelMessage]) -> Vec<&str> {
+        messages
+            .iter()
+            .filter_map(|m| match m {
+                ModelMessage::User { content } => Some(content.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
     #[test]
     fn facts_summary_and_recent_turns() {
         let conv = ConversationId::new();
@@ -232,49 +426,121 @@ mod tests {
             source: FactSource::ToolResult,
             updated_at: Utc::now(),
         }];
-        let config = ContextConfig { recent_budget_tokens: 600, ..Default::default() };
-        let out =
-            assemble(&config, ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: None });
-        let ModelMessage::System { content } = &out.messages[0] else { panic!("system first") };
+        let config = ContextConfig { context_budget_tokens: 1400, ..Default::default() };
+        let input = ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: None };
+        let out = assemble(&config, input);
+        let content = system_of(&out.messages);
         assert!(content.contains("- instance: pay-prod-2"));
-        assert!(content.contains("Summary of earlier turns"));
+        assert!(content.contains(SUMMARY_LABEL));
         let summary = out.new_summary.expect("older turns summarised");
         // Bounded, keeping the most recent of the older turns.
         assert!(summary.text.chars().count() <= config.summary_max_chars);
-        assert!(summary.text.contains("question 20"), "{}", summary.text);
+        assert!(summary.text.starts_with("- "), "whole lines: {}", summary.text);
         assert!(!content.contains("question 0 "));
-        // The recent part stays within budget and ends with the current turn, verbatim.
-        let recent_tokens: usize = out.messages[1..]
-            .iter()
-            .map(|m| match m {
-                ModelMessage::User { content } | ModelMessage::Assistant { content, .. } => estimate_tokens(content),
-                ModelMessage::Tool { content, .. } => estimate_tokens(content),
-                ModelMessage::System { .. } => 0,
-            })
-            .sum();
-        assert!(recent_tokens <= 600, "{recent_tokens}");
+        // The whole prompt stays within budget and ends with the current turn, verbatim.
+        let total = estimate_prompt_tokens(&out.messages);
+        assert!(total <= config.context_budget_tokens, "{total}");
         assert!(
             matches!(&out.messages[out.messages.len() - 3], ModelMessage::User { content } if content == "restart it")
         );
         assert!(matches!(&out.messages[out.messages.len() - 2],
             ModelMessage::Assistant { tool_calls, .. } if tool_calls[0].name == "restart_instance"));
-        // With the summary stored, assembling again adds nothing new to it.
-        let again = assemble(
-            &config,
-            ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: Some(&summary) },
-        );
+        // The summary covers exactly the turns before the first verbatim one.
+        let first_recent = user_texts(&out.messages[1..])[0];
+        let n: usize = first_recent.split(' ').nth(1).unwrap().parse().unwrap();
+        assert!(summary.text.contains(&format!("question {}", n - 1)));
+        assert!(!summary.text.contains(&format!("question {n} ")));
+        // With the summary stored, assembling again adds nothing new to it and shows it.
+        let again = assemble(&config, ContextInput { summary: Some(&summary), ..input });
         assert!(again.new_summary.is_none());
+        assert_eq!(again.messages, out.messages);
     }
 
     #[test]
     fn short_history_needs_no_summary() {
         let conv = ConversationId::new();
         let messages = vec![msg(&conv, Role::User, "hello", None)];
-        let out = assemble(
-            &ContextConfig::default(),
-            ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: None },
-        );
+        let input = ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: None };
+        let config = ContextConfig::default();
+        let plan = plan(&config, input);
+        assert!(!plan.needs_summary());
+        assert!(plan.summary_request().is_none());
+        let out = plan.render(None);
         assert_eq!(out.messages.len(), 2);
         assert!(out.new_summary.is_none());
+        assert!(!system_of(&out.messages).contains(SUMMARY_LABEL));
+    }
+
+    /// A long conversation, assembled before each answer as the engine does: every prompt within
+    /// budget, no turn ever lost between the summary and the verbatim part, and a new summary only
+    /// now and then.
+    #[test]
+    fn long_conversation_stays_in_budget_with_few_summaries() {
+        let conv = ConversationId::new();
+        let config = ContextConfig { context_budget_tokens: 800, summary_max_chars: 600, ..Default::default() };
+        let mut messages: Vec<Message> = Vec::new();
+        let mut stored: Option<Summary> = None;
+        let mut summaries = 0;
+        for i in 0..200 {
+            messages.push(msg(&conv, Role::User, &format!("question {i} about pay-prod-{}", i % 7), None));
+            let input = ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: stored.as_ref() };
+            let plan = plan(&config, input);
+            let text = if plan.needs_summary() {
+                summaries += 1;
+                let request = plan.summary_request().unwrap();
+                assert!(estimate_prompt_tokens(&request) <= config.context_budget_tokens);
+                let ModelMessage::User { content } = &request[1] else { panic!("a user message") };
+                // Only what is not covered yet, and the summary so far.
+                let first = plan.uncovered()[0].content.clone();
+                assert!(content.contains(&first), "{content}");
+                if let Some(s) = &stored {
+                    assert!(content.contains(&format!("Previous summary:\n{}", s.text)));
+                }
+                let last = plan.uncovered().last().unwrap().content.clone();
+                Some(format!("The user asked up to «{last}»."))
+            } else {
+                None
+            };
+            let out = plan.render(text);
+            let total = estimate_prompt_tokens(&out.messages);
+            assert!(total <= config.context_budget_tokens, "turn {i}: {total} tokens");
+            let users = user_texts(&out.messages);
+            assert_eq!(users.last().copied(), Some(messages.last().unwrap().content.as_str()));
+            if let Some(s) = out.new_summary.clone() {
+                stored = Some(s);
+            }
+            if let Some(s) = &stored {
+                // The turn right after the summary's last one is the first verbatim turn.
+                let through = messages.iter().position(|m| m.id == s.through_message_id).unwrap();
+                assert_eq!(users[0], messages[through + 1].content, "turn {i}");
+                assert!(system_of(&out.messages).contains(&format!("{SUMMARY_LABEL}\n{}", s.text)));
+            } else {
+                assert_eq!(users.len(), messages.iter().filter(|m| m.role == Role::User).count());
+            }
+            messages.push(msg(&conv, Role::Assistant, &format!("answer {i}"), None));
+        }
+        assert!(stored.is_some());
+        assert!((2..=40).contains(&summaries), "{summaries} summaries for 200 turns");
+    }
+
+    #[test]
+    fn a_model_summary_is_masked_cut_and_marked() {
+        let conv = ConversationId::new();
+        let mut messages = Vec::new();
+        for i in 0..20 {
+            messages.push(msg(&conv, Role::User, &format!("question {i} {}", "x".repeat(100)), None));
+        }
+        let config = ContextConfig { context_budget_tokens: 300, summary_max_chars: 100, ..Default::default() };
+        let plan = plan(&config, ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: None });
+        assert!(plan.needs_summary());
+        let ModelMessage::System { content } = &plan.summary_request().unwrap()[0] else { panic!() };
+        assert!(content.starts_with(SUMMARIZER_PROMPT));
+        let out = plan.render(Some(format!("  It used password=hunter2 and {}  ", "z".repeat(300))));
+        let summary = out.new_summary.unwrap();
+        assert!(!summary.text.contains("hunter2"), "{}", summary.text);
+        assert!(summary.text.starts_with("It used password=***"));
+        assert!(summary.text.chars().count() <= 100);
+        assert!(system_of(&out.messages).contains(SUMMARY_LABEL));
+        assert_eq!(summary.through_message_id, plan.uncovered().last().unwrap().id);
     }
 }

@@ -19,14 +19,14 @@ use tokio::task::JoinHandle;
 
 use crate::bus::Bus;
 use crate::clock::Clock;
-use crate::context::{assemble, ContextConfig, ContextInput};
+use crate::context::{plan as plan_context, ContextConfig, ContextInput};
 use crate::domain::{
     Conversation, Fact, FactMap, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep, Role, Run,
     RunStatus, Timestamp, ToolCall, ToolCallState, UserRole,
 };
 use crate::event::{Event, EventKind, GraphEdge, GraphNode, ToolOutcomeStatus};
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
-use crate::mask::{mask_text, mask_value, truncate};
+use crate::mask::{mask_fact, mask_text, mask_value, truncate};
 use crate::model::{Model, ModelChunk, ModelError, ModelRequest};
 use crate::store::{
     Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError,
@@ -1192,10 +1192,26 @@ impl Worker {
         let calls = store.list_conversation_tool_calls(conv).await?;
         let facts = store.list_facts(conv).await?;
         let summary = store.get_summary(conv).await?;
-        let assembled = assemble(
-            &self.inner.config.context,
+        let config = &self.inner.config.context;
+        let plan = plan_context(
+            config,
             ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: summary.as_ref() },
         );
+        let summary_text = match plan.summary_request() {
+            Some(request) if config.summarize_with_model => match self.summarize(request).await {
+                Ok(Some(text)) => Some(text),
+                Ok(None) => {
+                    self.run.cancel_requested = true;
+                    return Ok(true);
+                }
+                Err(e) => {
+                    tracing::warn!(run_id = %self.run.id, error = %e, "the summary call failed; using the extractive summary");
+                    plan.extractive_summary()
+                }
+            },
+            _ => plan.extractive_summary(),
+        };
+        let assembled = plan.render(summary_text);
         let request = ModelRequest {
             messages: assembled.messages,
             tools: self.inner.tools.specs(),
@@ -1279,6 +1295,30 @@ impl Worker {
                     return Ok(true);
                 }
             }
+        }
+    }
+
+    /// The model's summary of older turns: a separate call without tools, its text collected.
+    /// `Ok(None)` if the run was cancelled meanwhile; an error (or an empty answer) means "use the
+    /// extractive summary".
+    async fn summarize(&self, messages: Vec<crate::model::ModelMessage>) -> Result<Option<String>, ModelError> {
+        let request = ModelRequest { messages, tools: Vec::new(), facts: FactMap::new() };
+        let call = async {
+            let mut stream = self.inner.model.stream(request).await?;
+            let mut text = String::new();
+            while let Some(chunk) = stream.next().await {
+                if let ModelChunk::Text(delta) = chunk? {
+                    text.push_str(&delta);
+                }
+            }
+            if text.trim().is_empty() {
+                return Err(ModelError::Fatal("the summary was empty".into()));
+            }
+            Ok(text)
+        };
+        tokio::select! {
+            text = call => text.map(Some),
+            _ = self.cancel_signal.notified() => Ok(None),
         }
     }
 
@@ -1558,7 +1598,9 @@ impl Worker {
             summary,
         });
         if !output.facts.is_empty() {
-            for (key, value) in &output.facts {
+            let new_facts: Vec<(String, String)> =
+                output.facts.iter().map(|(key, value)| (key.clone(), mask_fact(key, value))).collect();
+            for (key, value) in &new_facts {
                 c.facts.push(Fact {
                     key: key.clone(),
                     value: value.clone(),
@@ -1567,7 +1609,7 @@ impl Worker {
                 });
             }
             let mut facts = crate::domain::fact_map(&self.store().list_facts(&self.run.conversation_id).await?);
-            facts.extend(output.facts.iter().cloned());
+            facts.extend(new_facts);
             c.events.push(EventKind::FactsUpdated { facts });
         }
         match self.commit(c).await {

@@ -1,9 +1,63 @@
 //! Masking of secrets before anything is stored, streamed, logged or shown.
+//!
+//! Two kinds of input: JSON (tool results, arguments, decisions), where the values of secret-looking
+//! keys are replaced whole and every string is masked as text; and free text (summaries, errors,
+//! facts), where these are replaced by `***`:
+//!
+//! - the word after `Bearer` (and after `Authorization: Basic`);
+//! - the value of a secret-looking key: `password=…`, `token: …`, `"api_key": "…"`, `Password=…;`
+//!   in a connection string, `?token=…` in a URL;
+//! - the credentials of a URL (`postgres://user:pw@host` → `postgres://***@host`);
+//! - tokens recognisable by their shape: `sk-…`/`sk_…` keys, AWS access key ids (`AKIA…`, `ASIA…`),
+//!   GitHub, GitLab and Slack tokens, JWTs;
+//! - a whole text with a private key block in it.
+//!
+//! It is a safety net, not a guarantee: a secret in plain words ("the password is hunter2") passes.
 
 use serde_json::Value;
 
-const SECRET_KEYS: &[&str] =
-    &["password", "passwd", "secret", "token", "apikey", "api_key", "authorization", "private_key", "credential"];
+const SECRET_KEYS: &[&str] = &[
+    "password",
+    "passwd",
+    "passphrase",
+    "secret",
+    "token",
+    "apikey",
+    "api_key",
+    "authorization",
+    "private_key",
+    "credential",
+    "access_key",
+    "connection_string",
+    "connectionstring",
+];
+
+/// Prefixes of tokens whose shape gives them away, and how many characters must follow.
+const TOKEN_PREFIXES: &[(&str, usize)] = &[
+    ("ghp_", 16),
+    ("gho_", 16),
+    ("ghu_", 16),
+    ("ghs_", 16),
+    ("ghr_", 16),
+    ("github_pat_", 16),
+    ("glpat-", 16),
+    ("xoxb-", 10),
+    ("xoxp-", 10),
+    ("xoxa-", 10),
+    ("xoxr-", 10),
+    ("xoxs-", 10),
+    ("rk_live_", 10),
+    ("rk_test_", 10),
+    ("whsec_", 16),
+];
+
+const MASK: &str = "***";
+
+/// Whether a key (a JSON field, a `key=value` name) names a secret.
+pub fn is_secret_key(key: &str) -> bool {
+    let lower = key.to_ascii_lowercase().replace('-', "_");
+    SECRET_KEYS.iter().any(|s| lower.contains(s))
+}
 
 /// Replaces the values of secret-looking keys and secret-looking strings with `"***"`.
 pub fn mask_value(value: &Value) -> Value {
@@ -11,9 +65,8 @@ pub fn mask_value(value: &Value) -> Value {
         Value::Object(obj) => Value::Object(
             obj.iter()
                 .map(|(k, v)| {
-                    let lower = k.to_ascii_lowercase().replace('-', "_");
-                    if SECRET_KEYS.iter().any(|s| lower.contains(s)) {
-                        (k.clone(), Value::String("***".into()))
+                    if is_secret_key(k) {
+                        (k.clone(), Value::String(MASK.into()))
                     } else {
                         (k.clone(), mask_value(v))
                     }
@@ -26,42 +79,194 @@ pub fn mask_value(value: &Value) -> Value {
     }
 }
 
-/// Masks bearer tokens, credentials in URLs and private key blocks in free text.
+/// A fact's value: all of it when the key names a secret, else as text.
+pub fn mask_fact(key: &str, value: &str) -> String {
+    if is_secret_key(key) {
+        MASK.to_owned()
+    } else {
+        mask_text(value)
+    }
+}
+
+/// Masks secrets in free text (see the module documentation).
 pub fn mask_text(text: &str) -> String {
     if text.contains("-----BEGIN") && text.contains("PRIVATE KEY") {
-        return "***".into();
+        return MASK.into();
     }
     let mut out = String::with_capacity(text.len());
-    let mut words = text.split(' ').peekable();
-    let mut first = true;
-    let mut after_bearer = false;
-    while let Some(word) = words.next() {
-        if !first {
-            out.push(' ');
-        }
-        first = false;
-        if after_bearer {
-            out.push_str("***");
-            after_bearer = false;
+    // The next word is a secret: after `Bearer`, or after `password:` with the value apart.
+    let mut mask_next = false;
+    // The word before was a secret key on its own, so `=` or `:` may follow apart.
+    let mut after_key = false;
+    for piece in pieces(text) {
+        if piece.starts_with(char::is_whitespace) {
+            out.push_str(piece);
             continue;
         }
-        if word.eq_ignore_ascii_case("bearer") {
-            after_bearer = words.peek().is_some();
-            out.push_str(word);
+        let (lead, core, trail) = unwrap(piece);
+        if core.is_empty() {
+            out.push_str(piece);
             continue;
         }
-        out.push_str(&mask_url_credentials(word));
+        if mask_next {
+            // `Authorization: Bearer xyz`: the scheme stays, the word after it goes.
+            if is_auth_scheme(core) {
+                out.push_str(piece);
+            } else {
+                mask_next = false;
+                out.push_str(lead);
+                out.push_str(MASK);
+                out.push_str(trail);
+            }
+            continue;
+        }
+        if core.eq_ignore_ascii_case("bearer") {
+            mask_next = true;
+            out.push_str(piece);
+            continue;
+        }
+        // `password = hunter2`, `"password" : "hunter2"`, `password =hunter2`.
+        if std::mem::take(&mut after_key) {
+            if core == "=" || core == ":" {
+                mask_next = true;
+                out.push_str(piece);
+                continue;
+            }
+            if let Some(value) = core.strip_prefix(['=', ':']).filter(|v| !v.is_empty()) {
+                out.push_str(lead);
+                out.push_str(&core[..core.len() - value.len()]);
+                out.push_str(MASK);
+                out.push_str(trail);
+                continue;
+            }
+        }
+        after_key = !core.contains(['=', ':']) && is_secret_key(core);
+        let (masked, wants_next) = mask_word(core);
+        mask_next = wants_next;
+        out.push_str(lead);
+        out.push_str(&masked);
+        out.push_str(trail);
     }
     out
 }
 
+/// Runs of whitespace and runs of anything else, in order.
+fn pieces(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut in_space = None;
+    for (i, c) in text.char_indices() {
+        let space = c.is_whitespace();
+        if in_space.is_some_and(|s| s != space) {
+            out.push(&text[start..i]);
+            start = i;
+        }
+        in_space = Some(space);
+    }
+    if start < text.len() {
+        out.push(&text[start..]);
+    }
+    out
+}
+
+/// Splits quotes and brackets around a word off it (`"abc",` → `"`, `abc`, `",`). `:` and `=` stay
+/// on the word, where they mark a key.
+fn unwrap(word: &str) -> (&str, &str, &str) {
+    let core_start = word.find(|c: char| !"\"'([{<`".contains(c)).unwrap_or(word.len());
+    let rest = &word[core_start..];
+    let core_len = rest.trim_end_matches(|c: char| "\"'.,;!?)]}>`".contains(c)).len();
+    (&word[..core_start], &rest[..core_len], &rest[core_len..])
+}
+
+fn is_auth_scheme(word: &str) -> bool {
+    ["bearer", "basic", "token", "digest"].iter().any(|s| word.eq_ignore_ascii_case(s))
+}
+
+/// Masks one word; says whether the word after it is a secret too (`password:` ends the word).
+fn mask_word(word: &str) -> (String, bool) {
+    let word = mask_url_credentials(word);
+    // Connection strings and query strings: `Server=db;Password=x`, `?a=1&token=x`, compact JSON.
+    let mut out = String::with_capacity(word.len());
+    let mut rest = word.as_str();
+    loop {
+        let end = rest.find([';', '&', '?', ',']).unwrap_or(rest.len());
+        let (masked, next) = mask_segment(&rest[..end]);
+        out.push_str(&masked);
+        if end == rest.len() {
+            return (out, next);
+        }
+        out.push_str(&rest[end..end + 1]);
+        rest = &rest[end + 1..];
+    }
+}
+
+fn mask_segment(segment: &str) -> (String, bool) {
+    if segment.is_empty() {
+        return (String::new(), false);
+    }
+    // `key=value` or `key:value`, but not `scheme://`.
+    let sep = segment.char_indices().find(|&(i, c)| c == '=' || (c == ':' && !segment[i + 1..].starts_with("//")));
+    if let Some((i, _)) = sep {
+        let key = segment[..i].trim_matches(|c: char| "\"'{[( ".contains(c));
+        let value = &segment[i + 1..];
+        if !key.is_empty() && is_secret_key(key) {
+            let inner = value.trim_matches(|c: char| "\"'}])".contains(c));
+            if inner.is_empty() {
+                return (segment.to_owned(), true);
+            }
+            let lead_len = value.len() - value.trim_start_matches(|c: char| "\"'".contains(c)).len();
+            let trail_len = value.len() - value.trim_end_matches(|c: char| "\"'}])".contains(c)).len();
+            return (
+                format!("{}{}{MASK}{}", &segment[..=i], &value[..lead_len], &value[value.len() - trail_len..]),
+                false,
+            );
+        }
+        if is_secret_token(value.trim_matches(|c: char| "\"'}])".contains(c))) {
+            return (format!("{}{MASK}", &segment[..=i]), false);
+        }
+        return (segment.to_owned(), false);
+    }
+    if is_secret_token(segment) {
+        return (MASK.to_owned(), false);
+    }
+    (segment.to_owned(), false)
+}
+
+/// A token recognisable by its shape.
+fn is_secret_token(word: &str) -> bool {
+    let word_chars = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+    for prefix in ["sk-", "sk_"] {
+        if let Some(rest) = word.strip_prefix(prefix) {
+            if rest.len() >= 6 && word_chars(rest) && rest.chars().any(|c| c.is_ascii_digit()) {
+                return true;
+            }
+        }
+    }
+    if word.len() == 20
+        && (word.starts_with("AKIA") || word.starts_with("ASIA"))
+        && word.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit())
+    {
+        return true;
+    }
+    if TOKEN_PREFIXES.iter().any(|(p, n)| word.strip_prefix(p).is_some_and(|rest| rest.len() >= *n && word_chars(rest)))
+    {
+        return true;
+    }
+    // A JWT: three base64url parts, the first a JSON object (`{"` → `eyJ`).
+    word.starts_with("eyJ")
+        && word.len() >= 20
+        && word.split('.').count() == 3
+        && word.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+}
+
+/// `scheme://user:pw@host…` → `scheme://***@host…`.
 fn mask_url_credentials(word: &str) -> String {
     if let Some(scheme_end) = word.find("://") {
         let rest = &word[scheme_end + 3..];
-        if let Some(at) = rest.find('@') {
-            let userinfo = &rest[..at];
-            if !userinfo.contains('/') && userinfo.contains(':') {
-                return format!("{}://***@{}", &word[..scheme_end], &rest[at + 1..]);
+        let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
+        if let Some(at) = authority.rfind('@') {
+            if authority[..at].contains(':') {
+                return format!("{}://{MASK}@{}", &word[..scheme_end], &rest[at + 1..]);
             }
         }
     }
@@ -87,13 +292,91 @@ mod tests {
     #[test]
     fn secrets_are_masked() {
         let v = mask_value(&json!({"instanceId": "pay-prod-2", "apiKey": "sk-1", "nested": {"db_password": "x"},
-            "url": "postgres://u:p@db/x", "note": "use Bearer abc.def now"}));
+            "url": "postgres://u:p@db/x", "note": "use Bearer abc.def now", "list": ["AKIAIOSFODNN7EXAMPLE"]}));
         assert_eq!(v["instanceId"], "pay-prod-2");
         assert_eq!(v["apiKey"], "***");
         assert_eq!(v["nested"]["db_password"], "***");
         assert_eq!(v["url"], "postgres://***@db/x");
         assert_eq!(v["note"], "use Bearer *** now");
+        assert_eq!(v["list"][0], "***");
         assert_eq!(mask_text("-----BEGIN RSA PRIVATE KEY-----\nabc"), "***");
+    }
+
+    #[test]
+    fn key_value_pairs_in_free_text() {
+        let cases = [
+            ("login with password=hunter2 ok", "login with password=*** ok"),
+            ("password: hunter2", "password: ***"),
+            ("Password:hunter2.", "Password:***."),
+            (r#"{"password": "hunter2", "user": "bob"}"#, r#"{"password": "***", "user": "bob"}"#),
+            (r#"{"user":"bob","password":"hunter2"}"#, r#"{"user":"bob","password":"***"}"#),
+            ("Server=db;User Id=admin;Password=s3cr3t;", "Server=db;User Id=admin;Password=***;"),
+            ("GET /x?page=2&access_token=abc123 200", "GET /x?page=2&access_token=*** 200"),
+            ("API_KEY=abcdef export", "API_KEY=*** export"),
+            ("client-secret = xyz", "client-secret = ***"),
+            ("password =xyz", "password =***"),
+            (r#"{"password" : "hunter2"}"#, r#"{"password" : "***"}"#),
+            ("the token expired at noon", "the token expired at noon"),
+            ("Authorization: Basic dXNlcjpwYXNz", "Authorization: Basic ***"),
+            ("authorization: Bearer sk-live-123", "authorization: Bearer ***"),
+            ("Bearer", "Bearer"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(mask_text(input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn urls_keep_everything_but_the_credentials() {
+        let cases = [
+            ("connect postgres://admin:pw@db/x now", "connect postgres://***@db/x now"),
+            ("(mysql://root:p@ss@10.0.0.1:3306/app)", "(mysql://***@10.0.0.1:3306/app)"),
+            ("DATABASE_URL=postgres://u:p;w@db/x", "DATABASE_URL=postgres://***@db/x"),
+            ("https://host:8443/a/@b", "https://host:8443/a/@b"),
+            ("ssh://git@github.com/x", "ssh://git@github.com/x"),
+            ("https://api.example.com/v1?token=abc&x=1", "https://api.example.com/v1?token=***&x=1"),
+            ("at 12:30:00 the status was OK", "at 12:30:00 the status was OK"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(mask_text(input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn tokens_by_their_shape() {
+        let cases = [
+            ("key sk-live-123 here", "key *** here"),
+            ("sk-proj-AbC123dEf456", "***"),
+            ("\"sk_live_51HxYz\",", "\"***\","),
+            ("aws AKIAIOSFODNN7EXAMPLE", "aws ***"),
+            ("ASIAY34FZKBOKMUTVV7A.", "***."),
+            ("ghp_0123456789abcdefABCD", "***"),
+            ("xoxb-1234-5678-abcdef", "***"),
+            ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig_nature", "***"),
+            ("key=sk-live-123456", "key=***"),
+            // Not tokens.
+            ("sk-learn and pay-prod-2", "sk-learn and pay-prod-2"),
+            ("AKIA is a prefix", "AKIA is a prefix"),
+            ("tokenizer-free text with v1.2.3", "tokenizer-free text with v1.2.3"),
+        ];
+        for (input, want) in cases {
+            assert_eq!(mask_text(input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn whitespace_and_multibyte_text_survive() {
+        let text = "line one\n\tline two  错误日志 password=错误\n";
+        assert_eq!(mask_text(text), "line one\n\tline two  错误日志 password=***\n");
+        assert_eq!(mask_text(""), "");
+        assert_eq!(mask_text("   "), "   ");
+    }
+
+    #[test]
+    fn facts_with_secret_keys_are_masked_whole() {
+        assert_eq!(mask_fact("db_password", "hunter2"), "***");
+        assert_eq!(mask_fact("dsn", "postgres://admin:pw@db/x"), "postgres://***@db/x");
+        assert_eq!(mask_fact("instance", "pay-prod-2"), "pay-prod-2");
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub struct Options {
     /// Where the embedded database lives [default: ./keel-data].
     #[arg(long, global = true, env = "KEEL_DATA_DIR", value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
-    /// The database URL; only `sqlite://PATH` for now [default: sqlite://<data-dir>/keel.db].
+    /// The database URL: `sqlite://PATH` or `postgres://…` [default: sqlite://<data-dir>/keel.db].
     #[arg(long, global = true, env = "KEEL_DB", value_name = "URL")]
     pub db: Option<String>,
     /// The model; only `demo` (offline, rule-based) for now [default: demo].
@@ -145,8 +145,7 @@ pub enum ModelChoice {
 pub struct Settings {
     pub listen: String,
     pub data_dir: PathBuf,
-    /// The SQLite database file.
-    pub sqlite_path: PathBuf,
+    pub database: Database,
     pub model: ModelChoice,
     pub demo_delay: Duration,
     pub interrupt_ttl: Duration,
@@ -161,9 +160,9 @@ impl Settings {
         let pick = |flag: &Option<String>, file: &Option<String>| flag.clone().or_else(|| file.clone());
         let listen = pick(&cli.listen, &file.listen).unwrap_or_else(|| "127.0.0.1:8080".to_owned());
         let data_dir = cli.data_dir.clone().or_else(|| file.data_dir.clone()).unwrap_or_else(|| "keel-data".into());
-        let sqlite_path = match pick(&cli.db, &file.db) {
-            None => data_dir.join("keel.db"),
-            Some(url) => sqlite_path(&url)?,
+        let database = match pick(&cli.db, &file.db) {
+            None => Database::Sqlite(data_dir.join("keel.db")),
+            Some(url) => database(&url)?,
         };
         let model = match pick(&cli.model, &file.model).as_deref().unwrap_or("demo") {
             "demo" => ModelChoice::Demo,
@@ -176,7 +175,7 @@ impl Settings {
         Ok(Self {
             listen,
             data_dir,
-            sqlite_path,
+            database,
             model,
             demo_delay,
             interrupt_ttl,
@@ -241,13 +240,46 @@ fn positive_duration(name: &str, value: Option<String>, default: &str) -> anyhow
     Ok(d)
 }
 
-/// `sqlite://PATH` (or `sqlite:PATH`) → PATH; any other scheme is not supported yet.
-fn sqlite_path(url: &str) -> anyhow::Result<PathBuf> {
+/// Where runs live.
+#[derive(Clone, PartialEq)]
+pub enum Database {
+    /// The embedded default: one file, one process.
+    Sqlite(PathBuf),
+    /// Shared by several instances. The URL may carry a password: never printed.
+    Postgres(String),
+}
+
+impl std::fmt::Debug for Database {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Database::Sqlite(path) => write!(f, "Sqlite({})", path.display()),
+            Database::Postgres(url) => write!(f, "Postgres({})", keel_core::mask::mask_text(url)),
+        }
+    }
+}
+
+impl std::fmt::Display for Database {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Database::Sqlite(path) => write!(f, "{}", path.display()),
+            Database::Postgres(url) => f.write_str(&keel_core::mask::mask_text(url)),
+        }
+    }
+}
+
+/// `sqlite://PATH` (or `sqlite:PATH`) or `postgres://…` (or `postgresql://…`).
+fn database(url: &str) -> anyhow::Result<Database> {
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        return Ok(Database::Postgres(url.to_owned()));
+    }
     let path = url.strip_prefix("sqlite://").or_else(|| url.strip_prefix("sqlite:"));
     match path {
-        Some(p) if !p.is_empty() => Ok(PathBuf::from(p.split('?').next().unwrap_or(p))),
+        Some(p) if !p.is_empty() => Ok(Database::Sqlite(PathBuf::from(p.split('?').next().unwrap_or(p)))),
         Some(_) => bail!("--db {url:?} names no file; expected sqlite://PATH"),
-        None => bail!("--db {url:?} is not supported; only sqlite://PATH databases are, for now"),
+        None => bail!(
+            "--db {:?} is not supported; use sqlite://PATH or postgres://USER@HOST/DB",
+            keel_core::mask::mask_text(url)
+        ),
     }
 }
 
@@ -308,7 +340,7 @@ mod tests {
     fn defaults() {
         let s = Settings::resolve(&Options::default(), &FileConfig::default()).unwrap();
         assert_eq!(s.listen, "127.0.0.1:8080");
-        assert_eq!(s.sqlite_path, PathBuf::from("keel-data").join("keel.db"));
+        assert_eq!(s.database, Database::Sqlite(PathBuf::from("keel-data").join("keel.db")));
         assert_eq!(s.model, ModelChoice::Demo);
         assert_eq!(s.demo_delay, Duration::from_millis(15));
         assert_eq!(s.interrupt_ttl, Duration::from_secs(900));
@@ -331,7 +363,7 @@ mod tests {
         .unwrap();
         let s = Settings::resolve(&Options::default(), &file).unwrap();
         assert_eq!(s.listen, "0.0.0.0:9000");
-        assert_eq!(s.sqlite_path, PathBuf::from("/srv/keel/keel.db"));
+        assert_eq!(s.database, Database::Sqlite(PathBuf::from("/srv/keel/keel.db")));
         assert_eq!(s.heartbeat, Duration::from_secs(5));
         assert_eq!(s.demo_abnormal, 3);
         assert_eq!(s.log_format, LogFormat::Json);
@@ -345,7 +377,7 @@ mod tests {
         let s = Settings::resolve(&cli, &file).unwrap();
         assert_eq!(s.listen, "127.0.0.1:0");
         assert_eq!(s.heartbeat, Duration::from_millis(250));
-        assert_eq!(s.sqlite_path, PathBuf::from("/tmp/other.db"));
+        assert_eq!(s.database, Database::Sqlite(PathBuf::from("/tmp/other.db")));
         assert_eq!(s.demo_abnormal, 3);
     }
 
@@ -386,7 +418,15 @@ mod tests {
     #[test]
     fn unsupported_choices_are_clear_errors() {
         let with = |o: Options| Settings::resolve(&o, &FileConfig::default()).unwrap_err().to_string();
-        assert!(with(Options { db: Some("postgres://x/y".into()), ..Default::default() }).contains("sqlite://"));
+        assert!(with(Options { db: Some("mysql://u:pw@x/y".into()), ..Default::default() }).contains("sqlite://"));
+        assert!(!with(Options { db: Some("mysql://u:pw@x/y".into()), ..Default::default() }).contains("pw"));
+        let pg = Settings::resolve(
+            &Options { db: Some("postgres://keel:secret@db/keel".into()), ..Default::default() },
+            &FileConfig::default(),
+        )
+        .unwrap();
+        assert_eq!(pg.database, Database::Postgres("postgres://keel:secret@db/keel".into()));
+        assert!(!format!("{pg:?}").contains("secret"));
         assert!(with(Options { model: Some("gpt".into()), ..Default::default() }).contains("demo"));
         assert!(with(Options { model: Some("openai".into()), ..Default::default() }).contains("--model-base-url"));
         let no_name = Options {

@@ -18,10 +18,10 @@ use keel_core::store::Store;
 use keel_core::UserRole;
 use keel_models::{DemoModel, OpenAiCompatible};
 use keel_server::{AppState, ServerConfig};
-use keel_store::SqliteStore;
+use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
 
-use crate::config::{FileConfig, LogFormat, ModelChoice, Options, Settings};
+use crate::config::{Database, FileConfig, LogFormat, ModelChoice, Options, Settings};
 
 /// The user the demo page acts as; an operator, so it may approve restarts.
 const DEMO_USER: &str = "demo";
@@ -83,13 +83,11 @@ fn init_tracing(format: LogFormat) {
 async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     std::fs::create_dir_all(&settings.data_dir)
         .with_context(|| format!("creating the data directory {}", settings.data_dir.display()))?;
-    let store = SqliteStore::open(&settings.sqlite_path)
-        .await
-        .with_context(|| format!("opening the database {}", settings.sqlite_path.display()))?;
+    let store = open_store(&settings.database).await?;
     match command {
         Command::Migrate => {
             store.close().await;
-            println!("Database {} is up to date.", settings.sqlite_path.display());
+            println!("Database {} is up to date.", settings.database);
             Ok(())
         }
         Command::Serve => serve(store, settings, false).await,
@@ -97,9 +95,47 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     }
 }
 
-async fn serve(store: SqliteStore, settings: Settings, demo_mode: bool) -> anyhow::Result<()> {
-    let sqlite = store.clone();
-    let store: Arc<dyn Store> = Arc::new(store);
+/// The backend, chosen once, here.
+enum OpenStore {
+    Sqlite(SqliteStore),
+    Postgres(PostgresStore),
+}
+
+impl OpenStore {
+    fn shared(&self) -> Arc<dyn Store> {
+        match self {
+            OpenStore::Sqlite(s) => Arc::new(s.clone()),
+            OpenStore::Postgres(s) => Arc::new(s.clone()),
+        }
+    }
+
+    /// SQLite is opened by this process alone, so leases a previous process left are stale; a
+    /// shared Postgres may have other live instances, whose leases must expire first.
+    fn single_process(&self) -> bool {
+        matches!(self, OpenStore::Sqlite(_))
+    }
+
+    async fn close(&self) {
+        match self {
+            OpenStore::Sqlite(s) => s.close().await,
+            OpenStore::Postgres(s) => s.close().await,
+        }
+    }
+}
+
+async fn open_store(database: &Database) -> anyhow::Result<OpenStore> {
+    Ok(match database {
+        Database::Sqlite(path) => OpenStore::Sqlite(
+            SqliteStore::open(path).await.with_context(|| format!("opening the database {}", path.display()))?,
+        ),
+        Database::Postgres(url) => {
+            OpenStore::Postgres(PostgresStore::connect(url).await.with_context(|| format!("connecting to {database}"))?)
+        }
+    })
+}
+
+async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow::Result<()> {
+    let store = opened.shared();
     let seed = FleetSeed { extra_abnormal: settings.demo_abnormal };
     if demo_mode || store.list_instances(None, None).await.context("reading the fleet")?.is_empty() {
         store.seed_fleet(seed, chrono::Utc::now()).await.context("seeding the demo fleet")?;
@@ -122,9 +158,14 @@ async fn serve(store: SqliteStore, settings: Settings, demo_mode: bool) -> anyho
             clock: Arc::new(SystemClock),
         },
         EngineConfig {
-            // SQLite is opened by this process alone: leases left by a previous one are stale.
-            steal_leases_on_start: true,
+            steal_leases_on_start: opened.single_process(),
             interrupt_ttl: settings.interrupt_ttl,
+            context: keel_core::context::ContextConfig {
+                // A real model writes the summary of earlier turns; the demo model keeps the
+                // deterministic extractive one.
+                summarize_with_model: matches!(settings.model, ModelChoice::OpenAi(_)),
+                ..Default::default()
+            },
             ..EngineConfig::default()
         },
     ));
@@ -178,7 +219,7 @@ async fn serve(store: SqliteStore, settings: Settings, demo_mode: bool) -> anyho
     }
     engine.shutdown(GRACE).await;
     let still_running = engine.active_workers();
-    sqlite.close().await;
+    opened.close().await;
     tracing::info!(still_running, "stopped");
     Ok(())
 }

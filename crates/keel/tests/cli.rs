@@ -41,7 +41,7 @@ fn migrate_creates_the_database() {
 fn unsupported_settings_are_clear_startup_errors() {
     let dir = tempfile::tempdir().unwrap();
     for (args, needle) in [
-        (vec!["serve", "--db", "postgres://localhost/keel"], "only sqlite://"),
+        (vec!["serve", "--db", "mysql://localhost/keel"], "use sqlite://PATH or postgres://"),
         (vec!["serve", "--model", "gpt-4o"], "use `demo` or `openai`"),
         (vec!["serve", "--model", "openai"], "--model-base-url"),
         (vec!["serve", "--interrupt-ttl", "soon"], "--interrupt-ttl"),

@@ -31,11 +31,17 @@ pub struct Options {
     pub model: Arc<dyn Model>,
     pub tools: ToolRegistry,
     pub extra_abnormal: u32,
+    pub config: EngineConfig,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { model: Arc::new(DemoModel::new(Duration::ZERO)), tools: keel_opspilot::registry(), extra_abnormal: 0 }
+        Self {
+            model: Arc::new(DemoModel::new(Duration::ZERO)),
+            tools: keel_opspilot::registry(),
+            extra_abnormal: 0,
+            config: engine_config(),
+        }
     }
 }
 
@@ -52,7 +58,7 @@ impl Harness {
     /// A fresh database with the seeded fleet.
     pub async fn new(dir: &Path, options: Options) -> Self {
         let clock = Arc::new(ManualClock::default());
-        let h = Self::open(dir, clock, options.model, options.tools).await;
+        let h = Self::open_with(dir, clock, options.model, options.tools, options.config).await;
         h.store.seed_fleet(FleetSeed { extra_abnormal: options.extra_abnormal }, h.clock_now()).await.unwrap();
         h.store.set_user_role("demo", UserRole::Operator).await.unwrap();
         h
@@ -60,6 +66,16 @@ impl Harness {
 
     /// Opens (or reopens) the database in `dir`; recovers what a previous engine left.
     pub async fn open(dir: &Path, clock: Arc<ManualClock>, model: Arc<dyn Model>, tools: ToolRegistry) -> Self {
+        Self::open_with(dir, clock, model, tools, engine_config()).await
+    }
+
+    pub async fn open_with(
+        dir: &Path,
+        clock: Arc<ManualClock>,
+        model: Arc<dyn Model>,
+        tools: ToolRegistry,
+        config: EngineConfig,
+    ) -> Self {
         let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.join("keel.db")).await.unwrap());
         let engine = Engine::new(
             EngineParts {
@@ -69,7 +85,7 @@ impl Harness {
                 bus: Arc::new(LocalBus::default()),
                 clock: clock.clone(),
             },
-            engine_config(),
+            config,
         );
         engine.start().await.unwrap();
         Self { store, engine, clock }
