@@ -8,7 +8,7 @@ use keel_core::domain::{Interrupt, InterruptKind, InterruptStatus, RunStatus, To
 use keel_core::event::EventKind;
 use keel_core::ids::{CallId, InterruptId};
 use keel_core::store::{Commit, Fence, InterruptChange, NewRun, RunChange, Store, StoreError, ToolCallChange};
-use keel_store::SqliteStore;
+use keel_store::{PostgresStore, SqliteStore};
 use proptest::prelude::*;
 use serde_json::json;
 
@@ -28,10 +28,9 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-async fn walk(ops: Vec<Op>) {
-    let dir = tempfile::TempDir::new().unwrap();
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.unwrap());
-    let now = Utc::now();
+async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
+    // Microseconds: every backend keeps at least that precision.
+    let now = chrono::DateTime::from_timestamp_micros(Utc::now().timestamp_micros()).unwrap();
     let conv = store.create_conversation("u", "walk", now).await.unwrap();
     let started = store
         .start_run(NewRun {
@@ -125,7 +124,26 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
 
     #[test]
-    fn the_store_applies_exactly_the_allowed_moves(ops in prop::collection::vec(op(), 1..40)) {
-        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(walk(ops));
+    fn sqlite_applies_exactly_the_allowed_moves(ops in prop::collection::vec(op(), 1..40)) {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+            let dir = tempfile::TempDir::new().unwrap();
+            let store = SqliteStore::open(&dir.path().join("keel.db")).await.unwrap();
+            walk(Arc::new(store), ops).await;
+        });
+    }
+
+    /// The same walk on Postgres when `KEEL_TEST_POSTGRES_URL` is set (and failing if it is set
+    /// but unreachable); without it, this case has nothing to test and says so in its name only.
+    #[test]
+    fn postgres_applies_exactly_the_allowed_moves_when_configured(ops in prop::collection::vec(op(), 1..25)) {
+        let Some(url) = std::env::var("KEEL_TEST_POSTGRES_URL").ok().filter(|u| !u.trim().is_empty()) else {
+            return Ok(());
+        };
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+            let schema = format!("keel_walk_{}", keel_core::ids::RunId::new().as_str().trim_start_matches("run_"));
+            let store = Arc::new(PostgresStore::connect_with_schema(&url, &schema).await.expect("Postgres reachable"));
+            walk(store.clone(), ops).await;
+            store.drop_schema().await.unwrap();
+        });
     }
 }
