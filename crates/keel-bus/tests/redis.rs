@@ -1,0 +1,349 @@
+//! `RedisBus`: the bus conformance suite on one instance and across two instances, plus what only
+//! a shared bus has (trimming and expiry, overflow, Redis going away).
+//!
+//! Tests that need Redis read `KEEL_TEST_REDIS_URL`. Unset, they print that they are skipped and
+//! return; set, an unreachable Redis fails them. Each test uses its own key prefix.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use keel_bus::conformance::{self, event, events, receive_through, wait_until};
+use keel_bus::{BusError, RedisBus, RedisBusConfig};
+use keel_core::bus::Bus;
+use keel_core::{Event, RunId};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// The Redis to test against, or `None` (and a line saying the test is skipped).
+fn redis_url(test: &str) -> Option<String> {
+    match std::env::var("KEEL_TEST_REDIS_URL") {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            println!("skipped {test}: KEEL_TEST_REDIS_URL is not set");
+            None
+        }
+    }
+}
+
+fn unique_prefix() -> String {
+    format!("keel-test-{}:", uuid::Uuid::now_v7().simple())
+}
+
+fn test_config(prefix: &str) -> RedisBusConfig {
+    // Short-lived keys: a test's streams are gone soon after it.
+    RedisBusConfig { prefix: prefix.to_owned(), ttl: Duration::from_secs(120), ..RedisBusConfig::default() }
+}
+
+async fn connect(url: &str, config: RedisBusConfig) -> Arc<RedisBus> {
+    match RedisBus::connect_with(url, config).await {
+        Ok(bus) => Arc::new(bus),
+        Err(e) => panic!("KEEL_TEST_REDIS_URL is set but the bus cannot use it: {e}"),
+    }
+}
+
+/// One bus, or two instances ("processes") sharing a prefix.
+async fn buses(url: &str, two: bool) -> (Arc<RedisBus>, Arc<RedisBus>) {
+    let prefix = unique_prefix();
+    let a = connect(url, test_config(&prefix)).await;
+    let b = if two { connect(url, test_config(&prefix)).await } else { a.clone() };
+    (a, b)
+}
+
+fn as_dyn(bus: &Arc<RedisBus>) -> Arc<dyn Bus> {
+    bus.clone()
+}
+
+/// Runs with a channel, or reader tasks still running, whichever is more.
+fn live(bus: &Arc<RedisBus>) -> impl Fn() -> usize {
+    let bus = bus.clone();
+    move || bus.channel_count().max(bus.reader_count())
+}
+
+macro_rules! on_one_and_two_instances {
+    ($($case:ident),* $(,)?) => {$(
+        mod $case {
+            use super::*;
+
+            #[tokio::test]
+            async fn one_instance() {
+                let Some(url) = redis_url(concat!(stringify!($case), "::one_instance")) else { return };
+                let (a, _) = buses(&url, false).await;
+                conformance::$case(as_dyn(&a), as_dyn(&a)).await;
+            }
+
+            #[tokio::test]
+            async fn two_instances() {
+                let Some(url) = redis_url(concat!(stringify!($case), "::two_instances")) else { return };
+                let (a, b) = buses(&url, true).await;
+                conformance::$case(as_dyn(&a), as_dyn(&b)).await;
+            }
+        }
+    )*};
+}
+
+on_one_and_two_instances!(
+    delivers_in_order,
+    fans_out_to_every_subscriber,
+    keeps_runs_apart,
+    late_subscriber_gets_later_events,
+    many_runs_at_once,
+);
+
+#[tokio::test]
+async fn idle_publish_holds_nothing() {
+    let Some(url) = redis_url("idle_publish_holds_nothing") else { return };
+    let (a, _) = buses(&url, false).await;
+    conformance::idle_publish_holds_nothing(as_dyn(&a), live(&a)).await;
+}
+
+#[tokio::test]
+async fn releases_run_after_last_receiver() {
+    let Some(url) = redis_url("releases_run_after_last_receiver") else { return };
+    let (a, _) = buses(&url, false).await;
+    conformance::releases_run_after_last_receiver(as_dyn(&a), live(&a)).await;
+    assert_eq!(a.reader_count(), 0);
+}
+
+/// The reader task of a run other instances publish to ends too once its receivers are gone.
+#[tokio::test]
+async fn reader_of_a_busy_run_ends_after_last_receiver() {
+    let Some(url) = redis_url("reader_of_a_busy_run_ends_after_last_receiver") else { return };
+    let (a, b) = buses(&url, true).await;
+    let run = RunId::new();
+    let mut rx = b.subscribe(&run);
+    a.publish(&events(&run, 1, 3));
+    receive_through(&mut rx, &run, 3).await;
+    assert_eq!(b.reader_count(), 1);
+    drop(rx);
+    // The run goes on publishing; the reader keeps reading what it gets but must still end.
+    let mut sequence = 3;
+    let publishing = live(&b);
+    wait_until("the reader task to end while its run is still publishing", || {
+        sequence += 1;
+        a.publish(&[event(&run, sequence)]);
+        publishing() == 0
+    })
+    .await;
+}
+
+/// A closed port fails `connect` with the address in the message, quickly.
+#[tokio::test]
+async fn connect_fails_clearly_when_redis_is_down() {
+    let port = closed_port().await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let started = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(30), RedisBus::connect(&url, "keel-test:"))
+        .await
+        .expect("connect to a closed port should fail, not hang");
+    let err = match result {
+        Ok(_) => panic!("connected to a closed port"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, BusError::Connect { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(message.contains(&url), "the error should name the address: {message}");
+    assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+    println!("{message}");
+}
+
+#[tokio::test]
+async fn connect_keeps_the_password_out_of_errors() {
+    let port = closed_port().await;
+    let err = match RedisBus::connect(&format!("redis://:hunter2@127.0.0.1:{port}"), "keel-test:").await {
+        Ok(_) => panic!("connected to a closed port"),
+        Err(e) => e,
+    };
+    let message = err.to_string();
+    assert!(!message.contains("hunter2"), "{message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+}
+
+#[tokio::test]
+async fn connect_rejects_a_bad_url() {
+    let err = match RedisBus::connect("http://127.0.0.1:6379", "keel-test:").await {
+        Ok(_) => panic!("accepted an http URL"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, BusError::InvalidUrl { .. }), "{err:?}");
+    let err = match RedisBus::connect_with(
+        "redis://127.0.0.1:6379",
+        RedisBusConfig { stream_maxlen: 0, ..Default::default() },
+    )
+    .await
+    {
+        Ok(_) => panic!("accepted stream_maxlen 0"),
+        Err(e) => e,
+    };
+    assert!(matches!(err, BusError::Config(_)), "{err:?}");
+}
+
+/// One stream per run under the prefix, trimmed to about `MAXLEN`, expiring after the TTL (the
+/// default hour here), entries holding the event's JSON.
+#[tokio::test]
+async fn streams_are_trimmed_and_expire() {
+    let Some(url) = redis_url("streams_are_trimmed_and_expire") else { return };
+    let prefix = unique_prefix();
+    let bus = RedisBus::connect(&url, &prefix).await.unwrap_or_else(|e| panic!("{e}"));
+    let run = RunId::new();
+    let key = bus.stream_key(&run);
+    assert_eq!(key, format!("{prefix}run:{run}"));
+    let sent = events(&run, 1, 2500);
+    for batch in sent.chunks(50) {
+        bus.publish(batch);
+    }
+    wait_until("2500 events to be written", || bus.published_count() >= 2500).await;
+    assert_eq!(bus.dropped_count(), 0);
+
+    let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let len: usize = redis::cmd("XLEN").arg(&key).query_async(&mut conn).await.unwrap();
+    // `MAXLEN ~` trims whole radix-tree nodes (100 entries by default), never below the limit.
+    assert!((1000..1200).contains(&len), "stream length {len}");
+    let ttl: i64 = redis::cmd("TTL").arg(&key).query_async(&mut conn).await.unwrap();
+    assert!((3500..=3600).contains(&ttl), "ttl {ttl}");
+    let last: redis::streams::StreamRangeReply =
+        redis::cmd("XREVRANGE").arg(&key).arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await.unwrap();
+    let entry = &last.ids[0];
+    let data: String = entry.get("data").expect("a data field");
+    let event: Event = serde_json::from_str(&data).unwrap();
+    assert_eq!(event, sent[2499]);
+    assert!(entry.contains_key("src"));
+    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
+}
+
+/// A full queue drops (and counts) what Redis would have got, never what local subscribers get;
+/// later events go through again.
+#[tokio::test]
+async fn a_full_queue_drops_and_counts() {
+    let Some(url) = redis_url("a_full_queue_drops_and_counts") else { return };
+    let prefix = unique_prefix();
+    // A one-thread runtime: the writer cannot drain the queue while this test publishes.
+    let a = connect(&url, RedisBusConfig { queue_capacity: 4, channel_capacity: 2048, ..test_config(&prefix) }).await;
+    let b = connect(&url, test_config(&prefix)).await;
+    let run = RunId::new();
+    let mut local = a.subscribe(&run);
+    let mut remote = b.subscribe(&run);
+    let started = Instant::now();
+    for s in 1..=1000 {
+        a.publish(&[event(&run, s)]);
+    }
+    assert!(started.elapsed() < Duration::from_secs(2), "publishing blocked: {:?}", started.elapsed());
+    assert_eq!(a.dropped_count(), 996);
+
+    let got = receive_through(&mut local, &run, 1000).await;
+    assert_eq!(got.len(), 1000, "local subscribers get every event whatever Redis gets");
+
+    a.publish(&[event(&run, 1001)]);
+    let got: Vec<i64> = receive_through(&mut remote, &run, 1001).await.iter().map(|e| e.sequence).collect();
+    assert_eq!(got, [1, 2, 3, 4, 1001], "the queued events, then the next one");
+    wait_until("the writer to catch up", || a.published_count() == 5).await;
+}
+
+/// Redis going away: publishing neither blocks nor panics, the reader task survives, and events
+/// flow again once Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survives_losing_redis() {
+    let Some(url) = redis_url("survives_losing_redis") else { return };
+    let proxy = Proxy::start(&url).await;
+    let prefix = unique_prefix();
+    let a = connect(&proxy.url, test_config(&prefix)).await;
+    let b = connect(&proxy.url, test_config(&prefix)).await;
+    let run = RunId::new();
+    let mut rx = b.subscribe(&run);
+    a.publish(&[event(&run, 1)]);
+    receive_through(&mut rx, &run, 1).await;
+
+    proxy.go_down();
+    let started = Instant::now();
+    for s in 2..=501 {
+        a.publish(&[event(&run, s)]);
+    }
+    assert!(started.elapsed() < Duration::from_secs(2), "publishing blocked: {:?}", started.elapsed());
+    // The writer fails its pipelines while Redis is away and says so in its count.
+    wait_until("the writer to drop events while Redis is down", || a.dropped_count() > 0).await;
+    assert_eq!(b.reader_count(), 1, "the reader task should outlive the outage");
+    proxy.come_back();
+
+    // Publish until one event from after the outage reaches the other instance.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut sequence = 501;
+    'resumed: loop {
+        assert!(Instant::now() < deadline, "no event reached the other instance within 30 s of Redis coming back");
+        sequence += 1;
+        a.publish(&[event(&run, sequence)]);
+        let until = Instant::now() + Duration::from_millis(200);
+        while let Ok(received) = tokio::time::timeout_at(until.into(), rx.recv()).await {
+            match received {
+                Ok(e) if e.sequence > 501 => break 'resumed,
+                Ok(_) => {}
+                Err(e) => panic!("receiver failed: {e}"),
+            }
+        }
+    }
+    // And from then on, in order.
+    a.publish(&events(&run, sequence + 1, sequence + 20));
+    let got = receive_through(&mut rx, &run, sequence + 20).await;
+    let tail: Vec<i64> = got.iter().map(|e| e.sequence).filter(|s| *s > sequence).collect();
+    assert_eq!(tail, (sequence + 1..=sequence + 20).collect::<Vec<_>>());
+}
+
+async fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    listener.local_addr().unwrap().port()
+    // Dropped here: nothing listens on the port any more.
+}
+
+/// A TCP forwarder to Redis that can go down: it cuts every connection and refuses new ones until
+/// it comes back.
+struct Proxy {
+    url: String,
+    down: Arc<AtomicBool>,
+    cut: watch::Sender<u64>,
+}
+
+impl Proxy {
+    async fn start(upstream_url: &str) -> Self {
+        let rest = upstream_url.strip_prefix("redis://").expect("this test proxies plain redis:// URLs");
+        let (authority, path) = match rest.split_once('/') {
+            Some((authority, path)) => (authority, format!("/{path}")),
+            None => (rest, String::new()),
+        };
+        let (userinfo, host) = match authority.rsplit_once('@') {
+            Some((userinfo, host)) => (format!("{userinfo}@"), host),
+            None => (String::new(), authority),
+        };
+        let host = if host.contains(':') { host.to_owned() } else { format!("{host}:6379") };
+        let upstream: SocketAddr = tokio::net::lookup_host(&host).await.unwrap().next().expect("an address for Redis");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{userinfo}{}{path}", listener.local_addr().unwrap());
+        let down = Arc::new(AtomicBool::new(false));
+        let (cut, _) = watch::channel(0u64);
+        let (accept_down, accept_cut) = (down.clone(), cut.clone());
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                if accept_down.load(Ordering::SeqCst) {
+                    continue; // dropped: refused
+                }
+                let mut cut = accept_cut.subscribe();
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = TcpStream::connect(upstream).await else { return };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+            }
+        });
+        Self { url, down, cut }
+    }
+
+    fn go_down(&self) {
+        self.down.store(true, Ordering::SeqCst);
+        self.cut.send_modify(|generation| *generation += 1);
+    }
+
+    fn come_back(&self) {
+        self.down.store(false, Ordering::SeqCst);
+    }
+}
