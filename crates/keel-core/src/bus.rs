@@ -12,8 +12,12 @@ use crate::event::Event;
 use crate::ids::RunId;
 
 pub trait Bus: Send + Sync + 'static {
-    /// Called after the events were committed, in sequence order.
+    /// Called after the events were committed, in sequence order. Must not block: a commit path
+    /// calls it.
     fn publish(&self, events: &[Event]);
+    /// Every event published after this returns must be delivered to the receiver (unless it
+    /// lags): readers subscribe before they read the store and rely on that to see no gap. A shared
+    /// bus therefore starts reading no later than the call (duplicates are fine; readers drop them).
     fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Event>;
 }
 

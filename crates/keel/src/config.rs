@@ -45,6 +45,16 @@ pub struct Options {
     /// Extra abnormal instances per service in the seeded fleet [default: 0].
     #[arg(long, global = true, env = "KEEL_DEMO_ABNORMAL", value_name = "N")]
     pub demo_abnormal: Option<u32>,
+    /// Event fan-out between instances: `local` (one process) or `redis://HOST:PORT` [default: local].
+    #[arg(long, global = true, env = "KEEL_BUS", value_name = "URL")]
+    pub bus: Option<String>,
+    /// How long a run's lease lasts without renewal; a dead instance's runs are taken over after it
+    /// [default: 30s].
+    #[arg(long, global = true, env = "KEEL_LEASE_TTL", value_name = "DURATION")]
+    pub lease_ttl: Option<String>,
+    /// Names this instance in leases and logs [default: keel-<random>].
+    #[arg(long, global = true, env = "KEEL_INSTANCE_ID", value_name = "NAME")]
+    pub instance_id: Option<String>,
     /// Log lines as text or JSON; the level comes from RUST_LOG [default: text].
     #[arg(long, global = true, env = "KEEL_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
@@ -100,6 +110,9 @@ pub struct FileConfig {
     pub interrupt_ttl: Option<String>,
     pub heartbeat: Option<String>,
     pub demo_abnormal: Option<u32>,
+    pub bus: Option<String>,
+    pub lease_ttl: Option<String>,
+    pub instance_id: Option<String>,
     pub log_format: Option<LogFormat>,
     pub model_base_url: Option<String>,
     pub model_name: Option<String>,
@@ -151,7 +164,28 @@ pub struct Settings {
     pub interrupt_ttl: Duration,
     pub heartbeat: Duration,
     pub demo_abnormal: u32,
+    pub bus: BusChoice,
+    pub lease_ttl: Duration,
+    pub instance_id: Option<String>,
     pub log_format: LogFormat,
+}
+
+/// How committed events reach the readers of other instances.
+#[derive(Clone, PartialEq)]
+pub enum BusChoice {
+    /// In-process only: right for one instance (other instances still see events, by polling).
+    Local,
+    /// Redis Streams, shared by every instance.
+    Redis(String),
+}
+
+impl std::fmt::Debug for BusChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BusChoice::Local => f.write_str("Local"),
+            BusChoice::Redis(url) => write!(f, "Redis({})", keel_core::mask::mask_text(url)),
+        }
+    }
 }
 
 impl Settings {
@@ -172,6 +206,19 @@ impl Settings {
         let demo_delay = Duration::from_millis(cli.demo_delay_ms.or(file.demo_delay_ms).unwrap_or(15));
         let interrupt_ttl = positive_duration("--interrupt-ttl", pick(&cli.interrupt_ttl, &file.interrupt_ttl), "15m")?;
         let heartbeat = positive_duration("--heartbeat", pick(&cli.heartbeat, &file.heartbeat), "15s")?;
+        let lease_ttl = positive_duration("--lease-ttl", pick(&cli.lease_ttl, &file.lease_ttl), "30s")?;
+        let bus = match pick(&cli.bus, &file.bus).as_deref() {
+            None | Some("local") => BusChoice::Local,
+            Some(url) if url.starts_with("redis://") || url.starts_with("rediss://") => {
+                BusChoice::Redis(url.to_owned())
+            }
+            Some(other) => {
+                bail!(
+                    "--bus {:?} is not supported; use `local` or redis://HOST:PORT",
+                    keel_core::mask::mask_text(other)
+                )
+            }
+        };
         Ok(Self {
             listen,
             data_dir,
@@ -181,6 +228,9 @@ impl Settings {
             interrupt_ttl,
             heartbeat,
             demo_abnormal: cli.demo_abnormal.or(file.demo_abnormal).unwrap_or(0),
+            bus,
+            lease_ttl,
+            instance_id: pick(&cli.instance_id, &file.instance_id),
             log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
         })
     }
@@ -346,6 +396,8 @@ mod tests {
         assert_eq!(s.interrupt_ttl, Duration::from_secs(900));
         assert_eq!(s.heartbeat, Duration::from_secs(15));
         assert_eq!(s.demo_abnormal, 0);
+        assert_eq!(s.bus, BusChoice::Local);
+        assert_eq!(s.lease_ttl, Duration::from_secs(30));
         assert_eq!(s.log_format, LogFormat::Text);
     }
 
@@ -428,6 +480,7 @@ mod tests {
         assert_eq!(pg.database, Database::Postgres("postgres://keel:secret@db/keel".into()));
         assert!(!format!("{pg:?}").contains("secret"));
         assert!(with(Options { model: Some("gpt".into()), ..Default::default() }).contains("demo"));
+        assert!(with(Options { bus: Some("nats://x".into()), ..Default::default() }).contains("redis://"));
         assert!(with(Options { model: Some("openai".into()), ..Default::default() }).contains("--model-base-url"));
         let no_name = Options {
             model: Some("openai".into()),

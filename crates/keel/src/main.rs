@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
-use keel_core::bus::LocalBus;
+use keel_bus::RedisBus;
+use keel_core::bus::{Bus, LocalBus};
 use keel_core::clock::SystemClock;
 use keel_core::engine::{Engine, EngineConfig, EngineParts};
 use keel_core::fleet::FleetSeed;
@@ -21,7 +22,7 @@ use keel_server::{AppState, ServerConfig};
 use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
 
-use crate::config::{Database, FileConfig, LogFormat, ModelChoice, Options, Settings};
+use crate::config::{BusChoice, Database, FileConfig, LogFormat, ModelChoice, Options, Settings};
 
 /// The user the demo page acts as; an operator, so it may approve restarts.
 const DEMO_USER: &str = "demo";
@@ -149,24 +150,29 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
             Arc::new(OpenAiCompatible::new((**config).clone()).context("model settings")?)
         }
     };
+    let bus: Arc<dyn Bus> = match &settings.bus {
+        BusChoice::Local => Arc::new(LocalBus::default()),
+        BusChoice::Redis(url) => Arc::new(
+            RedisBus::connect(url, "keel:").await.map_err(|e| anyhow::anyhow!("connecting the event bus: {e}"))?,
+        ),
+    };
+    let mut engine_config = EngineConfig::default();
+    if let Some(id) = &settings.instance_id {
+        engine_config.instance_id = id.clone();
+    }
     let engine = Arc::new(Engine::new(
-        EngineParts {
-            store,
-            model,
-            tools: keel_opspilot::registry(),
-            bus: Arc::new(LocalBus::default()),
-            clock: Arc::new(SystemClock),
-        },
+        EngineParts { store, model, tools: keel_opspilot::registry(), bus, clock: Arc::new(SystemClock) },
         EngineConfig {
             steal_leases_on_start: opened.single_process(),
             interrupt_ttl: settings.interrupt_ttl,
+            lease_ttl: settings.lease_ttl,
             context: keel_core::context::ContextConfig {
                 // A real model writes the summary of earlier turns; the demo model keeps the
                 // deterministic extractive one.
                 summarize_with_model: matches!(settings.model, ModelChoice::OpenAi(_)),
                 ..Default::default()
             },
-            ..EngineConfig::default()
+            ..engine_config
         },
     ));
     let recovered = engine.start().await.context("starting the engine")?;

@@ -1,0 +1,179 @@
+//! Two `keel serve` processes on one Postgres (and Redis, when configured): a run started on A is
+//! streamed from B; A killed with SIGKILL mid-run or while the run waits for approval → B continues
+//! it from its checkpoint, its stream shows no gap and no duplicate, and a side effect runs once.
+//!
+//! Needs `KEEL_TEST_POSTGRES_URL`; uses `KEEL_TEST_REDIS_URL` for the bus when set (without it the
+//! instances see each other's events by polling the store). Without Postgres the test says it is
+//! skipped and does nothing.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use keel_client::sse::{SseFrame, SseParser};
+use keel_core::store::Store;
+use keel_core::{Event, EventKind};
+use keel_store::PostgresStore;
+use serde_json::{json, Value};
+
+const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+
+struct Instance {
+    child: Child,
+    base: String,
+}
+
+impl Instance {
+    fn start(name: &str, db: &str, dir: &std::path::Path) -> Self {
+        let mut cmd = Command::new(KEEL);
+        for (key, _) in std::env::vars() {
+            if key.starts_with("KEEL_") {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--db", db, "--lease-ttl", "2s", "--instance-id", name])
+            .args(["--demo-delay-ms", "40", "--data-dir"])
+            .arg(dir.join(name))
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(redis) = std::env::var("KEEL_TEST_REDIS_URL").ok().filter(|u| !u.is_empty()) {
+            cmd.args(["--bus", &redis]);
+        }
+        let mut child = cmd.spawn().expect("start keel serve");
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).expect("the address line");
+        let base = line.trim().rsplit(' ').next().unwrap().trim_end_matches('/').to_owned();
+        assert!(base.starts_with("http://127.0.0.1:"), "{line}");
+        Self { child, base }
+    }
+
+    fn kill(&mut self) {
+        // SIGKILL: no graceful shutdown, no lease released.
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn post(http: &reqwest::Client, url: String, body: Value) -> Value {
+    let r = http.post(url).json(&body).send().await.unwrap();
+    assert!(r.status().is_success(), "{}", r.status());
+    r.json().await.unwrap()
+}
+
+/// Reads a run's SSE stream from `base` until its terminal event (or `until_pause`), asserting
+/// that the sequences it sees are exactly `after+1, after+2, …`.
+async fn read_stream(http: &reqwest::Client, base: &str, run: &str, after: i64, until_pause: bool) -> Vec<Event> {
+    let response = http
+        .get(format!("{base}/v1/runs/{run}/events"))
+        .header("Last-Event-ID", after.to_string())
+        .send()
+        .await
+        .unwrap();
+    let mut body = response.bytes_stream();
+    let mut parser = SseParser::new();
+    let mut events: Vec<Event> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while let Some(chunk) = tokio::time::timeout_at(deadline.into(), body.next()).await.expect("stream within 60 s") {
+        for frame in parser.push(&chunk.unwrap()) {
+            if let SseFrame::Event { data, .. } = frame {
+                let event: Event = serde_json::from_str(&data).unwrap();
+                let expected = after + events.len() as i64 + 1;
+                assert_eq!(event.sequence, expected, "a gap or a duplicate on {base}: {}", event.type_name());
+                let end = event.is_terminal() || (until_pause && event.is_pausing());
+                events.push(event);
+                if end {
+                    return events;
+                }
+            }
+        }
+    }
+    panic!(
+        "the stream on {base} ended before the run did: {:?}",
+        events.iter().map(Event::type_name).collect::<Vec<_>>()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_survives_its_instance_being_killed() {
+    let Some(url) = std::env::var("KEEL_TEST_POSTGRES_URL").ok().filter(|u| !u.trim().is_empty()) else {
+        eprintln!("multi_instance: SKIPPED, KEEL_TEST_POSTGRES_URL is unset");
+        return;
+    };
+    let schema = format!("keel_multi_{}", keel_core::RunId::new().as_str().trim_start_matches("run_"));
+    let setup = PostgresStore::connect_with_schema(&url, &schema).await.expect("Postgres is reachable");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let db = format!("{url}{sep}options=-c%20search_path%3D{schema}");
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+
+    let mut a = Instance::start("a", &db, dir.path());
+    let b = Instance::start("b", &db, dir.path());
+
+    // 1. Started on A, streamed from B, with A killed mid-answer: B continues it.
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({"title": "multi"})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let sent =
+        post(&http, format!("{}/v1/conversations/{conv}/messages", a.base), json!({"content": "what can you do?"}))
+            .await;
+    let run = sent["runId"].as_str().unwrap().to_owned();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let events = setup.list_events(&run.parse().unwrap(), 0, 1000).await.unwrap();
+        if events.iter().filter(|e| e.type_name() == "text_delta").count() >= 3 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "A started streaming");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let reader = {
+        let (http, base, run) = (http.clone(), b.base.clone(), run.clone());
+        tokio::spawn(async move { read_stream(&http, &base, &run, 0, false).await })
+    };
+    a.kill();
+    let events = reader.await.unwrap();
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    assert!(events.iter().any(|e| matches!(e.kind, EventKind::TextDiscarded { .. })), "the cut-off text is discarded");
+    let text = keel_core::event::render_text(&events);
+    assert_eq!(text.len(), 1, "{text:?}");
+    assert_eq!(text[0].1.matches("I'm OpsPilot").count(), 1, "no duplicated text: {}", text[0].1);
+
+    // 2. A run paused on a new A, A killed while it waits: the approval sent to B completes it once.
+    let mut a = Instance::start("a2", &db, dir.path());
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let turn = post(
+        &http,
+        format!("{}/v1/conversations/{conv}/messages?wait=true", a.base),
+        json!({"content": "restart pay-prod-2"}),
+    )
+    .await;
+    let run = turn["run"]["id"].as_str().unwrap().to_owned();
+    let interrupt = turn["interrupt"]["id"].as_str().unwrap().to_owned();
+    a.kill();
+    let decision = json!({"interruptId": interrupt, "decision": "approve", "idempotencyKey": "multi-1"});
+    let accepted = post(&http, format!("{}/v1/runs/{run}/resume", b.base), decision.clone()).await;
+    let from = accepted["resumedSequence"].as_i64().unwrap() - 1;
+    let events = read_stream(&http, &b.base, &run, from, false).await;
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    let again = post(&http, format!("{}/v1/runs/{run}/resume", b.base), decision).await;
+    assert_eq!(again, accepted, "the same key gets the same answer");
+    let pay = setup.get_instance("pay-prod-2").await.unwrap().unwrap();
+    assert_eq!((pay.status.as_str(), pay.restart_count), ("healthy", 1), "restarted exactly once");
+
+    // 3. The whole of run 2 replays from B with contiguous sequences.
+    let all = read_stream(&http, &b.base, &run, 0, false).await;
+    assert!(all.iter().any(|e| e.type_name() == "interrupt"));
+
+    drop(b);
+    setup.drop_schema().await.unwrap();
+}
