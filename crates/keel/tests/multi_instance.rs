@@ -25,7 +25,7 @@ struct Instance {
 }
 
 impl Instance {
-    fn start(name: &str, db: &str, dir: &std::path::Path) -> Self {
+    fn start(name: &str, db: &str, dir: &std::path::Path, bus: Option<String>) -> Self {
         let mut cmd = Command::new(KEEL);
         for (key, _) in std::env::vars() {
             if key.starts_with("KEEL_") {
@@ -38,7 +38,7 @@ impl Instance {
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        if let Some(redis) = std::env::var("KEEL_TEST_REDIS_URL").ok().filter(|u| !u.is_empty()) {
+        if let Some(redis) = bus {
             cmd.args(["--bus", &redis]);
         }
         let mut child = cmd.spawn().expect("start keel serve");
@@ -103,21 +103,43 @@ async fn read_stream(http: &reqwest::Client, base: &str, run: &str, after: i64, 
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_survives_its_instance_being_killed() {
+/// A fresh schema on the test database, and the `--db` URL that selects it.
+async fn database() -> Option<(PostgresStore, String)> {
     let Some(url) = std::env::var("KEEL_TEST_POSTGRES_URL").ok().filter(|u| !u.trim().is_empty()) else {
         eprintln!("multi_instance: SKIPPED, KEEL_TEST_POSTGRES_URL is unset");
-        return;
+        return None;
     };
     let schema = format!("keel_multi_{}", keel_core::RunId::new().as_str().trim_start_matches("run_"));
     let setup = PostgresStore::connect_with_schema(&url, &schema).await.expect("Postgres is reachable");
     let sep = if url.contains('?') { '&' } else { '?' };
-    let db = format!("{url}{sep}options=-c%20search_path%3D{schema}");
+    Some((setup, format!("{url}{sep}options=-c%20search_path%3D{schema}")))
+}
+
+fn redis_url() -> Option<String> {
+    std::env::var("KEEL_TEST_REDIS_URL").ok().filter(|u| !u.is_empty())
+}
+
+/// Waits, with a deadline, until the run has at least `n` events of type `ty`.
+async fn wait_for_events(store: &PostgresStore, run: &str, ty: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let events = store.list_events(&run.parse().unwrap(), 0, 10_000).await.unwrap();
+        if events.iter().filter(|e| e.type_name() == ty).count() >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{n} {ty} events within 20 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_survives_its_instance_being_killed() {
+    let Some((setup, db)) = database().await else { return };
     let dir = tempfile::tempdir().unwrap();
     let http = reqwest::Client::new();
 
-    let mut a = Instance::start("a", &db, dir.path());
-    let b = Instance::start("b", &db, dir.path());
+    let mut a = Instance::start("a", &db, dir.path(), redis_url());
+    let b = Instance::start("b", &db, dir.path(), redis_url());
 
     // 1. Started on A, streamed from B, with A killed mid-answer: B continues it.
     let conv = post(&http, format!("{}/v1/conversations", a.base), json!({"title": "multi"})).await;
@@ -126,15 +148,7 @@ async fn a_run_survives_its_instance_being_killed() {
         post(&http, format!("{}/v1/conversations/{conv}/messages", a.base), json!({"content": "what can you do?"}))
             .await;
     let run = sent["runId"].as_str().unwrap().to_owned();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let events = setup.list_events(&run.parse().unwrap(), 0, 1000).await.unwrap();
-        if events.iter().filter(|e| e.type_name() == "text_delta").count() >= 3 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "A started streaming");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_for_events(&setup, &run, "text_delta", 3).await;
     let reader = {
         let (http, base, run) = (http.clone(), b.base.clone(), run.clone());
         tokio::spawn(async move { read_stream(&http, &base, &run, 0, false).await })
@@ -148,7 +162,7 @@ async fn a_run_survives_its_instance_being_killed() {
     assert_eq!(text[0].1.matches("I'm OpsPilot").count(), 1, "no duplicated text: {}", text[0].1);
 
     // 2. A run paused on a new A, A killed while it waits: the approval sent to B completes it once.
-    let mut a = Instance::start("a2", &db, dir.path());
+    let mut a = Instance::start("a2", &db, dir.path(), redis_url());
     let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
     let conv = conv["id"].as_str().unwrap().to_owned();
     let turn = post(
@@ -175,5 +189,144 @@ async fn a_run_survives_its_instance_being_killed() {
     assert!(all.iter().any(|e| e.type_name() == "interrupt"));
 
     drop(b);
+    setup.drop_schema().await.unwrap();
+}
+
+fn signal(child: &Child, sig: &str) {
+    let ok = Command::new("kill").args([sig, &child.id().to_string()]).status().unwrap().success();
+    assert!(ok, "kill {sig}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_worker_cannot_write_after_its_lease_is_taken() {
+    let Some((setup, db)) = database().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let a = Instance::start("a", &db, dir.path(), redis_url());
+    let b = Instance::start("b", &db, dir.path(), redis_url());
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let sent =
+        post(&http, format!("{}/v1/conversations/{conv}/messages", a.base), json!({"content": "what can you do?"}))
+            .await;
+    let run = sent["runId"].as_str().unwrap().to_owned();
+    wait_for_events(&setup, &run, "text_delta", 2).await;
+
+    // A stalls past its lease (2 s); B takes the run over and finishes it.
+    signal(&a.child, "-STOP");
+    let events = read_stream(&http, &b.base, &run, 0, false).await;
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    let finished = events.len();
+
+    // A wakes up in the middle of its model call and tries to go on writing: every write is fenced.
+    signal(&a.child, "-CONT");
+    let settle = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < settle {
+        let stored = setup.list_events(&run.parse().unwrap(), 0, 10_000).await.unwrap();
+        assert_eq!(stored.len(), finished, "the stale worker appended an event");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = http.get(format!("{}/v1/runs/{run}", a.base)).send().await.unwrap().json::<Value>().await.unwrap();
+    assert_eq!(status["status"], "completed");
+    drop((a, b));
+    setup.drop_schema().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_resumes_spread_over_two_instances_restart_once() {
+    let Some((setup, db)) = database().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let a = Instance::start("a", &db, dir.path(), redis_url());
+    let b = Instance::start("b", &db, dir.path(), redis_url());
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let turn = post(
+        &http,
+        format!("{}/v1/conversations/{conv}/messages?wait=true", a.base),
+        json!({"content": "restart pay-prod-2"}),
+    )
+    .await;
+    let run = turn["run"]["id"].as_str().unwrap().to_owned();
+    let interrupt = turn["interrupt"]["id"].as_str().unwrap().to_owned();
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let base = if i % 2 == 0 { a.base.clone() } else { b.base.clone() };
+        let (http, run, interrupt) = (http.clone(), run.clone(), interrupt.clone());
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"interruptId": interrupt, "decision": "approve", "idempotencyKey": format!("race-{i}")});
+            http.post(format!("{base}/v1/runs/{run}/resume")).json(&body).send().await.unwrap().status().as_u16()
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    assert_eq!(statuses.iter().filter(|s| **s == 200).count(), 1, "{statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 409).count(), 99, "{statuses:?}");
+    let events = read_stream(&http, &b.base, &run, 0, false).await;
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    assert_eq!(setup.get_instance("pay-prod-2").await.unwrap().unwrap().restart_count, 1);
+    drop((a, b));
+    setup.drop_schema().await.unwrap();
+}
+
+/// A private Redis the test may stop.
+struct PrivateRedis(Child, u16);
+
+impl PrivateRedis {
+    fn start() -> Option<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .spawn()
+            .ok()?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server came up");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(Self(child, port))
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_event_arrives_when_redis_goes_away_midway() {
+    let Some((setup, db)) = database().await else { return };
+    if redis_url().is_none() {
+        eprintln!("multi_instance: the Redis-down case is SKIPPED, KEEL_TEST_REDIS_URL is unset");
+        return;
+    }
+    let redis = PrivateRedis::start().expect("redis-server is installed (it serves KEEL_TEST_REDIS_URL)");
+    let url = format!("redis://127.0.0.1:{}", redis.1);
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let a = Instance::start("a", &db, dir.path(), Some(url.clone()));
+    let b = Instance::start("b", &db, dir.path(), Some(url));
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let sent =
+        post(&http, format!("{}/v1/conversations/{conv}/messages", a.base), json!({"content": "what can you do?"}))
+            .await;
+    let run = sent["runId"].as_str().unwrap().to_owned();
+    let reader = {
+        let (http, base, run) = (http.clone(), b.base.clone(), run.clone());
+        tokio::spawn(async move { read_stream(&http, &base, &run, 0, false).await })
+    };
+    wait_for_events(&setup, &run, "text_delta", 3).await;
+    drop(redis);
+    let events = reader.await.unwrap();
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    let stored = setup.list_events(&run.parse().unwrap(), 0, 10_000).await.unwrap();
+    assert_eq!(events, stored, "B's stream is exactly what was committed");
+    drop((a, b));
     setup.drop_schema().await.unwrap();
 }
