@@ -550,3 +550,43 @@ async fn another_users_objects_are_not_found() {
     assert!(matches!(r, Err(EngineError::NotFound("run"))));
     assert!(h.engine.list_conversations("mallory").await.unwrap().is_empty());
 }
+
+/// A model that streams some text, then breaks (as a connection dropped mid-answer does).
+struct BreaksMidAnswer;
+
+#[async_trait::async_trait]
+impl keel_core::model::Model for BreaksMidAnswer {
+    fn name(&self) -> &str {
+        "breaks"
+    }
+    async fn stream(
+        &self,
+        _request: keel_core::model::ModelRequest,
+    ) -> Result<keel_core::model::ModelStream, keel_core::model::ModelError> {
+        use keel_core::model::{ModelChunk, ModelError};
+        Ok(Box::pin(futures::stream::iter(vec![
+            Ok(ModelChunk::Text("Half an ".into())),
+            Ok(ModelChunk::Text("answer".into())),
+            Err(ModelError::Fatal("the model stream broke off: connection reset (token sk-live-999)".into())),
+        ])))
+    }
+}
+
+#[tokio::test]
+async fn a_model_failure_after_text_fails_the_run_with_a_clear_code_and_no_retry() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options { model: Arc::new(BreaksMidAnswer), ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, events) = h.say(&conv, "hello").await;
+    let last = events.last().unwrap();
+    assert!(
+        matches!(&last.kind, EventKind::Error { code, message } if code == "MODEL_ERROR" && !message.contains("sk-live")),
+        "{last:?}"
+    );
+    assert_eq!(h.engine.run("demo", &run).await.unwrap().status, RunStatus::Failed);
+    // Not retried: the text the client saw stays, once, and nothing is discarded.
+    assert!(!events.iter().any(|e| e.type_name() == "text_discarded"));
+    assert_eq!(text(&events), "Half an answer");
+    // The conversation is free again.
+    assert!(h.engine.conversation_view("demo", &conv).await.unwrap().active_run_id.is_none());
+}

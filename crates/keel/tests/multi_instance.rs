@@ -330,3 +330,52 @@ async fn every_event_arrives_when_redis_goes_away_midway() {
     drop((a, b));
     setup.drop_schema().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completed_side_effect_is_not_rerun_and_cancel_reaches_the_holder() {
+    let Some((setup, db)) = database().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let mut a = Instance::start("a", &db, dir.path(), redis_url());
+    let b = Instance::start("b", &db, dir.path(), redis_url());
+
+    // Cancel sent to B while A runs the run: A's worker sees the durable flag and stops.
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let sent =
+        post(&http, format!("{}/v1/conversations/{conv}/messages", a.base), json!({"content": "what can you do?"}))
+            .await;
+    let run = sent["runId"].as_str().unwrap().to_owned();
+    wait_for_events(&setup, &run, "text_delta", 2).await;
+    post(&http, format!("{}/v1/runs/{run}/cancel", b.base), json!({})).await;
+    let events = read_stream(&http, &b.base, &run, 0, false).await;
+    assert_eq!(events.last().unwrap().type_name(), "cancelled");
+
+    // The restart completes on A; A dies while the model writes the answer; B finishes the run
+    // from its checkpoint without restarting again.
+    let turn = post(
+        &http,
+        format!("{}/v1/conversations/{conv}/messages?wait=true", a.base),
+        json!({"content": "restart pay-prod-2"}),
+    )
+    .await;
+    let run = turn["run"]["id"].as_str().unwrap().to_owned();
+    let interrupt = turn["interrupt"]["id"].as_str().unwrap().to_owned();
+    let decision = json!({"interruptId": interrupt, "decision": "approve", "idempotencyKey": "k"});
+    post(&http, format!("{}/v1/runs/{run}/resume", a.base), decision).await;
+    wait_for_events(&setup, &run, "tool_finished", 1).await;
+    a.kill();
+    assert_eq!(setup.get_instance("pay-prod-2").await.unwrap().unwrap().restart_count, 1);
+    let events = read_stream(&http, &b.base, &run, 0, false).await;
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    let restarts = events
+        .iter()
+        .filter(|e| matches!(&e.kind, EventKind::ToolStarted { tool, .. } if tool == "restart_instance"))
+        .count();
+    assert_eq!(restarts, 1, "the restart ran once");
+    assert_eq!(setup.get_instance("pay-prod-2").await.unwrap().unwrap().restart_count, 1);
+    let answer = keel_core::event::render_text(&events).pop().unwrap().1;
+    assert!(answer.contains("Restarted pay-prod-2"), "{answer}");
+    drop(b);
+    setup.drop_schema().await.unwrap();
+}
