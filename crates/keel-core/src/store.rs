@@ -202,6 +202,9 @@ pub enum IdempotencyBegin {
 pub trait Store: Send + Sync + 'static {
     /// The store answers (readiness).
     async fn ping(&self) -> StoreResult<()>;
+    /// The database's clock. Instances sharing a database take lease and expiry times from it
+    /// (through [`crate::clock::StoreClock`]), so a skewed instance clock can't steal live leases.
+    async fn db_now(&self) -> StoreResult<Timestamp>;
 
     // --- conversations and messages
     async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation>;

@@ -1052,6 +1052,13 @@ impl Store for PostgresStore {
         Ok(())
     }
 
+    async fn db_now(&self) -> StoreResult<Timestamp> {
+        sqlx::query_scalar::<_, Timestamp>("SELECT clock_timestamp()")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("read the database clock"))
+    }
+
     async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation> {
         let conversation = Conversation {
             id: ConversationId::new(),

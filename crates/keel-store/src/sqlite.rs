@@ -941,6 +941,11 @@ impl Store for SqliteStore {
         Ok(())
     }
 
+    /// An embedded database runs on this machine: its clock is this process's.
+    async fn db_now(&self) -> StoreResult<Timestamp> {
+        Ok(chrono::Utc::now())
+    }
+
     async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation> {
         let conversation = Conversation {
             id: ConversationId::new(),

@@ -313,3 +313,16 @@ async fn returned_times_equal_stored_times() {
     assert_eq!(store.list_messages(&conversation.id).await.expect("messages"), vec![started.message]);
     assert_eq!(store.list_events(&started.run.id, 0, 10).await.expect("events"), started.events);
 }
+
+#[tokio::test]
+async fn the_database_clock_is_read_and_tracked() {
+    let Some(url) = url() else { return };
+    let store: Arc<dyn Store> = Arc::new(PostgresStore::connect(&url).await.expect("Postgres reachable"));
+    let db = store.db_now().await.unwrap();
+    assert!((db - Utc::now()).num_seconds().abs() < 5, "the test database runs on this machine");
+    let clock = keel_core::clock::StoreClock::start(store.clone(), Duration::from_secs(60)).await.unwrap();
+    use keel_core::clock::Clock;
+    let (before, now, after) = (store.db_now().await.unwrap(), clock.now(), store.db_now().await.unwrap());
+    let slack = chrono::Duration::milliseconds(50);
+    assert!(now >= before - slack && now <= after + slack, "{before} <= {now} <= {after}");
+}

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use keel_bus::RedisBus;
 use keel_core::bus::{Bus, LocalBus};
-use keel_core::clock::SystemClock;
+use keel_core::clock::{Clock, StoreClock, SystemClock};
 use keel_core::engine::{Engine, EngineConfig, EngineParts};
 use keel_core::fleet::FleetSeed;
 use keel_core::model::Model;
@@ -156,12 +156,18 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
             RedisBus::connect(url, "keel:").await.map_err(|e| anyhow::anyhow!("connecting the event bus: {e}"))?,
         ),
     };
+    // A shared database's clock decides leases and expiries; an embedded one is this machine's.
+    let clock: Arc<dyn Clock> = if opened.single_process() {
+        Arc::new(SystemClock)
+    } else {
+        StoreClock::start(store.clone(), Duration::from_secs(30)).await.context("reading the database clock")?
+    };
     let mut engine_config = EngineConfig::default();
     if let Some(id) = &settings.instance_id {
         engine_config.instance_id = id.clone();
     }
     let engine = Arc::new(Engine::new(
-        EngineParts { store, model, tools: keel_opspilot::registry(), bus, clock: Arc::new(SystemClock) },
+        EngineParts { store, model, tools: keel_opspilot::registry(), bus, clock },
         EngineConfig {
             steal_leases_on_start: opened.single_process(),
             interrupt_ttl: settings.interrupt_ttl,
