@@ -172,6 +172,13 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
             steal_leases_on_start: opened.single_process(),
             interrupt_ttl: settings.interrupt_ttl,
             lease_ttl: settings.lease_ttl,
+            // How often an idle reader re-reads the store: its only news source for runs written by
+            // another instance without a shared bus, a safety net otherwise.
+            poll_interval: match (&settings.bus, opened.single_process()) {
+                (_, true) => Duration::from_secs(10),
+                (BusChoice::Redis(_), false) => Duration::from_secs(3),
+                (BusChoice::Local, false) => Duration::from_secs(1),
+            },
             context: keel_core::context::ContextConfig {
                 // A real model writes the summary of earlier turns; the demo model keeps the
                 // deterministic extractive one.
