@@ -59,6 +59,13 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let stopping = state.shutdown.clone();
     let app = router(state);
+    // Events are small writes: without TCP_NODELAY, Nagle's algorithm meeting the client's delayed
+    // ACK holds each one back ~40 ms on a kept-alive connection.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(error = %e, "could not set TCP_NODELAY");
+        }
+    });
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             shutdown.await;

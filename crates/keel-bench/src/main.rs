@@ -1,0 +1,858 @@
+//! `keel-bench`: load and latency benchmarks of a running Keel server, over its public HTTP API
+//! only (plus a raw SQLite storage floor that needs no server). See docs/benchmarks.md.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand};
+use futures::StreamExt;
+use keel_client::{SseFrame, SseParser};
+use serde_json::{json, Value};
+
+#[derive(Parser, Debug)]
+#[command(name = "keel-bench", about = "Benchmarks of a Keel server over its public HTTP API")]
+struct Cli {
+    /// The server's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8090", global = true)]
+    url: String,
+    /// The caller (`X-Keel-User`); must be allowed to approve restarts (`demo` is an operator).
+    #[arg(long, default_value = "demo", global = true)]
+    user: String,
+    /// Also write the results as JSON to this file.
+    #[arg(long, global = true)]
+    json: Option<String>,
+    /// Repeat the whole scenario this many times; the table shows every repetition and the JSON
+    /// holds them all (the docs quote the median).
+    #[arg(long, default_value_t = 1, global = true)]
+    repeat: usize,
+    /// A new TCP connection for every request instead of a keep-alive pool. On a reused
+    /// connection the first SSE frames after the response headers can wait for the client's
+    /// delayed ACK (~40 ms on Linux) when the server does not set TCP_NODELAY; see docs/benchmarks.md.
+    #[arg(long, global = true)]
+    fresh_connections: bool,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Subcommand, Debug)]
+enum Scenario {
+    /// Full OpsPilot restart runs: message → stream to the interrupt → resume approve → stream to done.
+    Hitl {
+        /// Concurrency levels, comma-separated.
+        #[arg(long, default_value = "1,8,32", value_delimiter = ',')]
+        concurrency: Vec<usize>,
+        /// Measured runs per concurrency level (after `concurrency` warm-up runs).
+        #[arg(long, default_value_t = 1000)]
+        runs: usize,
+    },
+    /// Many short demo-model runs (no approval), streamed to `done`: events/s.
+    Stream {
+        #[arg(long, default_value = "1,32", value_delimiter = ',')]
+        concurrency: Vec<usize>,
+        #[arg(long, default_value_t = 1000)]
+        runs: usize,
+        /// The message sent; the demo model answers it without a dangerous tool.
+        #[arg(long, default_value = "Look at the recent errors of payment-api")]
+        content: String,
+    },
+    /// Reconnect with `Last-Event-ID: 0` to finished runs and read all their events.
+    Replay {
+        #[arg(long, default_value = "1,32", value_delimiter = ',')]
+        concurrency: Vec<usize>,
+        /// How many finished runs to replay.
+        #[arg(long, default_value_t = 1000)]
+        runs: usize,
+        /// Replay the runs listed in this `hitl --json` output; without it, the finished runs of
+        /// the caller's conversations that `GET /v1/conversations` lists (the newest 100 or so).
+        #[arg(long)]
+        from: Option<String>,
+    },
+    /// N concurrent SSE subscribers on paused runs, with the server's RSS per stream.
+    Idle {
+        /// Number of idle streams.
+        #[arg(long, default_value_t = 1000)]
+        streams: usize,
+        /// The server's pid, to read /proc/<pid>/status VmRSS before and after.
+        #[arg(long)]
+        server_pid: Option<u32>,
+        /// How long to hold the streams open before reading the RSS again.
+        #[arg(long, default_value_t = 3)]
+        settle_secs: u64,
+    },
+    /// Storage floor: raw batched inserts of event-sized rows into SQLite (WAL, synchronous=NORMAL).
+    FloorSqlite {
+        #[arg(long, default_value_t = 200_000)]
+        rows: usize,
+        /// Rows per transaction, comma-separated.
+        #[arg(long, default_value = "1,32", value_delimiter = ',')]
+        batch: Vec<usize>,
+        /// Directory for the throwaway database (default: the system temp dir).
+        #[arg(long)]
+        dir: Option<String>,
+    },
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let client = Client::new(&cli.url, &cli.user, cli.fresh_connections)?;
+    let mut reps = Vec::new();
+    for rep in 0..cli.repeat.max(1) {
+        if cli.repeat > 1 {
+            println!("== repetition {} of {}", rep + 1, cli.repeat);
+        }
+        let out = match &cli.scenario {
+            Scenario::Hitl { concurrency, runs } => hitl(&client, concurrency, *runs).await?,
+            Scenario::Stream { concurrency, runs, content } => stream(&client, concurrency, *runs, content).await?,
+            Scenario::Replay { concurrency, runs, from } => {
+                replay(&client, concurrency, *runs, from.as_deref()).await?
+            }
+            Scenario::Idle { streams, server_pid, settle_secs } => {
+                idle(&client, *streams, *server_pid, *settle_secs).await?
+            }
+            Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref()).await?,
+        };
+        reps.push(out);
+    }
+    if let Some(path) = &cli.json {
+        let doc = json!({
+            "scenario": format!("{:?}", cli.scenario),
+            "url": cli.url,
+            "freshConnections": cli.fresh_connections,
+            "repetitions": reps,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("write {path}"))?;
+        println!("wrote {path}");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// HTTP + SSE
+
+#[derive(Clone)]
+struct Client {
+    http: reqwest::Client,
+    base: String,
+    user: String,
+}
+
+impl Client {
+    fn new(base: &str, user: &str, fresh_connections: bool) -> Result<Self> {
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(if fresh_connections { 0 } else { 1024 })
+            .tcp_nodelay(true)
+            .timeout(Duration::from_secs(600))
+            .build()?;
+        Ok(Self { http, base: base.trim_end_matches('/').to_owned(), user: user.to_owned() })
+    }
+
+    fn post(&self, path: &str) -> reqwest::RequestBuilder {
+        self.http.post(format!("{}{}", self.base, path)).header("X-Keel-User", &self.user)
+    }
+
+    fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        self.http.get(format!("{}{}", self.base, path)).header("X-Keel-User", &self.user)
+    }
+
+    async fn json(req: reqwest::RequestBuilder) -> Result<Value> {
+        let resp = req.send().await?;
+        let status = resp.status();
+        let body = resp.text().await?;
+        if !status.is_success() {
+            bail!("{status}: {body}");
+        }
+        Ok(serde_json::from_str(&body)?)
+    }
+
+    async fn conversation(&self) -> Result<String> {
+        let v = Self::json(self.post("/v1/conversations").json(&json!({"title": "keel-bench"}))).await?;
+        str_field(&v, "id")
+    }
+
+    async fn sse(req: reqwest::RequestBuilder) -> Result<SseReader> {
+        let resp = req.header("Accept", "text/event-stream").send().await?;
+        let status = resp.status();
+        if !status.is_success() {
+            bail!("{status}: {}", resp.text().await.unwrap_or_default());
+        }
+        Ok(SseReader::new(resp))
+    }
+
+    /// The abnormal instances of the fleet (the server's `--demo-abnormal` sets how many), after
+    /// re-seeding it where the server allows it (`keel demo`; `keel serve` answers 404).
+    async fn abnormal_instances(&self) -> Result<Vec<String>> {
+        let _ = self.post("/v1/demo/reset").send().await?;
+        let fleet = Self::json(self.get("/v1/demo/instances")).await?;
+        let mut ids: Vec<String> = fleet
+            .as_array()
+            .ok_or_else(|| anyhow!("GET /v1/demo/instances: not a list"))?
+            .iter()
+            .filter(|i| i["status"] == "abnormal")
+            .filter_map(|i| i["id"].as_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        Ok(ids)
+    }
+}
+
+fn str_field(v: &Value, key: &str) -> Result<String> {
+    v[key].as_str().map(str::to_owned).ok_or_else(|| anyhow!("no string `{key}` in {v}"))
+}
+
+/// One received event: its type, sequence and raw JSON data (parsed only when asked).
+struct Ev {
+    ty: String,
+    seq: u64,
+    data: String,
+}
+
+impl Ev {
+    fn parse(&self) -> Result<Value> {
+        Ok(serde_json::from_str(&self.data)?)
+    }
+    fn terminal(&self) -> bool {
+        matches!(self.ty.as_str(), "done" | "error" | "cancelled")
+    }
+}
+
+struct SseReader {
+    resp: reqwest::Response,
+    parser: SseParser,
+    queue: VecDeque<Ev>,
+}
+
+impl SseReader {
+    fn new(resp: reqwest::Response) -> Self {
+        Self { resp, parser: SseParser::new(), queue: VecDeque::new() }
+    }
+
+    /// The next event; `None` when the stream ends.
+    async fn next(&mut self) -> Result<Option<Ev>> {
+        loop {
+            if let Some(ev) = self.queue.pop_front() {
+                return Ok(Some(ev));
+            }
+            let Some(chunk) = self.resp.chunk().await? else { return Ok(None) };
+            for frame in self.parser.push(&chunk) {
+                if let SseFrame::Event { id, event, data } = frame {
+                    let seq = id.as_deref().and_then(|s| s.parse().ok()).unwrap_or(0);
+                    self.queue.push_back(Ev { ty: event.unwrap_or_default(), seq, data });
+                }
+            }
+        }
+    }
+
+    async fn expect_next(&mut self) -> Result<Ev> {
+        self.next().await?.ok_or_else(|| anyhow!("the stream ended early"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statistics and output
+
+#[derive(Default, Clone)]
+struct Dist(Vec<f64>);
+
+impl Dist {
+    fn push(&mut self, d: Duration) {
+        self.0.push(d.as_secs_f64() * 1000.0);
+    }
+    fn pct(&self, p: f64) -> f64 {
+        percentile(&self.0, p)
+    }
+    fn json(&self) -> Value {
+        json!({"n": self.0.len(), "p50Ms": self.pct(50.0), "p99Ms": self.pct(99.0),
+               "meanMs": mean(&self.0), "maxMs": self.pct(100.0)})
+    }
+}
+
+/// Nearest-rank percentile of `xs` (0 for none).
+fn percentile(xs: &[f64], p: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+    v[rank.clamp(1, v.len()) - 1]
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    if xs.is_empty() {
+        0.0
+    } else {
+        xs.iter().sum::<f64>() / xs.len() as f64
+    }
+}
+
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            widths[i] = widths[i].max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let s: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{:>w$}", c, w = widths[i])).collect();
+        println!("| {} |", s.join(" | "));
+    };
+    line(header.iter().map(|s| s.to_string()).collect());
+    println!("|{}|", widths.iter().map(|w| "-".repeat(w + 2)).collect::<Vec<_>>().join("|"));
+    for r in rows {
+        line(r.clone());
+    }
+}
+
+fn f1(x: f64) -> String {
+    format!("{x:.1}")
+}
+fn f2(x: f64) -> String {
+    format!("{x:.2}")
+}
+
+/// Runs `f(0..n)` with at most `concurrency` in flight; the results in completion order.
+async fn drive<F, Fut, T>(n: usize, concurrency: usize, f: F) -> Vec<Result<T>>
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    futures::stream::iter(0..n).map(f).buffer_unordered(concurrency.max(1)).collect().await
+}
+
+fn split_errors<T>(results: Vec<Result<T>>) -> (Vec<T>, Vec<String>) {
+    let mut ok = Vec::new();
+    let mut errors = Vec::new();
+    for r in results {
+        match r {
+            Ok(t) => ok.push(t),
+            Err(e) => errors.push(format!("{e:#}")),
+        }
+    }
+    if let Some(first) = errors.first() {
+        eprintln!("{} failed; first error: {first}", errors.len());
+    }
+    (ok, errors)
+}
+
+// ---------------------------------------------------------------------------------------------
+// hitl
+
+struct HitlSample {
+    run_id: String,
+    ttfe: Duration,
+    resume_ttfe: Duration,
+    total: Duration,
+    events: u64,
+    last_seq: u64,
+}
+
+async fn hitl_run(client: &Client, instance: &str) -> Result<HitlSample> {
+    let conv = client.conversation().await?;
+    let t0 = Instant::now();
+    let mut s = Client::sse(
+        client
+            .post(&format!("/v1/conversations/{conv}/messages"))
+            .json(&json!({"content": format!("restart {instance}")})),
+    )
+    .await?;
+    let first = s.expect_next().await?;
+    let ttfe = t0.elapsed();
+    let run_id = str_field(&first.parse()?, "runId")?;
+    let mut events = 1;
+    let interrupt = loop {
+        let ev = s.expect_next().await?;
+        events += 1;
+        if ev.ty == "interrupt" {
+            break str_field(&ev.parse()?, "interruptId")?;
+        }
+        if ev.terminal() {
+            bail!("run {run_id} ended with {} before its interrupt: {}", ev.ty, ev.data);
+        }
+    };
+    drop(s);
+    let t1 = Instant::now();
+    let mut s = Client::sse(client.post(&format!("/v1/runs/{run_id}/resume")).json(&json!({
+        "interruptId": interrupt, "decision": "approve", "idempotencyKey": format!("bench-{interrupt}")
+    })))
+    .await?;
+    let mut ev = s.expect_next().await?;
+    let resume_ttfe = t1.elapsed();
+    events += 1;
+    while !ev.terminal() {
+        ev = s.expect_next().await?;
+        events += 1;
+    }
+    if ev.ty != "done" {
+        bail!("run {run_id} ended with {}: {}", ev.ty, ev.data);
+    }
+    Ok(HitlSample { run_id, ttfe, resume_ttfe, total: t0.elapsed(), events, last_seq: ev.seq })
+}
+
+async fn hitl(client: &Client, levels: &[usize], runs: usize) -> Result<Value> {
+    let instances = Arc::new(client.abnormal_instances().await?);
+    let next = Arc::new(AtomicUsize::new(0));
+    let capacity = instances.len();
+    let needed: usize = levels.iter().map(|c| runs + c).sum();
+    if needed > capacity {
+        bail!("{needed} runs need as many abnormal instances; the fleet has {capacity} (raise the server's --demo-abnormal, or restart it)");
+    }
+    let mut rows = Vec::new();
+    let mut out = Vec::new();
+    for &c in levels {
+        let one = |_| {
+            let client = client.clone();
+            let next = next.clone();
+            let instances = instances.clone();
+            async move { hitl_run(&client, &instances[next.fetch_add(1, Ordering::Relaxed)]).await }
+        };
+        // warm-up: one run per connection
+        let (_, _) = split_errors(drive(c, c, one).await);
+        let start = Instant::now();
+        let results = drive(runs, c, one).await;
+        let wall = start.elapsed();
+        let (ok, errors) = split_errors(results);
+        let (mut ttfe, mut rttfe, mut total) = (Dist::default(), Dist::default(), Dist::default());
+        let mut seqs = Vec::new();
+        let mut received = 0;
+        for s in &ok {
+            ttfe.push(s.ttfe);
+            rttfe.push(s.resume_ttfe);
+            total.push(s.total);
+            seqs.push(s.last_seq as f64);
+            received += s.events;
+        }
+        let rate = ok.len() as f64 / wall.as_secs_f64();
+        rows.push(vec![
+            c.to_string(),
+            ok.len().to_string(),
+            errors.len().to_string(),
+            f1(rate),
+            f2(ttfe.pct(50.0)),
+            f2(ttfe.pct(99.0)),
+            f2(rttfe.pct(50.0)),
+            f2(rttfe.pct(99.0)),
+            f2(total.pct(50.0)),
+            f2(total.pct(99.0)),
+            f1(mean(&seqs)),
+        ]);
+        out.push(json!({
+            "concurrency": c, "completed": ok.len(), "failed": errors.len(), "wallSecs": wall.as_secs_f64(),
+            "runsPerSec": rate, "timeToFirstEvent": ttfe.json(), "resumeToFirstEvent": rttfe.json(),
+            "runLatency": total.json(), "storedEventsPerRun": mean(&seqs),
+            "eventsReceived": received, "eventsPerSec": received as f64 / wall.as_secs_f64(),
+            "firstErrors": errors.iter().take(3).collect::<Vec<_>>(),
+            "runIds": ok.iter().map(|s| s.run_id.as_str()).collect::<Vec<_>>(),
+        }));
+    }
+    table(
+        &[
+            "conc",
+            "ok",
+            "failed",
+            "runs/s",
+            "ttfe p50",
+            "ttfe p99",
+            "resume p50",
+            "resume p99",
+            "run p50",
+            "run p99",
+            "events/run",
+        ],
+        &rows,
+    );
+    println!(
+        "(times in ms; ttfe: request sent → first event of the message stream; resume: resume sent → its first event)"
+    );
+    Ok(json!({"scenario": "hitl", "levels": out}))
+}
+
+// ---------------------------------------------------------------------------------------------
+// stream
+
+struct StreamSample {
+    events: u64,
+    deltas: u64,
+    total: Duration,
+    /// first event → terminal event
+    streaming: Duration,
+}
+
+async fn stream_run(client: &Client, content: &str) -> Result<StreamSample> {
+    let conv = client.conversation().await?;
+    let t0 = Instant::now();
+    let mut s =
+        Client::sse(client.post(&format!("/v1/conversations/{conv}/messages")).json(&json!({"content": content})))
+            .await?;
+    let mut ev = s.expect_next().await?;
+    let t1 = Instant::now();
+    let (mut events, mut deltas) = (1, 0);
+    while !ev.terminal() {
+        if ev.ty == "interrupt" {
+            bail!("the run paused for approval: use a message the demo model answers without one");
+        }
+        ev = s.expect_next().await?;
+        events += 1;
+        if ev.ty == "text_delta" {
+            deltas += 1;
+        }
+    }
+    Ok(StreamSample { events, deltas, total: t0.elapsed(), streaming: t1.elapsed() })
+}
+
+async fn stream(client: &Client, levels: &[usize], runs: usize, content: &str) -> Result<Value> {
+    let mut rows = Vec::new();
+    let mut out = Vec::new();
+    for &c in levels {
+        let one = |_| {
+            let client = client.clone();
+            async move { stream_run(&client, content).await }
+        };
+        let _ = split_errors(drive(c, c, one).await);
+        let start = Instant::now();
+        let (ok, errors) = split_errors(drive(runs, c, one).await);
+        let wall = start.elapsed();
+        let events: u64 = ok.iter().map(|s| s.events).sum();
+        let deltas: u64 = ok.iter().map(|s| s.deltas).sum();
+        let per_stream: Vec<f64> =
+            ok.iter().map(|s| s.events.saturating_sub(1) as f64 / s.streaming.as_secs_f64().max(1e-9)).collect();
+        let mut total = Dist::default();
+        ok.iter().for_each(|s| total.push(s.total));
+        let agg = events as f64 / wall.as_secs_f64();
+        let epr = events as f64 / ok.len().max(1) as f64;
+        rows.push(vec![
+            c.to_string(),
+            ok.len().to_string(),
+            errors.len().to_string(),
+            f1(epr),
+            f1(agg),
+            f1(percentile(&per_stream, 50.0)),
+            f2(total.pct(50.0)),
+            f2(total.pct(99.0)),
+        ]);
+        out.push(json!({
+            "concurrency": c, "completed": ok.len(), "failed": errors.len(), "wallSecs": wall.as_secs_f64(),
+            "eventsPerRun": epr, "textDeltasPerRun": deltas as f64 / ok.len().max(1) as f64,
+            "aggregateEventsPerSec": agg, "perStreamEventsPerSecP50": percentile(&per_stream, 50.0),
+            "runLatency": total.json(), "firstErrors": errors.iter().take(3).collect::<Vec<_>>(),
+        }));
+    }
+    table(
+        &["conc", "ok", "failed", "events/run", "events/s (all)", "events/s (1 stream, p50)", "run p50", "run p99"],
+        &rows,
+    );
+    println!("(events/s (1 stream): one run's events after its first ÷ first → last event; times in ms)");
+    Ok(json!({"scenario": "stream", "content": content, "levels": out}))
+}
+
+// ---------------------------------------------------------------------------------------------
+// replay
+
+/// Finished runs of the caller, discovered from its conversations' messages.
+async fn finished_runs(client: &Client, limit: usize) -> Result<Vec<String>> {
+    let list = Client::json(client.get("/v1/conversations")).await?;
+    let ids: Vec<String> = list["conversations"]
+        .as_array()
+        .ok_or_else(|| anyhow!("no conversations in {list}"))?
+        .iter()
+        .filter(|c| c["activeRunId"].is_null())
+        .filter_map(|c| c["id"].as_str().map(str::to_owned))
+        .take(limit)
+        .collect();
+    let found = drive(ids.len(), 16, |i| {
+        let client = client.clone();
+        let id = ids[i].clone();
+        async move {
+            let conv = Client::json(client.get(&format!("/v1/conversations/{id}"))).await?;
+            let mut runs: Vec<String> = conv["messages"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|m| m["runId"].as_str().map(str::to_owned))
+                .collect();
+            runs.dedup();
+            Ok(runs)
+        }
+    })
+    .await;
+    let (lists, _) = split_errors(found);
+    let mut runs: Vec<String> = lists.into_iter().flatten().collect();
+    runs.sort();
+    runs.dedup();
+    runs.truncate(limit);
+    Ok(runs)
+}
+
+fn runs_from(path: &str, limit: usize) -> Result<Vec<String>> {
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(path).with_context(|| format!("read {path}"))?)?;
+    let mut runs = Vec::new();
+    for rep in doc["repetitions"].as_array().into_iter().flatten() {
+        for level in rep["levels"].as_array().into_iter().flatten() {
+            runs.extend(level["runIds"].as_array().into_iter().flatten().filter_map(|r| r.as_str().map(str::to_owned)));
+        }
+    }
+    runs.truncate(limit);
+    Ok(runs)
+}
+
+async fn replay(client: &Client, levels: &[usize], limit: usize, from: Option<&str>) -> Result<Value> {
+    let runs = Arc::new(match from {
+        Some(path) => runs_from(path, limit)?,
+        None => finished_runs(client, limit).await?,
+    });
+    if runs.is_empty() {
+        bail!("no finished run to replay: run the hitl scenario first");
+    }
+    println!("replaying {} finished runs", runs.len());
+    let mut rows = Vec::new();
+    let mut out = Vec::new();
+    for &c in levels {
+        let one = |i: usize| {
+            let client = client.clone();
+            let run = runs[i].clone();
+            async move {
+                let t0 = Instant::now();
+                let mut s =
+                    Client::sse(client.get(&format!("/v1/runs/{run}/events")).header("Last-Event-ID", "0")).await?;
+                let mut n = 0u64;
+                loop {
+                    let ev = s.expect_next().await?;
+                    n += 1;
+                    if ev.terminal() {
+                        return Ok((n, t0.elapsed()));
+                    }
+                }
+            }
+        };
+        let start = Instant::now();
+        let (ok, errors) = split_errors(drive(runs.len(), c, one).await);
+        let wall = start.elapsed();
+        let events: u64 = ok.iter().map(|s| s.0).sum();
+        let mut catch = Dist::default();
+        ok.iter().for_each(|s| catch.push(s.1));
+        let per_stream: Vec<f64> = ok.iter().map(|s| s.0 as f64 / s.1.as_secs_f64().max(1e-9)).collect();
+        let agg = events as f64 / wall.as_secs_f64();
+        rows.push(vec![
+            c.to_string(),
+            ok.len().to_string(),
+            errors.len().to_string(),
+            f1(events as f64 / ok.len().max(1) as f64),
+            f1(agg),
+            f1(percentile(&per_stream, 50.0)),
+            f2(catch.pct(50.0)),
+            f2(catch.pct(99.0)),
+        ]);
+        out.push(json!({
+            "concurrency": c, "replayed": ok.len(), "failed": errors.len(), "wallSecs": wall.as_secs_f64(),
+            "eventsPerReplay": events as f64 / ok.len().max(1) as f64, "aggregateEventsPerSec": agg,
+            "perStreamEventsPerSecP50": percentile(&per_stream, 50.0), "catchUp": catch.json(),
+        }));
+    }
+    table(
+        &[
+            "conc",
+            "ok",
+            "failed",
+            "events/run",
+            "events/s (all)",
+            "events/s (1 stream, p50)",
+            "catch-up p50",
+            "catch-up p99",
+        ],
+        &rows,
+    );
+    println!("(catch-up: GET sent with Last-Event-ID: 0 → terminal event received, ms)");
+    Ok(json!({"scenario": "replay", "levels": out}))
+}
+
+// ---------------------------------------------------------------------------------------------
+// idle
+
+fn vm_rss_kib(pid: u32) -> Result<u64> {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).with_context(|| format!("read /proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .ok_or_else(|| anyhow!("no VmRSS in /proc/{pid}/status"))
+}
+
+async fn idle(client: &Client, streams: usize, pid: Option<u32>, settle: u64) -> Result<Value> {
+    let instances = client.abnormal_instances().await?;
+    if streams > instances.len() {
+        bail!("{streams} paused runs need as many abnormal instances; the fleet has {}", instances.len());
+    }
+    // The last ones: the hitl scenario restarts from the first.
+    let instances = Arc::new(instances[instances.len() - streams..].to_vec());
+    let made = Instant::now();
+    let paused = drive(streams, 32, |i| {
+        let client = client.clone();
+        let instances = instances.clone();
+        async move {
+            let conv = client.conversation().await?;
+            let v = Client::json(
+                client
+                    .post(&format!("/v1/conversations/{conv}/messages?wait=true"))
+                    .json(&json!({"content": format!("restart {}", instances[i])})),
+            )
+            .await?;
+            let run = &v["run"];
+            if run["status"] != "interrupted" {
+                bail!("the run did not pause: {v}");
+            }
+            Ok((str_field(run, "id")?, run["lastSequence"].as_u64().unwrap_or(0)))
+        }
+    })
+    .await;
+    let (paused, errors) = split_errors(paused);
+    if !errors.is_empty() {
+        bail!("{} runs did not pause", errors.len());
+    }
+    println!("{} paused runs in {:.1}s", paused.len(), made.elapsed().as_secs_f64());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let before = pid.map(vm_rss_kib).transpose()?;
+    let alive = Arc::new(AtomicU64::new(0));
+    let opened = Instant::now();
+    // Each stream starts after the run's last stored event, so the server has nothing to replay:
+    // it holds a live subscription. The response headers mean the stream is set up.
+    let holders = drive(paused.len(), 256, |i| {
+        let client = client.clone();
+        let (run, last) = paused[i].clone();
+        let alive = alive.clone();
+        async move {
+            let resp = client
+                .get(&format!("/v1/runs/{run}/events"))
+                .header("Accept", "text/event-stream")
+                .header("Last-Event-ID", last.to_string())
+                .send()
+                .await?;
+            if !resp.status().is_success() {
+                bail!("{}: {}", resp.status(), resp.text().await.unwrap_or_default());
+            }
+            alive.fetch_add(1, Ordering::Relaxed);
+            let alive = alive.clone();
+            Ok(tokio::spawn(async move {
+                let mut body = resp.bytes_stream();
+                while let Some(Ok(_)) = body.next().await {}
+                alive.fetch_sub(1, Ordering::Relaxed);
+            }))
+        }
+    })
+    .await;
+    let (holders, errors) = split_errors(holders);
+    let open_secs = opened.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_secs(settle)).await;
+    let after = pid.map(vm_rss_kib).transpose()?;
+    let open = alive.load(Ordering::Relaxed);
+    let per_stream = match (before, after) {
+        (Some(b), Some(a)) if open > 0 => Some((a as f64 - b as f64) * 1024.0 / open as f64),
+        _ => None,
+    };
+    for h in &holders {
+        h.abort();
+    }
+    let rows = vec![vec![
+        streams.to_string(),
+        open.to_string(),
+        errors.len().to_string(),
+        f2(open_secs),
+        before.map(|b| format!("{:.1}", b as f64 / 1024.0)).unwrap_or_else(|| "-".into()),
+        after.map(|a| format!("{:.1}", a as f64 / 1024.0)).unwrap_or_else(|| "-".into()),
+        per_stream.map(|p| format!("{:.1}", p / 1024.0)).unwrap_or_else(|| "-".into()),
+    ]];
+    table(&["streams", "open", "failed", "open secs", "RSS before MiB", "RSS after MiB", "KiB/stream"], &rows);
+    Ok(json!({
+        "scenario": "idle", "streams": streams, "open": open, "failed": errors.len(), "openSecs": open_secs,
+        "rssBeforeKiB": before, "rssAfterKiB": after, "bytesPerStream": per_stream,
+        "firstErrors": errors.iter().take(3).collect::<Vec<_>>(),
+    }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// floor-sqlite
+
+async fn floor_sqlite(rows: usize, batches: &[usize], dir: Option<&str>) -> Result<Value> {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+    let dir = dir.map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    // A text_delta-sized event, as the server stores it.
+    let data = json!({"type": "text_delta", "messageId": "msg_0193a1b2c3d4e5f60718293a4b5c6d7e",
+        "delta": "restart ", "runId": "run_0193a1b2c3d4e5f60718293a4b5c6d7e", "sequence": 12,
+        "ts": "2026-12-01T10:00:00.123456Z"})
+    .to_string();
+    let mut table_rows = Vec::new();
+    let mut out = Vec::new();
+    for &batch in batches {
+        let batch = batch.max(1);
+        let path = dir.join(format!("keel-bench-floor-{}-{batch}.db", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let options = SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal);
+        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
+        sqlx::query(
+            "CREATE TABLE run_events (run_id TEXT NOT NULL, sequence INTEGER NOT NULL CHECK (sequence >= 1), \
+             type TEXT NOT NULL, data TEXT NOT NULL CHECK (json_valid(data)), created_at TEXT NOT NULL, \
+             PRIMARY KEY (run_id, sequence)) WITHOUT ROWID",
+        )
+        .execute(&pool)
+        .await?;
+        let start = Instant::now();
+        let mut written = 0;
+        let mut tx_count = 0;
+        while written < rows {
+            let mut tx = pool.begin().await?;
+            for _ in 0..batch.min(rows - written) {
+                // 30 events per run, like a HITL run
+                let run = format!("run_{:032}", written / 30);
+                sqlx::query("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES (?, ?, ?, ?, ?)")
+                    .bind(run)
+                    .bind((written % 30 + 1) as i64)
+                    .bind("text_delta")
+                    .bind(&data)
+                    .bind("2026-12-01T10:00:00.123456Z")
+                    .execute(&mut *tx)
+                    .await?;
+                written += 1;
+            }
+            tx.commit().await?;
+            tx_count += 1;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        pool.close().await;
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+        }
+        table_rows.push(vec![
+            batch.to_string(),
+            rows.to_string(),
+            f2(secs),
+            f1(rows as f64 / secs),
+            f1(tx_count as f64 / secs),
+        ]);
+        out.push(json!({"rowsPerTx": batch, "rows": rows, "secs": secs, "rowsPerSec": rows as f64 / secs,
+                        "txPerSec": tx_count as f64 / secs, "rowBytes": data.len()}));
+    }
+    table(&["rows/tx", "rows", "secs", "rows/s", "tx/s"], &table_rows);
+    println!("(SQLite WAL, synchronous=NORMAL, one connection, {}-byte JSON rows, in {})", data.len(), dir.display());
+    Ok(json!({"scenario": "floor-sqlite", "dir": dir.display().to_string(), "levels": out}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&xs, 50.0), 50.0);
+        assert_eq!(percentile(&xs, 99.0), 99.0);
+        assert_eq!(percentile(&xs, 100.0), 100.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+}
