@@ -29,8 +29,8 @@ use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use crate::mask::{mask_fact, mask_text, mask_value, truncate};
 use crate::model::{Model, ModelChunk, ModelError, ModelRequest};
 use crate::store::{
-    Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError,
-    TextAppend, ToolCallChange,
+    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun,
+    Store, StoreError, TextAppend, ToolCallChange,
 };
 use crate::stream::{run_events, Until};
 use crate::tool::{validate_args, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
@@ -59,6 +59,9 @@ pub struct EngineConfig {
     pub model_retries: u32,
     /// The role of a user the store does not know.
     pub default_role: Option<UserRole>,
+    /// How long an idempotency key stays reserved by a request that never finished (its process
+    /// died): until then a retry is told `IDEMPOTENCY_KEY_IN_FLIGHT`, after it the retry proceeds.
+    pub idempotency_in_flight_ttl: Duration,
     pub context: ContextConfig,
 }
 
@@ -77,6 +80,7 @@ impl Default for EngineConfig {
             // Model clients retry before the first token themselves; this is one more try on top.
             model_retries: 1,
             default_role: None,
+            idempotency_in_flight_ttl: Duration::from_secs(30),
             context: ContextConfig::default(),
         }
     }
@@ -326,6 +330,14 @@ impl Engine {
     /// Recovers the runs left by a dead process (continuing each from its checkpoint), then starts
     /// the background sweeper (interrupt expiry, orphaned runs). Returns how many runs it took over.
     pub async fn start(&self) -> EngineResult<usize> {
+        if self.inner.config.steal_leases_on_start {
+            // The previous process is gone: so are the requests it was answering. Their keys are
+            // released, so a client's retry is evaluated now instead of after the in-flight TTL.
+            let released = self.inner.store.abandon_all_in_flight_keys().await?;
+            if released > 0 {
+                tracing::info!(released, "released idempotency keys of requests the previous process never answered");
+            }
+        }
         let recovered = self.inner.claim_and_spawn(self.inner.config.steal_leases_on_start).await?;
         let inner = self.inner.clone();
         let sweeper = tokio::spawn(async move {
@@ -569,8 +581,8 @@ impl Engine {
 
         // 3. The idempotency key: the same request again gets the first answer.
         let hash = request_hash(run_id, &req.interrupt_id, &req.decision);
-        let key_expiry = now + chrono::Duration::hours(24);
-        match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, key_expiry).await? {
+        let in_flight_until = now + chrono_dur(inner.config.idempotency_in_flight_ttl);
+        match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, in_flight_until).await? {
             IdempotencyBegin::Done { response, .. } => {
                 return serde_json::from_value(response)
                     .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored resume answer: {e}"))));
@@ -580,16 +592,11 @@ impl Engine {
             IdempotencyBegin::Started => {}
         }
 
+        // The answer is stored under the key in the claim's own transaction.
         let outcome = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, now).await;
-        match &outcome {
-            Ok(accepted) => {
-                let body = serde_json::to_value(accepted).unwrap_or(Value::Null);
-                store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
-            }
-            Err(_) => {
-                // Nothing happened under this key: let a retry be evaluated afresh.
-                store.idempotency_abandon(user_id, &req.idempotency_key).await?;
-            }
+        if outcome.is_err() {
+            // Nothing happened under this key: let a retry be evaluated afresh.
+            store.idempotency_abandon(user_id, &req.idempotency_key).await?;
         }
         outcome
     }
@@ -662,6 +669,22 @@ impl Engine {
         checkpoint.next_step = NextStep::ExecuteTools;
         checkpoint.pending_call_ids = pending;
         commit.checkpoint = Some(checkpoint);
+        // `resumed` is the commit's first event. Nobody writes to an interrupted run without moving
+        // it out of `interrupted` (which fails this commit's fence), so its sequence is known now.
+        let accepted = ResumeAccepted {
+            run_id: run.id.clone(),
+            interrupt_id: interrupt.id.clone(),
+            status: RunStatus::Running,
+            decision: decision.clone(),
+            resumed_sequence: run.next_sequence,
+        };
+        commit.idempotency = Some(IdempotencyAnswer {
+            user_id: user_id.to_owned(),
+            key: req.idempotency_key.clone(),
+            status: 200,
+            response: serde_json::to_value(&accepted).unwrap_or(Value::Null),
+            expires_at: now + chrono::Duration::hours(24),
+        });
 
         let committed = match inner.store.commit(commit).await {
             Ok(c) => c,
@@ -687,13 +710,15 @@ impl Engine {
             .map(|e| e.sequence)
             .unwrap_or_default();
         inner.spawn_worker(run.id.clone(), Lease::held(owner));
-        Ok(ResumeAccepted {
-            run_id: run.id.clone(),
-            interrupt_id: interrupt.id.clone(),
-            status: RunStatus::Running,
-            decision,
-            resumed_sequence,
-        })
+        if resumed_sequence != accepted.resumed_sequence {
+            // Can't happen under the fence; if it ever does, the stored answer is corrected.
+            tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
+            let accepted = ResumeAccepted { resumed_sequence, ..accepted };
+            let body = serde_json::to_value(&accepted).unwrap_or(Value::Null);
+            inner.store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
+            return Ok(accepted);
+        }
+        Ok(accepted)
     }
 }
 

@@ -131,6 +131,21 @@ pub struct Commit {
     pub effects: Vec<Effect>,
     /// Sequenced in order after the run's last event.
     pub events: Vec<EventKind>,
+    /// The answer of the request that made this commit, stored under its (in-flight) idempotency
+    /// key in the same transaction: a crash can't separate the effect of a request from the answer
+    /// a retry gets.
+    pub idempotency: Option<IdempotencyAnswer>,
+}
+
+/// Marks an in-flight idempotency key `done` with its answer (refused with `Conflict` unless the key
+/// is in flight).
+#[derive(Debug, Clone, PartialEq)]
+pub struct IdempotencyAnswer {
+    pub user_id: String,
+    pub key: String,
+    pub status: u16,
+    pub response: Value,
+    pub expires_at: Timestamp,
 }
 
 impl Commit {
@@ -151,6 +166,7 @@ impl Commit {
             summary: None,
             effects: Vec::new(),
             events: Vec::new(),
+            idempotency: None,
         }
     }
 
@@ -270,6 +286,9 @@ pub trait Store: Send + Sync + 'static {
     async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()>;
     /// Forgets an in-flight key whose request failed before it had an answer, so a retry can proceed.
     async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()>;
+    /// Forgets every in-flight key (their requests died with a previous process). Only for a store
+    /// one process opens, at start-up; shared stores let in-flight keys expire instead.
+    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64>;
 
     // --- users
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>>;

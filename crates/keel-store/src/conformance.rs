@@ -21,8 +21,8 @@ use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::fleet::{Effect, FleetSeed};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError, StoreResult,
-    TextAppend, ToolCallChange,
+    Commit, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store,
+    StoreError, StoreResult, TextAppend, ToolCallChange,
 };
 use serde_json::json;
 
@@ -64,6 +64,7 @@ macro_rules! conformance_tests {
             leases_renew_and_release,
             cancel_request_is_seen_by_the_next_commit,
             idempotency_keys,
+            an_answer_commits_with_the_effect_it_reports,
             seed_fleet_matches_the_demo,
             instances_awaiting_restart_lists_asking_restarts,
             due_interrupts_are_pending_and_past_expiry,
@@ -1141,6 +1142,36 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
     assert_eq!((finished.status, finished.cancel_requested), (RunStatus::Completed, false));
 }
 
+/// The answer stored under an idempotency key commits with the changes it reports, or not at all.
+pub async fn an_answer_commits_with_the_effect_it_reports(store: SharedStore) {
+    let (_, run) = running(&store, "w").await;
+    let answer = |key: &str| IdempotencyAnswer {
+        user_id: "alice".into(),
+        key: key.into(),
+        status: 200,
+        response: json!({"ok": key}),
+        expires_at: at(1000),
+    };
+    // Not in flight: the whole commit is refused, its event too.
+    let before = sequences(&store, &run.id).await;
+    let mut c = Commit::new(run.id.clone(), lease("w", at(50)), at(1)).event(node("x"));
+    c.idempotency = Some(answer("never-begun"));
+    assert_conflict(store.commit(c).await);
+    assert_eq!(sequences(&store, &run.id).await, before);
+
+    // In flight: done, with its answer, in the same transaction as the event.
+    assert_eq!(store.idempotency_begin("alice", "k", "h", at(1), at(30)).await.unwrap(), IdempotencyBegin::Started);
+    let mut c = Commit::new(run.id.clone(), lease("w", at(50)), at(2)).event(node("y"));
+    c.idempotency = Some(answer("k"));
+    commit_ok(&store, c).await;
+    assert_eq!(sequences(&store, &run.id).await.len(), before.len() + 1);
+    // Answered keys keep the answer's expiry (1000), not the in-flight one (30).
+    assert_eq!(
+        store.idempotency_begin("alice", "k", "h", at(31), at(60)).await.unwrap(),
+        IdempotencyBegin::Done { status: 200, response: json!({"ok": "k"}) }
+    );
+}
+
 pub async fn idempotency_keys(store: SharedStore) {
     let begin = |user: &'static str, key: &'static str, hash: &'static str, now: i64| {
         let store = store.clone();
@@ -1167,6 +1198,18 @@ pub async fn idempotency_keys(store: SharedStore) {
     assert_eq!(begin("alice", "k1", "h9", 100).await, IdempotencyBegin::Started);
     assert_eq!(begin("alice", "k1", "h1", 101).await, IdempotencyBegin::Mismatch);
     assert_eq!(begin("alice", "k1", "h9", 101).await, IdempotencyBegin::InFlight);
+
+    // A new process of an embedded store forgets in-flight keys, never answered ones.
+    assert_eq!(begin("carol", "k1", "h1", 101).await, IdempotencyBegin::Started);
+    store.idempotency_complete("carol", "k1", 200, &json!({"answered": true})).await.expect("complete");
+    assert_eq!(begin("dave", "k1", "h1", 101).await, IdempotencyBegin::Started);
+    // in flight now: alice's (h9), bob's (h3), dave's; carol's is answered
+    assert_eq!(store.abandon_all_in_flight_keys().await.expect("abandon all"), 3);
+    assert_eq!(begin("dave", "k1", "h1", 102).await, IdempotencyBegin::Started);
+    assert_eq!(
+        begin("carol", "k1", "h1", 102).await,
+        IdempotencyBegin::Done { status: 200, response: json!({"answered": true}) }
+    );
 
     let missing = store.idempotency_complete("alice", "never", 200, &json!({})).await;
     assert!(matches!(missing, Err(StoreError::NotFound(_))), "{missing:?}");

@@ -1248,6 +1248,23 @@ impl Store for PostgresStore {
         let mut tx = self.begin().await?;
         // On an error the transaction is dropped, which rolls it back.
         let committed = apply_commit(&mut tx, &commit).await?;
+        if let Some(answer) = &commit.idempotency {
+            let done = sqlx::query(
+                "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2, expires_at = $3 \
+                 WHERE user_id = $4 AND key = $5 AND state = 'in_flight'",
+            )
+            .bind(i64::from(answer.status))
+            .bind(&answer.response)
+            .bind(answer.expires_at)
+            .bind(&answer.user_id)
+            .bind(&answer.key)
+            .execute(&mut *tx)
+            .await
+            .map_err(db("store the answer under its idempotency key"))?;
+            if done.rows_affected() == 0 {
+                return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
+            }
+        }
         tx.commit().await.map_err(db("commit"))?;
         Ok(committed)
     }
@@ -1406,6 +1423,14 @@ impl Store for PostgresStore {
             return Err(StoreError::NotFound("idempotency key"));
         }
         Ok(())
+    }
+
+    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64> {
+        let done = sqlx::query("DELETE FROM idempotency_keys WHERE state = 'in_flight'")
+            .execute(&self.pool)
+            .await
+            .map_err(db("abandon in-flight idempotency keys"))?;
+        Ok(done.rows_affected())
     }
 
     async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()> {
