@@ -62,7 +62,7 @@ impl Default for RedisBusConfig {
             stream_maxlen: 1000,
             ttl: Duration::from_secs(3600),
             queue_capacity: 4096,
-            channel_capacity: 1024,
+            channel_capacity: 64,
             block: Duration::from_secs(1),
             replay_window: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(2),

@@ -40,7 +40,7 @@ impl LocalBus {
 
 impl Default for LocalBus {
     fn default() -> Self {
-        Self::new(1024)
+        Self::new(64)
     }
 }
 
