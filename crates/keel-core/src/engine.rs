@@ -442,6 +442,9 @@ impl Engine {
         if content.is_empty() {
             return Err(EngineError::Invalid("content: must not be empty".into()));
         }
+        if content.contains('\0') {
+            return Err(EngineError::Invalid("content: must not contain NUL characters".into()));
+        }
         if content.chars().count() > 32_000 {
             return Err(EngineError::Invalid("content: must be at most 32000 characters".into()));
         }
@@ -1380,6 +1383,8 @@ impl Worker {
                     deadline = None;
                 }
                 Some(Some(Ok(ModelChunk::Text(delta)))) => {
+                    // NUL can't be stored by every backend (Postgres text refuses it).
+                    let delta = if delta.contains('\0') { delta.replace('\0', "") } else { delta };
                     if delta.is_empty() {
                         continue;
                     }

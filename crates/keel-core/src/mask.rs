@@ -90,6 +90,14 @@ pub fn mask_fact(key: &str, value: &str) -> String {
 
 /// Masks secrets in free text (see the module documentation).
 pub fn mask_text(text: &str) -> String {
+    // NUL can't be stored by every backend, and nothing needs it.
+    let stripped;
+    let text = if text.contains('\0') {
+        stripped = text.replace('\0', "");
+        stripped.as_str()
+    } else {
+        text
+    };
     if text.contains("-----BEGIN") && text.contains("PRIVATE KEY") {
         return MASK.into();
     }
@@ -383,5 +391,11 @@ mod tests {
     fn truncate_marks_the_cut() {
         assert_eq!(truncate("abcdef", 4), "abc…");
         assert_eq!(truncate("错误日志", 10), "错误日志");
+    }
+
+    #[test]
+    fn nul_characters_are_dropped() {
+        assert_eq!(mask_text("a\0b"), "ab");
+        assert_eq!(mask_value(&serde_json::json!({"x": "p\0q"}))["x"], "pq");
     }
 }

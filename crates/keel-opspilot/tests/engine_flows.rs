@@ -629,3 +629,24 @@ async fn a_prompt_injection_in_a_tool_result_causes_no_unapproved_side_effect() 
         assert_eq!(h.restart_count(id).await, 0);
     }
 }
+
+#[tokio::test]
+async fn nul_characters_never_reach_the_store() {
+    let dir = TempDir::new().unwrap();
+    let model = Arc::new(ScriptedModel::new(vec![("Hello\0 there", vec![])]));
+    let h = Harness::new(dir.path(), Options { model, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let refused = h
+        .engine
+        .send_message(
+            "demo",
+            &conv,
+            keel_core::engine::SendMessage { content: "a\0b".into(), cancel_on_disconnect: false },
+        )
+        .await;
+    assert!(matches!(refused, Err(EngineError::Invalid(_))), "{refused:?}");
+    let (_, events) = h.say(&conv, "hi").await;
+    assert_eq!(text(&events), "Hello there");
+    let stored = h.store.list_messages(&conv).await.unwrap();
+    assert!(stored.iter().all(|m| !m.content.contains('\0')));
+}
