@@ -467,7 +467,7 @@ impl Engine {
                 other => EngineError::Store(other),
             })?;
         self.inner.bus.publish(&started.events);
-        self.inner.spawn_worker(started.run.id.clone(), Lease::acquire_from(vec![RunStatus::Queued]));
+        self.inner.spawn_worker(started.run.id.clone(), Lease::Acquire(vec![RunStatus::Queued]));
         Ok(started)
     }
 
@@ -712,7 +712,7 @@ impl Engine {
             .find(|e| matches!(e.kind, EventKind::Resumed { .. }))
             .map(|e| e.sequence)
             .unwrap_or_default();
-        inner.spawn_worker(run.id.clone(), Lease::held(owner));
+        inner.spawn_worker(run.id.clone(), Lease::Held(owner));
         if resumed_sequence != accepted.resumed_sequence {
             // Can't happen under the fence; if it ever does, the stored answer is corrected.
             tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
@@ -875,15 +875,6 @@ enum Lease {
     Acquire(Vec<RunStatus>),
 }
 
-impl Lease {
-    fn held(owner: String) -> Self {
-        Lease::Held(owner)
-    }
-    fn acquire_from(from: Vec<RunStatus>) -> Self {
-        Lease::Acquire(from)
-    }
-}
-
 /// Why a worker stopped.
 #[derive(Debug)]
 enum Stop {
@@ -996,7 +987,7 @@ impl Inner {
             let n = claimed.len();
             for run in claimed {
                 tracing::info!(run_id = %run.id, step = %run.checkpoint.next_step, "continuing run from its checkpoint");
-                self.spawn_worker(run.id, Lease::held(owner.clone()));
+                self.spawn_worker(run.id, Lease::Held(owner.clone()));
             }
             total += n;
             if n < 50 {
@@ -1518,7 +1509,7 @@ impl Worker {
         }
 
         if !to_ask.is_empty() {
-            self.pause_for(to_ask).await?;
+            self.pause_for(to_ask, started).await?;
             return Ok(false);
         }
         let mut c = self.new_commit();
@@ -1690,7 +1681,7 @@ impl Worker {
     }
 
     /// Interrupt + checkpoint + `interrupted` + `interrupt` event, one transaction.
-    async fn pause_for(&mut self, calls: Vec<(ToolCall, bool)>) -> Result<(), StoreError> {
+    async fn pause_for(&mut self, calls: Vec<(ToolCall, bool)>, tools_started: Instant) -> Result<(), StoreError> {
         let now = self.now();
         let expires_at = now + chrono_dur(self.inner.config.interrupt_ttl);
         let mut c = self.new_commit();
@@ -1741,7 +1732,10 @@ impl Worker {
             resolved_by: None,
             resolved_at: None,
         };
-        c.events.push(EventKind::NodeFinished { node: nodes::TOOLS.into(), duration_ms: 0 });
+        c.events.push(EventKind::NodeFinished {
+            node: nodes::TOOLS.into(),
+            duration_ms: tools_started.elapsed().as_millis() as u64,
+        });
         c.events.push(EventKind::NodeStarted { node: nodes::APPROVAL.into() });
         c.events.push(EventKind::Interrupt {
             interrupt_id: interrupt.id.clone(),
