@@ -385,3 +385,40 @@ mod tests {
         assert!(RunStatus::sources_of(RunStatus::Queued).is_empty());
     }
 }
+
+string_enum!(
+    /// What a stream ticket opens: one run's event stream, or one WebSocket connection.
+    TicketScope { RunEvents => "run_events", WebSocket => "websocket" }
+);
+
+/// A user the server knows, with how many API keys it holds that are not revoked.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct User {
+    pub id: String,
+    pub role: UserRole,
+    pub active_keys: u64,
+}
+
+/// An API key as stored: the SHA-256 of the key, never the key itself (it is shown once).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    /// Public, for listing and revoking: `key_` and the first hex digits of the hash.
+    pub id: String,
+    pub user_id: String,
+    pub key_hash: String,
+    pub created_at: Timestamp,
+    pub revoked_at: Option<Timestamp>,
+}
+
+/// A short-lived, single-use ticket, stored by the SHA-256 of its secret.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamTicket {
+    pub ticket_hash: String,
+    pub user_id: String,
+    pub scope: TicketScope,
+    /// The run whose events it opens (scope `run_events`).
+    pub run_id: Option<RunId>,
+    pub expires_at: Timestamp,
+    pub used_at: Option<Timestamp>,
+}

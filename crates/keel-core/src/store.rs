@@ -9,8 +9,8 @@ use async_trait::async_trait;
 use serde_json::Value;
 
 use crate::domain::{
-    Checkpoint, Conversation, Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary, Timestamp, ToolCall,
-    ToolCallState, UserRole,
+    ApiKey, Checkpoint, Conversation, Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, StreamTicket, Summary,
+    Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use crate::event::{Event, EventKind};
 use crate::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
@@ -293,6 +293,24 @@ pub trait Store: Send + Sync + 'static {
     // --- users
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>>;
     async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()>;
+    /// Every user, by id.
+    async fn list_users(&self) -> StoreResult<Vec<User>>;
+
+    // --- credentials (only hashes of secrets are stored)
+    /// Stores a key for an existing user (`NotFound("user")` otherwise); `Duplicate` if the hash or
+    /// id is taken.
+    async fn insert_api_key(&self, key: &ApiKey) -> StoreResult<()>;
+    /// The user holding the key with this hash, unless the key is revoked.
+    async fn api_key_user(&self, key_hash: &str) -> StoreResult<Option<String>>;
+    /// Keys that are not revoked, over all users.
+    async fn count_active_api_keys(&self) -> StoreResult<u64>;
+    /// Revokes every key of the user; returns how many were active.
+    async fn revoke_api_keys(&self, user_id: &str, now: Timestamp) -> StoreResult<u64>;
+    /// Stores a ticket, and forgets tickets that expired more than an hour before `now`.
+    async fn insert_stream_ticket(&self, ticket: &StreamTicket, now: Timestamp) -> StoreResult<()>;
+    /// Uses a ticket: `Some` exactly once, for an unexpired ticket with this hash; `None` for one that
+    /// is unknown, used or expired. One conditional update, so two concurrent uses can't both win.
+    async fn redeem_stream_ticket(&self, ticket_hash: &str, now: Timestamp) -> StoreResult<Option<StreamTicket>>;
 
     // --- the OpsPilot fleet
     /// Replaces the fleet with the seeded one.

@@ -3,7 +3,8 @@
 //! Engine errors map here exhaustively, so a new kind of failure cannot slip through as a 500.
 //! Storage failures are logged with their cause chain and shown only as "internal error".
 
-use axum::http::StatusCode;
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_core::engine::EngineError;
@@ -15,11 +16,18 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
+    /// Seconds, sent as `Retry-After` (with 429 and 503).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into() }
+        Self { status, code, message: message.into(), retry_after: None }
+    }
+
+    pub fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds);
+        self
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
@@ -87,7 +95,11 @@ impl From<StoreError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = json!({"error": {"code": self.code, "message": self.message}});
-        (self.status, Json(body)).into_response()
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
     }
 }
 
@@ -99,7 +111,11 @@ pub const ERROR_CODES: &[&str] = &[
     "MALFORMED_JSON",
     "INVALID_CURSOR",
     "CURSOR_OUT_OF_RANGE",
-    "INVALID_USER",
+    "UNAUTHENTICATED",
+    "INVALID_TICKET",
+    "JSON_TOO_DEEP",
+    "RATE_LIMITED",
+    "TOO_MANY_STREAMS",
     "INVALID_QUERY",
     "INVALID_BODY",
     "NOT_FOUND",

@@ -12,38 +12,23 @@ use keel_core::{ConversationId, RunId};
 use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
+use crate::limits::json_depth;
 use crate::state::AppState;
 
-pub const USER_HEADER: &str = "x-keel-user";
-
-/// Who is calling.
-///
-/// Development placeholder until authentication lands: the caller is whoever the `X-Keel-User`
-/// header names (1 to 64 of `[A-Za-z0-9_.@-]`), or the configured default user when there is no
-/// such header. Anyone who can reach the server can act as anyone.
+/// Who is calling: the user id the authentication middleware ([`crate::auth::authenticate`])
+/// resolved. A route outside that middleware has no caller, and asking for one is a 500.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Caller(pub String);
 
-impl FromRequestParts<AppState> for Caller {
+impl<S: Send + Sync> FromRequestParts<S> for Caller {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, Self::Rejection> {
-        let Some(value) = parts.headers.get(USER_HEADER) else {
-            return Ok(Caller(state.config.default_user.clone()));
-        };
-        let invalid = || ApiError::bad_request("INVALID_USER", "X-Keel-User: must be 1 to 64 of [A-Za-z0-9_.@-]");
-        let user = value.to_str().map_err(|_| invalid())?;
-        if valid_user(user) {
-            Ok(Caller(user.to_owned()))
-        } else {
-            Err(invalid())
-        }
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Caller>().cloned().ok_or_else(|| {
+            tracing::error!(path = %parts.uri.path(), "a route outside the authentication middleware asked for its caller");
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", "internal error")
+        })
     }
-}
-
-fn valid_user(user: &str) -> bool {
-    (1..=64).contains(&user.len())
-        && user.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'@' | b'-'))
 }
 
 /// A JSON request body. Malformed JSON is 400 `MALFORMED_JSON`, a body that is not declared JSON 415
@@ -52,14 +37,14 @@ fn valid_user(user: &str) -> bool {
 #[derive(Debug)]
 pub struct ApiJson<T>(pub T);
 
-impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
+impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
         if !is_json(req.headers()) {
             return Err(unsupported_media_type());
         }
-        parse_json(&read_body(req, state).await?).map(ApiJson)
+        parse_json(&read_body(req, state).await?, state.config.json_max_depth).map(ApiJson)
     }
 }
 
@@ -67,10 +52,10 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for ApiJson<T> {
 #[derive(Debug)]
 pub struct OptionalJson<T>(pub T);
 
-impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for OptionalJson<T> {
+impl<T: DeserializeOwned + Default> FromRequest<AppState> for OptionalJson<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, Self::Rejection> {
         let json_declared = is_json(req.headers());
         let body = read_body(req, state).await?;
         if body.iter().all(u8::is_ascii_whitespace) {
@@ -79,7 +64,7 @@ impl<T: DeserializeOwned + Default, S: Send + Sync> FromRequest<S> for OptionalJ
         if !json_declared {
             return Err(unsupported_media_type());
         }
-        parse_json(&body).map(OptionalJson)
+        parse_json(&body, state.config.json_max_depth).map(OptionalJson)
     }
 }
 
@@ -101,7 +86,13 @@ fn unsupported_media_type() -> ApiError {
     )
 }
 
-fn parse_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+fn parse_json<T: DeserializeOwned>(body: &[u8], max_depth: usize) -> Result<T, ApiError> {
+    if json_depth(body) > max_depth {
+        return Err(ApiError::bad_request(
+            "JSON_TOO_DEEP",
+            format!("the body nests arrays and objects deeper than {max_depth} levels"),
+        ));
+    }
     serde_json::from_slice(body).map_err(|e| match e.classify() {
         serde_json::error::Category::Data => ApiError::validation(e.to_string()),
         serde_json::error::Category::Io | serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
@@ -208,16 +199,6 @@ async fn path_id<S: Send + Sync>(parts: &mut Parts, state: &S) -> Option<String>
 mod tests {
     use super::*;
     use axum::http::HeaderValue;
-
-    #[test]
-    fn users_are_short_and_plain() {
-        assert!(valid_user("demo"));
-        assert!(valid_user("ops.bot@example-1_x"));
-        assert!(!valid_user(""));
-        assert!(!valid_user(&"a".repeat(65)));
-        assert!(!valid_user("a b"));
-        assert!(!valid_user("ünï"));
-    }
 
     #[test]
     fn the_header_cursor_wins_and_must_be_a_number() {

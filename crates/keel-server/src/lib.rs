@@ -2,8 +2,10 @@
 //! `keel-core`. The shapes are those of DESIGN.md, "The contract, by example".
 #![forbid(unsafe_code)]
 
+pub mod auth;
 pub mod error;
 pub mod extract;
+pub mod limits;
 pub mod page;
 pub mod routes;
 pub mod sse;
@@ -23,9 +25,7 @@ pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
     use routes::{conversations, demo, health, runs};
-    let mut router = Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
+    let mut v1 = Router::new()
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get))
         .route("/v1/conversations/{id}/messages", post(conversations::post_message))
@@ -33,11 +33,17 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/events", get(runs::events))
         .route("/v1/runs/{id}/resume", post(runs::resume))
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
+        .route("/v1/runs/{id}/stream-ticket", post(runs::stream_ticket))
         .route("/v1/demo/instances", get(demo::instances));
     if state.config.demo_mode {
-        router = router.route("/v1/demo/reset", post(demo::reset));
+        v1 = v1.route("/v1/demo/reset", post(demo::reset));
     }
-    router
+    // `route_layer`: only matched routes authenticate, so an unknown path is a plain 404.
+    let v1 = v1.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate));
+    Router::new()
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .merge(v1)
         .merge(page::routes())
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)

@@ -24,6 +24,7 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::SendTimeoutError;
 use tokio_stream::wrappers::ReceiverStream;
 
+use crate::limits::StreamPermit;
 use crate::state::AppState;
 
 pub const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -42,9 +43,14 @@ pub fn event_frame(event: &Event) -> Result<Bytes, serde_json::Error> {
 
 /// The response streaming `run_id`'s events with `sequence > after` until `until`. The caller has
 /// checked that the run is the caller's.
-pub fn stream_run(state: &AppState, run_id: RunId, after: i64, until: Until) -> Response {
+/// `permit` holds the caller's stream slot for as long as the stream is fed.
+pub fn stream_run(state: &AppState, permit: StreamPermit, run_id: RunId, after: i64, until: Until) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
-    tokio::spawn(feed(state.clone(), tx, run_id, after, until));
+    let state = state.clone();
+    tokio::spawn(async move {
+        feed(state, tx, run_id, after, until).await;
+        drop(permit);
+    });
     sse_response(Body::from_stream(ReceiverStream::new(rx).map(Ok::<_, Infallible>)))
 }
 

@@ -6,6 +6,9 @@ use std::time::Duration;
 use keel_core::engine::Engine;
 use tokio::sync::watch;
 
+use crate::auth::AuthMode;
+use crate::limits::{RateLimiter, StreamLimiter};
+
 /// The HTTP layer's settings. The engine's own settings live in `keel_core::engine::EngineConfig`.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -24,11 +27,20 @@ pub struct ServerConfig {
     pub sse_send_timeout: Duration,
     /// Frames buffered per SSE response before the writer waits on the reader.
     pub sse_buffer: usize,
-    /// The caller when a request names none.
-    ///
-    /// Development placeholder until authentication lands: the caller is whoever the
-    /// `X-Keel-User` header says, or this user.
-    pub default_user: String,
+    /// How callers are authenticated.
+    pub auth: AuthMode,
+    /// Requests per second per user (a token bucket); 0 turns the limit off.
+    pub rate_limit_per_second: f64,
+    /// Requests a user may make at once before the rate applies.
+    pub rate_limit_burst: u32,
+    /// Open streams (SSE responses and WebSocket connections) per user; 0 turns the cap off.
+    pub max_streams_per_user: usize,
+    /// The deepest nesting of arrays and objects a JSON body may have.
+    pub json_max_depth: usize,
+    /// The most events one `GET /v1/runs/{id}/events` JSON page holds.
+    pub replay_page_max: u32,
+    /// How long a stream ticket can be used.
+    pub stream_ticket_ttl: Duration,
 }
 
 impl Default for ServerConfig {
@@ -41,7 +53,13 @@ impl Default for ServerConfig {
             demo_abnormal: 0,
             sse_send_timeout: Duration::from_secs(30),
             sse_buffer: 64,
-            default_user: "demo".to_owned(),
+            auth: AuthMode::SingleUser("demo".to_owned()),
+            rate_limit_per_second: 50.0,
+            rate_limit_burst: 200,
+            max_streams_per_user: 64,
+            json_max_depth: 32,
+            replay_page_max: 1000,
+            stream_ticket_ttl: Duration::from_secs(60),
         }
     }
 }
@@ -74,11 +92,23 @@ impl Shutdown {
 pub struct AppState {
     pub engine: Arc<Engine>,
     pub config: Arc<ServerConfig>,
+    pub limits: Arc<Limits>,
     pub(crate) shutdown: Shutdown,
+}
+
+/// The per-user limits' state, shared by every request.
+#[derive(Debug)]
+pub struct Limits {
+    pub rate: RateLimiter,
+    pub streams: StreamLimiter,
 }
 
 impl AppState {
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
-        Self { engine, config: Arc::new(config), shutdown: Shutdown::new() }
+        let limits = Limits {
+            rate: RateLimiter::new(config.rate_limit_per_second, config.rate_limit_burst),
+            streams: StreamLimiter::new(config.max_streams_per_user),
+        };
+        Self { engine, config: Arc::new(config), limits: Arc::new(limits), shutdown: Shutdown::new() }
     }
 }

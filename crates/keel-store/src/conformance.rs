@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use chrono::{DateTime, Duration};
 use keel_core::domain::{
-    Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep, Role,
-    Run, RunStatus, Summary, Timestamp, ToolCall, ToolCallState, UserRole,
+    ApiKey, Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep,
+    Role, Run, RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::fleet::{Effect, FleetSeed};
@@ -70,6 +70,8 @@ macro_rules! conformance_tests {
             due_interrupts_are_pending_and_past_expiry,
             conversation_tool_calls_span_runs,
             user_roles,
+            api_keys_map_hashes_to_users_until_revoked,
+            stream_tickets_are_redeemed_once_before_expiry,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -1361,4 +1363,94 @@ pub async fn user_roles(store: SharedStore) {
     store.set_user_role("alice", UserRole::Operator).await.expect("set");
     assert_eq!(store.user_role("alice").await.expect("role"), Some(UserRole::Operator));
     assert_eq!(store.user_role("bob").await.expect("role"), None);
+}
+
+fn api_key(id: &str, user: &str, hash: &str) -> ApiKey {
+    ApiKey { id: id.into(), user_id: user.into(), key_hash: hash.into(), created_at: at(0), revoked_at: None }
+}
+
+pub async fn api_keys_map_hashes_to_users_until_revoked(store: SharedStore) {
+    assert_eq!(store.count_active_api_keys().await.expect("count"), 0);
+    // a key needs a user
+    match store.insert_api_key(&api_key("key_0", "nobody", "h0")).await {
+        Err(StoreError::NotFound("user")) => {}
+        other => panic!("a key for an unknown user: {other:?}"),
+    }
+    store.set_user_role("alice", UserRole::Operator).await.expect("role");
+    store.set_user_role("bob", UserRole::Viewer).await.expect("role");
+    store.insert_api_key(&api_key("key_1", "alice", "h1")).await.expect("key");
+    store.insert_api_key(&api_key("key_2", "alice", "h2")).await.expect("key");
+    store.insert_api_key(&api_key("key_3", "bob", "h3")).await.expect("key");
+    match store.insert_api_key(&api_key("key_4", "bob", "h1")).await {
+        Err(StoreError::Duplicate(_)) => {}
+        other => panic!("a reused hash: {other:?}"),
+    }
+    assert_eq!(store.api_key_user("h1").await.expect("get").as_deref(), Some("alice"));
+    assert_eq!(store.api_key_user("h3").await.expect("get").as_deref(), Some("bob"));
+    assert_eq!(store.api_key_user("h9").await.expect("get"), None);
+    assert_eq!(store.count_active_api_keys().await.expect("count"), 3);
+    assert_eq!(
+        store.list_users().await.expect("users"),
+        vec![
+            User { id: "alice".into(), role: UserRole::Operator, active_keys: 2 },
+            User { id: "bob".into(), role: UserRole::Viewer, active_keys: 1 },
+        ]
+    );
+
+    assert_eq!(store.revoke_api_keys("alice", at(10)).await.expect("revoke"), 2);
+    assert_eq!(store.revoke_api_keys("alice", at(11)).await.expect("revoke again"), 0);
+    assert_eq!(store.api_key_user("h1").await.expect("get"), None);
+    assert_eq!(store.api_key_user("h2").await.expect("get"), None);
+    assert_eq!(store.api_key_user("h3").await.expect("get").as_deref(), Some("bob"));
+    assert_eq!(store.count_active_api_keys().await.expect("count"), 1);
+}
+
+pub async fn stream_tickets_are_redeemed_once_before_expiry(store: SharedStore) {
+    let run = RunId::new();
+    let ticket = |hash: &str, expires: i64| StreamTicket {
+        ticket_hash: hash.into(),
+        user_id: "alice".into(),
+        scope: TicketScope::RunEvents,
+        run_id: Some(run.clone()),
+        expires_at: at(expires),
+        used_at: None,
+    };
+    store.insert_stream_ticket(&ticket("t1", 60), at(0)).await.expect("ticket");
+    store.insert_stream_ticket(&ticket("t2", 60), at(0)).await.expect("ticket");
+    store
+        .insert_stream_ticket(&StreamTicket { scope: TicketScope::WebSocket, run_id: None, ..ticket("t3", 60) }, at(0))
+        .await
+        .expect("ticket");
+    match store.insert_stream_ticket(&ticket("t1", 60), at(0)).await {
+        Err(StoreError::Duplicate(_)) => {}
+        other => panic!("a reused ticket: {other:?}"),
+    }
+
+    // exactly one of many concurrent uses wins
+    let mut uses = Vec::new();
+    for _ in 0..16 {
+        let store = store.clone();
+        uses.push(tokio::spawn(async move { store.redeem_stream_ticket("t1", at(1)).await }));
+    }
+    let mut won = Vec::new();
+    for u in uses {
+        if let Some(t) = u.await.expect("join").expect("redeem") {
+            won.push(t);
+        }
+    }
+    assert_eq!(won.len(), 1, "one use of a single-use ticket");
+    assert_eq!(won[0].user_id, "alice");
+    assert_eq!(won[0].scope, TicketScope::RunEvents);
+    assert_eq!(won[0].run_id.as_ref(), Some(&run));
+    assert_eq!(won[0].used_at, Some(at(1)));
+
+    // expired: refused (at the expiry instant too)
+    assert_eq!(store.redeem_stream_ticket("t2", at(60)).await.expect("redeem"), None);
+    assert_eq!(store.redeem_stream_ticket("nope", at(1)).await.expect("redeem"), None);
+    let ws = store.redeem_stream_ticket("t3", at(59)).await.expect("redeem").expect("a websocket ticket");
+    assert_eq!((ws.scope, ws.run_id), (TicketScope::WebSocket, None));
+
+    // tickets long expired are forgotten when a new one is stored
+    store.insert_stream_ticket(&ticket("t4", 10_000), at(5_000)).await.expect("ticket");
+    store.insert_stream_ticket(&ticket("t2", 20_000), at(5_000)).await.expect("t2's hash is free again");
 }

@@ -12,8 +12,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, SecondsFormat, Utc};
 use keel_core::domain::{
-    Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role, Run,
-    RunStatus, Summary, Timestamp, ToolCall, ToolCallState, UserRole,
+    ApiKey, Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role, Run,
+    RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use keel_core::event::{Event, EventKind};
 use keel_core::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
@@ -282,6 +282,24 @@ fn conversation_from(row: &SqliteRow) -> StoreResult<Conversation> {
         title: c.get("title")?,
         version: c.get("version")?,
         created_at: c.ts("created_at")?,
+    })
+}
+
+fn user_from(row: &SqliteRow) -> StoreResult<User> {
+    let c = Cols::new(row, "users");
+    let active_keys: i64 = c.get("active_keys")?;
+    Ok(User { id: c.get("id")?, role: c.parse("role", UserRole::parse)?, active_keys: active_keys as u64 })
+}
+
+fn stream_ticket_from(row: &SqliteRow) -> StoreResult<StreamTicket> {
+    let c = Cols::new(row, "stream_tickets");
+    Ok(StreamTicket {
+        ticket_hash: c.get("ticket_hash")?,
+        user_id: c.get("user_id")?,
+        scope: c.parse("scope", TicketScope::parse)?,
+        run_id: c.opt_id("run_id")?,
+        expires_at: c.ts("expires_at")?,
+        used_at: c.opt_ts("used_at")?,
     })
 }
 
@@ -1363,6 +1381,97 @@ impl Store for SqliteStore {
             .await
             .map_err(db("set a user's role"))?;
         Ok(())
+    }
+
+    async fn list_users(&self) -> StoreResult<Vec<User>> {
+        let rows = sqlx::query(
+            "SELECT u.id, u.role, (SELECT COUNT(*) FROM api_keys k WHERE k.user_id = u.id AND k.revoked_at IS NULL) \
+             AS active_keys FROM users u ORDER BY u.id",
+        )
+        .fetch_all(&self.reader)
+        .await
+        .map_err(db("list users"))?;
+        rows.iter().map(user_from).collect()
+    }
+
+    async fn insert_api_key(&self, key: &ApiKey) -> StoreResult<()> {
+        sqlx::query("INSERT INTO api_keys (id, user_id, key_hash, created_at, revoked_at) VALUES (?, ?, ?, ?, ?)")
+            .bind(&key.id)
+            .bind(&key.user_id)
+            .bind(&key.key_hash)
+            .bind(ts(&key.created_at))
+            .bind(opt_ts(&key.revoked_at))
+            .execute(&self.writer)
+            .await
+            .map_err(|e| match &e {
+                sqlx::Error::Database(d) if d.is_foreign_key_violation() => StoreError::NotFound("user"),
+                _ => insert("api key")(e),
+            })?;
+        Ok(())
+    }
+
+    async fn api_key_user(&self, key_hash: &str) -> StoreResult<Option<String>> {
+        sqlx::query_scalar("SELECT user_id FROM api_keys WHERE key_hash = ? AND revoked_at IS NULL")
+            .bind(key_hash)
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(db("look up an api key"))
+    }
+
+    async fn count_active_api_keys(&self) -> StoreResult<u64> {
+        let n: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM api_keys WHERE revoked_at IS NULL")
+            .fetch_one(&self.reader)
+            .await
+            .map_err(db("count api keys"))?;
+        Ok(n as u64)
+    }
+
+    async fn revoke_api_keys(&self, user_id: &str, now: Timestamp) -> StoreResult<u64> {
+        let done = sqlx::query("UPDATE api_keys SET revoked_at = ? WHERE user_id = ? AND revoked_at IS NULL")
+            .bind(ts(&now))
+            .bind(user_id)
+            .execute(&self.writer)
+            .await
+            .map_err(db("revoke api keys"))?;
+        Ok(done.rows_affected())
+    }
+
+    async fn insert_stream_ticket(&self, ticket: &StreamTicket, now: Timestamp) -> StoreResult<()> {
+        let mut tx = self.begin().await?;
+        sqlx::query("DELETE FROM stream_tickets WHERE expires_at < ?")
+            .bind(ts(&(now - chrono::Duration::hours(1))))
+            .execute(&mut *tx)
+            .await
+            .map_err(db("forget old stream tickets"))?;
+        sqlx::query(
+            "INSERT INTO stream_tickets (ticket_hash, user_id, scope, run_id, expires_at, used_at) \
+             VALUES (?, ?, ?, ?, ?, ?)",
+        )
+        .bind(&ticket.ticket_hash)
+        .bind(&ticket.user_id)
+        .bind(ticket.scope.as_str())
+        .bind(ticket.run_id.as_ref().map(|id| id.to_string()))
+        .bind(ts(&ticket.expires_at))
+        .bind(opt_ts(&ticket.used_at))
+        .execute(&mut *tx)
+        .await
+        .map_err(insert("stream ticket"))?;
+        tx.commit().await.map_err(db("store a stream ticket"))?;
+        Ok(())
+    }
+
+    async fn redeem_stream_ticket(&self, ticket_hash: &str, now: Timestamp) -> StoreResult<Option<StreamTicket>> {
+        let row = sqlx::query(
+            "UPDATE stream_tickets SET used_at = ? WHERE ticket_hash = ? AND used_at IS NULL AND expires_at > ? \
+             RETURNING *",
+        )
+        .bind(ts(&now))
+        .bind(ticket_hash)
+        .bind(ts(&now))
+        .fetch_optional(&self.writer)
+        .await
+        .map_err(db("redeem a stream ticket"))?;
+        row.as_ref().map(stream_ticket_from).transpose()
     }
 
     async fn seed_fleet(&self, fleet: FleetSeed, now: Timestamp) -> StoreResult<()> {

@@ -85,6 +85,22 @@ pub struct Options {
     /// [default: 2]
     #[arg(long, global = true, env = "KEEL_MODEL_MAX_RETRIES")]
     pub model_max_retries: Option<u32>,
+    /// Serve without API keys on a non-loopback address: every request acts as the local `demo`
+    /// user. Only for a network you trust entirely.
+    #[arg(long, global = true, env = "KEEL_INSECURE_NO_AUTH")]
+    pub insecure_no_auth: bool,
+    /// Requests per second per user; 0 turns the limit off [default: 50].
+    #[arg(long, global = true, env = "KEEL_RATE_LIMIT", value_name = "PER_SECOND")]
+    pub rate_limit: Option<f64>,
+    /// Requests a user may send at once before the rate applies [default: 200].
+    #[arg(long, global = true, env = "KEEL_RATE_BURST", value_name = "N")]
+    pub rate_burst: Option<u32>,
+    /// Open streams (SSE, WebSocket) per user; 0 turns the cap off [default: 64].
+    #[arg(long, global = true, env = "KEEL_MAX_STREAMS_PER_USER", value_name = "N")]
+    pub max_streams_per_user: Option<usize>,
+    /// How long a stream ticket can be used [default: 60s].
+    #[arg(long, global = true, env = "KEEL_STREAM_TICKET_TTL", value_name = "DURATION")]
+    pub stream_ticket_ttl: Option<String>,
 }
 
 /// A secret read from the environment or the file; `***` in `Debug`.
@@ -127,6 +143,32 @@ pub struct FileConfig {
     /// Extra headers sent to the model server (their values are treated as secrets).
     #[serde(default)]
     pub model_headers: std::collections::BTreeMap<String, SecretString>,
+    #[serde(default)]
+    pub insecure_no_auth: bool,
+    pub rate_limit: Option<f64>,
+    pub rate_burst: Option<u32>,
+    pub max_streams_per_user: Option<usize>,
+    pub stream_ticket_ttl: Option<String>,
+    /// API keys by their SHA-256 (`[[api_keys]] user = "…", role = "operator", sha256 = "…"`).
+    #[serde(default)]
+    pub api_keys: Vec<ConfiguredKey>,
+}
+
+/// An API key given in keel.toml, by hash: the file never holds the key itself.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfiguredKey {
+    pub user: String,
+    pub role: String,
+    pub sha256: String,
+}
+
+/// A configured key, checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyHash {
+    pub user: String,
+    pub role: keel_core::UserRole,
+    pub sha256: String,
 }
 
 impl FileConfig {
@@ -168,6 +210,36 @@ pub struct Settings {
     pub lease_ttl: Duration,
     pub instance_id: Option<String>,
     pub log_format: LogFormat,
+    pub insecure_no_auth: bool,
+    pub api_keys: Vec<KeyHash>,
+    pub rate_limit: f64,
+    pub rate_burst: u32,
+    pub max_streams_per_user: usize,
+    pub stream_ticket_ttl: Duration,
+}
+
+/// A user name: 1 to 64 of `[A-Za-z0-9_.@-]`.
+pub fn valid_user(user: &str) -> bool {
+    (1..=64).contains(&user.len())
+        && user.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'@' | b'-'))
+}
+
+pub fn parse_role(role: &str) -> anyhow::Result<keel_core::UserRole> {
+    keel_core::UserRole::parse(role).with_context(|| format!("unknown role {role:?}; use viewer, operator or admin"))
+}
+
+fn configured_keys(keys: &[ConfiguredKey]) -> anyhow::Result<Vec<KeyHash>> {
+    keys.iter()
+        .map(|k| {
+            if !valid_user(&k.user) {
+                bail!("api_keys: user {:?} must be 1 to 64 of [A-Za-z0-9_.@-]", k.user);
+            }
+            if !keel_server::auth::is_sha256_hex(&k.sha256) {
+                bail!("api_keys: sha256 of {:?} must be 64 lowercase hex digits (`sha256sum` of the key)", k.user);
+            }
+            Ok(KeyHash { user: k.user.clone(), role: parse_role(&k.role)?, sha256: k.sha256.clone() })
+        })
+        .collect()
 }
 
 /// How committed events reach the readers of other instances.
@@ -232,6 +304,19 @@ impl Settings {
             lease_ttl,
             instance_id: pick(&cli.instance_id, &file.instance_id),
             log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
+            insecure_no_auth: cli.insecure_no_auth || file.insecure_no_auth,
+            api_keys: configured_keys(&file.api_keys)?,
+            rate_limit: match cli.rate_limit.or(file.rate_limit).unwrap_or(50.0) {
+                r if r.is_finite() && r >= 0.0 => r,
+                r => bail!("--rate-limit {r} must be a number of requests per second, 0 or more"),
+            },
+            rate_burst: cli.rate_burst.or(file.rate_burst).unwrap_or(200).max(1),
+            max_streams_per_user: cli.max_streams_per_user.or(file.max_streams_per_user).unwrap_or(64),
+            stream_ticket_ttl: positive_duration(
+                "--stream-ticket-ttl",
+                pick(&cli.stream_ticket_ttl, &file.stream_ticket_ttl),
+                "60s",
+            )?,
         })
     }
 }
@@ -460,6 +545,39 @@ mod tests {
             assert_eq!(c.api_key.as_ref().map(|k| k.expose()), Some("sk-file-secret"));
         }
         assert!(!format!("{s:?}").contains("sk-file-secret"), "the key never shows in Debug");
+    }
+
+    #[test]
+    fn api_keys_come_from_the_file_by_hash() {
+        let hash = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
+        let file: FileConfig =
+            toml::from_str(&format!("[[api_keys]]\nuser = \"alice\"\nrole = \"viewer\"\nsha256 = \"{hash}\"\n"))
+                .unwrap();
+        let s = Settings::resolve(&Options::default(), &file).unwrap();
+        assert_eq!(
+            s.api_keys,
+            vec![KeyHash { user: "alice".into(), role: keel_core::UserRole::Viewer, sha256: hash.into() }]
+        );
+        for (user, role, sha) in [("alice", "root", hash), ("a b", "viewer", hash), ("alice", "viewer", "keel_abc")] {
+            let file = FileConfig {
+                api_keys: vec![ConfiguredKey { user: user.into(), role: role.into(), sha256: sha.into() }],
+                ..Default::default()
+            };
+            assert!(Settings::resolve(&Options::default(), &file).is_err(), "{user} {role} {sha}");
+        }
+    }
+
+    #[test]
+    fn limits_have_defaults_and_are_checked() {
+        let s = Settings::resolve(&Options::default(), &FileConfig::default()).unwrap();
+        assert_eq!((s.rate_limit, s.rate_burst, s.max_streams_per_user), (50.0, 200, 64));
+        assert_eq!(s.stream_ticket_ttl, Duration::from_secs(60));
+        assert!(!s.insecure_no_auth);
+        let off = Options { rate_limit: Some(0.0), max_streams_per_user: Some(0), ..Default::default() };
+        let s = Settings::resolve(&off, &FileConfig::default()).unwrap();
+        assert_eq!((s.rate_limit, s.max_streams_per_user), (0.0, 0));
+        let bad = Options { rate_limit: Some(-1.0), ..Default::default() };
+        assert!(Settings::resolve(&bad, &FileConfig::default()).is_err());
     }
 
     #[test]

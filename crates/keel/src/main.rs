@@ -18,6 +18,7 @@ use keel_core::model::Model;
 use keel_core::store::Store;
 use keel_core::UserRole;
 use keel_models::{DemoModel, OpenAiCompatible};
+use keel_server::auth::AuthMode;
 use keel_server::{AppState, ServerConfig};
 use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
@@ -38,7 +39,7 @@ struct Cli {
     options: Options,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
 enum Command {
     /// Serve the HTTP API (seeds the demo fleet only if the database has none).
     Serve,
@@ -46,6 +47,25 @@ enum Command {
     Demo,
     /// Create or upgrade the database schema, then exit.
     Migrate,
+    /// Manage users and their API keys (in the database `--db` / `--data-dir` names).
+    #[command(subcommand)]
+    Users(UsersCommand),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
+enum UsersCommand {
+    /// Create a user (or give an existing one this role) with a new API key, printed once.
+    Add {
+        name: String,
+        #[arg(long, default_value = "viewer")]
+        role: String,
+    },
+    /// Every user, their role and how many active keys they hold.
+    List,
+    /// Change a user's role; it applies to their next request, including pending approvals.
+    SetRole { name: String, role: String },
+    /// Revoke every API key of a user.
+    Revoke { name: String },
 }
 
 fn main() -> ExitCode {
@@ -93,7 +113,68 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         }
         Command::Serve => serve(store, settings, false).await,
         Command::Demo => serve(store, settings, true).await,
+        Command::Users(command) => {
+            let result = users(store.shared().as_ref(), command).await;
+            store.close().await;
+            result
+        }
     }
+}
+
+async fn users(store: &dyn Store, command: UsersCommand) -> anyhow::Result<()> {
+    let now = chrono::Utc::now();
+    let named = |name: &str| {
+        anyhow::ensure!(config::valid_user(name), "user {name:?} must be 1 to 64 of [A-Za-z0-9_.@-]");
+        Ok(())
+    };
+    match command {
+        UsersCommand::Add { name, role } => {
+            named(&name)?;
+            let role = config::parse_role(&role)?;
+            let issued = keel_server::auth::issue_api_key(store, &name, role, now).await.context("adding the user")?;
+            eprintln!("User {name} ({role}) has a new API key ({}). It is shown only this once:", issued.record.id);
+            println!("{}", issued.secret);
+        }
+        UsersCommand::List => {
+            println!("{:<24} {:<9} active keys", "user", "role");
+            for user in store.list_users().await.context("listing users")? {
+                println!("{:<24} {:<9} {}", user.id, user.role, user.active_keys);
+            }
+        }
+        UsersCommand::SetRole { name, role } => {
+            named(&name)?;
+            let role = config::parse_role(&role)?;
+            anyhow::ensure!(store.user_role(&name).await?.is_some(), "no user {name:?}");
+            store.set_user_role(&name, role).await.context("setting the role")?;
+            println!("User {name} is now {role}.");
+        }
+        UsersCommand::Revoke { name } => {
+            named(&name)?;
+            let revoked = store.revoke_api_keys(&name, now).await.context("revoking keys")?;
+            println!("Revoked {revoked} key(s) of {name}.");
+        }
+    }
+    Ok(())
+}
+
+/// Who a request without credentials is, decided once the address is bound: with keys, nobody;
+/// without keys, the local demo user, but only on loopback or when explicitly allowed.
+fn auth_mode(active_keys: u64, addr: std::net::SocketAddr, insecure_no_auth: bool) -> anyhow::Result<AuthMode> {
+    if active_keys > 0 {
+        tracing::info!(active_keys, "API keys required on every /v1 request");
+        return Ok(AuthMode::Keys);
+    }
+    if addr.ip().is_loopback() {
+        tracing::info!("no API keys configured: every request acts as the local user `{DEMO_USER}` (loopback only)");
+    } else if insecure_no_auth {
+        tracing::warn!(%addr, "--insecure-no-auth: anyone who can reach this address acts as `{DEMO_USER}`");
+    } else {
+        anyhow::bail!(
+            "refusing to serve {addr} without API keys: anyone who can reach it could act as `{DEMO_USER}`. \
+             Add a key with `keel users add NAME --role operator`, listen on 127.0.0.1, or pass --insecure-no-auth"
+        );
+    }
+    Ok(AuthMode::SingleUser(DEMO_USER.to_owned()))
 }
 
 /// The backend, chosen once, here.
@@ -141,7 +222,12 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     if demo_mode || store.list_instances(None, None).await.context("reading the fleet")?.is_empty() {
         store.seed_fleet(seed, chrono::Utc::now()).await.context("seeding the demo fleet")?;
     }
-    store.set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")?;
+    for key in &settings.api_keys {
+        keel_server::auth::register_key_hash(store.as_ref(), &key.user, key.role, &key.sha256, chrono::Utc::now())
+            .await
+            .with_context(|| format!("registering the configured key of {}", key.user))?;
+    }
+    let active_keys = store.count_active_api_keys().await.context("counting API keys")?;
 
     let model: Arc<dyn Model> = match &settings.model {
         ModelChoice::Demo => Arc::new(DemoModel::new(settings.demo_delay)),
@@ -197,10 +283,19 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
         .await
         .with_context(|| format!("listening on {}", settings.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
+    let auth = auth_mode(active_keys, addr, settings.insecure_no_auth)?;
+    if matches!(auth, AuthMode::SingleUser(_)) {
+        set_up_demo_user(engine.store().as_ref()).await?;
+    }
     let server_config = ServerConfig {
         heartbeat: settings.heartbeat,
         demo_mode,
         demo_abnormal: settings.demo_abnormal,
+        auth,
+        rate_limit_per_second: settings.rate_limit,
+        rate_limit_burst: settings.rate_burst,
+        max_streams_per_user: settings.max_streams_per_user,
+        stream_ticket_ttl: settings.stream_ticket_ttl,
         ..ServerConfig::default()
     };
     let state = AppState::new(engine.clone(), server_config);
@@ -241,6 +336,11 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     opened.close().await;
     tracing::info!(still_running, "stopped");
     Ok(())
+}
+
+/// The local user of a server without keys is an operator, so the demo can approve restarts.
+async fn set_up_demo_user(store: &dyn Store) -> anyhow::Result<()> {
+    store.set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")
 }
 
 /// SIGINT (Ctrl-C) or, on Unix, SIGTERM.

@@ -21,9 +21,14 @@ fn keel(dir: &std::path::Path) -> Command {
 }
 
 fn http_get(addr: &str, path: &str) -> String {
+    http_get_with(addr, path, "")
+}
+
+/// `extra`: header lines, each ending in CRLF.
+fn http_get_with(addr: &str, path: &str, extra: &str) -> String {
     let mut stream = TcpStream::connect(addr).expect("connect");
     stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n{extra}Connection: close\r\n\r\n").unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("read");
     response
@@ -98,4 +103,122 @@ fn demo_serves_with_layered_settings_and_stops_on_a_signal() {
     });
     let status = rx.recv_timeout(Duration::from_secs(20)).expect("keel stops after SIGINT").unwrap();
     assert!(status.success(), "{status:?}");
+}
+
+/// Starts `keel serve` in `dir` with `args`; returns the child and its address.
+fn serve(dir: &std::path::Path, args: &[&str]) -> (std::process::Child, String) {
+    let mut child = keel(dir)
+        .args(["serve", "--listen", "127.0.0.1:0", "--demo-delay-ms", "0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut banner = String::new();
+    stdout.read_line(&mut banner).unwrap();
+    let addr = banner
+        .trim()
+        .strip_prefix("Keel listening on http://")
+        .and_then(|rest| rest.strip_suffix('/'))
+        .unwrap_or_else(|| panic!("unexpected banner {banner:?}"))
+        .to_owned();
+    (child, addr)
+}
+
+fn users(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
+    let output = keel(dir).arg("users").args(args).output().unwrap();
+    assert!(output.status.success(), "users {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+    output
+}
+
+/// `keel users add` prints a key once; with a key in the database every /v1 request needs one; a
+/// revoked key stops working at once; a demoted user is a viewer at once.
+#[test]
+fn users_and_keys_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let added = users(dir.path(), &["add", "alice", "--role", "operator"]);
+    let key = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    assert!(key.starts_with("keel_") && key.len() == 69, "the key alone on stdout: {key:?}");
+    let stderr = String::from_utf8_lossy(&added.stderr);
+    assert!(stderr.contains("shown only this once"), "{stderr}");
+    let db = std::fs::read(dir.path().join("keel-data/keel.db")).unwrap();
+    assert!(!db.windows(key.len()).any(|w| w == key.as_bytes()), "the key itself is not stored");
+
+    let bad = keel(dir.path()).args(["users", "add", "bob", "--role", "root"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("viewer, operator or admin"));
+    let bad = keel(dir.path()).args(["users", "add", "not a name"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(1));
+
+    let (mut child, addr) = serve(dir.path(), &[]);
+    let anonymous = http_get(&addr, "/v1/conversations");
+    assert!(anonymous.starts_with("HTTP/1.1 401"), "{anonymous}");
+    assert!(anonymous.contains("UNAUTHENTICATED"), "{anonymous}");
+    let bearer = format!("Authorization: Bearer {key}\r\n");
+    let ok = http_get_with(&addr, "/v1/conversations", &bearer);
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    assert!(http_get(&addr, "/healthz").starts_with("HTTP/1.1 200"), "health needs no key");
+
+    let listed = String::from_utf8(users(dir.path(), &["list"]).stdout).unwrap();
+    assert!(listed.lines().any(|l| l.split_whitespace().collect::<Vec<_>>() == ["alice", "operator", "1"]), "{listed}");
+    users(dir.path(), &["set-role", "alice", "viewer"]);
+    let listed = String::from_utf8(users(dir.path(), &["list"]).stdout).unwrap();
+    assert!(listed.contains("viewer"), "{listed}");
+
+    users(dir.path(), &["revoke", "alice"]);
+    let revoked = http_get_with(&addr, "/v1/conversations", &bearer);
+    assert!(revoked.starts_with("HTTP/1.1 401"), "{revoked}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// Without keys: loopback serves the local demo user; any other address refuses to start unless
+/// told `--insecure-no-auth`.
+#[test]
+fn no_keys_means_loopback_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, addr) = serve(dir.path(), &[]);
+    let ok = http_get(&addr, "/v1/conversations");
+    assert!(ok.starts_with("HTTP/1.1 200"), "the local demo user: {ok}");
+    let wrong = http_get_with(&addr, "/v1/conversations", "Authorization: Bearer keel_guess\r\n");
+    assert!(wrong.starts_with("HTTP/1.1 401"), "a key that is sent is checked: {wrong}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let refused = keel(dir.path()).args(["serve", "--listen", "0.0.0.0:0"]).output().unwrap();
+    assert_eq!(refused.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(stderr.contains("without API keys") && stderr.contains("--insecure-no-auth"), "{stderr}");
+
+    let mut child = keel(dir.path())
+        .args(["serve", "--listen", "0.0.0.0:0", "--insecure-no-auth"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+    assert!(banner.starts_with("Keel listening on http://0.0.0.0:"), "{banner:?}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// Keys listed in keel.toml by their SHA-256 work like keys made by `keel users add`.
+#[test]
+fn keys_from_the_file_by_hash() {
+    let dir = tempfile::tempdir().unwrap();
+    // sha256("abc")
+    std::fs::write(
+        dir.path().join("keel.toml"),
+        "[[api_keys]]\nuser = \"ci\"\nrole = \"operator\"\n\
+         sha256 = \"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\"\n",
+    )
+    .unwrap();
+    let (mut child, addr) = serve(dir.path(), &[]);
+    assert!(http_get(&addr, "/v1/conversations").starts_with("HTTP/1.1 401"));
+    let ok = http_get_with(&addr, "/v1/conversations", "Authorization: Bearer abc\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
+    child.kill().unwrap();
+    child.wait().unwrap();
 }

@@ -64,10 +64,12 @@ pub async fn post_message(
 ) -> ApiResult<Response> {
     let wait = params.flag("wait")?;
     let message = SendMessage { content: body.content, cancel_on_disconnect: body.cancel_on_disconnect };
+    // A stream's slot is taken before the run starts, so a refused stream starts nothing.
+    let permit = if accepts(&headers, EVENT_STREAM) { Some(state.limits.streams.acquire(&caller.0)?) } else { None };
     let started = state.engine.send_message(&caller.0, &id, message).await?;
     let run_id = started.run.id;
-    if accepts(&headers, EVENT_STREAM) {
-        return Ok(sse::stream_run(&state, run_id, 0, Until::PauseOrTerminal));
+    if let Some(permit) = permit {
+        return Ok(sse::stream_run(&state, permit, run_id, 0, Until::PauseOrTerminal));
     }
     if wait {
         return Ok(Json(super::settle_turn(&state, &caller, &run_id, 0).await?).into_response());

@@ -6,26 +6,24 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_core::engine::ResumeRequest;
 use keel_core::stream::Until;
-use keel_core::InterruptId;
+use keel_core::{InterruptId, TicketScope};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use crate::auth::issue_ticket;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{accepts, cursor, ApiJson, Caller, Params, RunPath, APPLICATION_JSON, EVENT_STREAM};
 use crate::sse;
 use crate::state::AppState;
 use crate::views::RunBody;
 
-/// Stored events are read in pages of this many.
-const PAGE: u32 = 500;
-
 pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
     let view = state.engine.run_view(&caller.0, &id).await?;
     Ok(Json(RunBody::from(view)).into_response())
 }
 
-/// SSE replay-then-live until the run ends; with `Accept: application/json`, the stored events
-/// after the cursor, at once.
+/// SSE replay-then-live until the run ends; with `Accept: application/json`, one page of the stored
+/// events after the cursor (`?limit=`, at most the configured page size), at once.
 pub async fn events(
     State(state): State<AppState>,
     caller: Caller,
@@ -34,6 +32,8 @@ pub async fn events(
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let after = cursor(&headers, &params)?;
+    let json = accepts(&headers, APPLICATION_JSON) && !accepts(&headers, EVENT_STREAM);
+    let limit = page_limit(&params, state.config.replay_page_max)?;
     let run = state.engine.run(&caller.0, &id).await?;
     if after > run.last_sequence() {
         return Err(ApiError::bad_request(
@@ -41,24 +41,39 @@ pub async fn events(
             format!("the run's last event is {}; the cursor is past it", run.last_sequence()),
         ));
     }
-    if accepts(&headers, APPLICATION_JSON) && !accepts(&headers, EVENT_STREAM) {
-        let store = state.engine.store();
-        let mut events = Vec::new();
-        let mut last = after;
-        loop {
-            let page = store.list_events(&id, last, PAGE).await?;
-            let full = page.len() == PAGE as usize;
-            if let Some(e) = page.last() {
-                last = e.sequence;
-            }
-            events.extend(page);
-            if !full {
-                break;
-            }
-        }
-        return Ok(Json(json!({ "events": events })).into_response());
+    if json {
+        let events = state.engine.store().list_events(&id, after, limit).await?;
+        let last = events.last().map_or(after, |e| e.sequence);
+        return Ok(Json(json!({ "events": events, "hasMore": last < run.last_sequence() })).into_response());
     }
-    Ok(sse::stream_run(&state, id, after, Until::Terminal))
+    let permit = state.limits.streams.acquire(&caller.0)?;
+    Ok(sse::stream_run(&state, permit, id, after, Until::Terminal))
+}
+
+/// `?limit=N`, 1 to `max`; absent is `max`.
+fn page_limit(params: &Params, max: u32) -> Result<u32, ApiError> {
+    let Some(raw) = params.0.get("limit") else { return Ok(max) };
+    match raw.parse::<u32>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(ApiError::bad_request("INVALID_QUERY", format!("limit: must be an integer from 1 to {max}"))),
+    }
+}
+
+/// A short-lived, single-use ticket that opens this run's event stream without a key:
+/// `GET /v1/runs/{id}/events?ticket=…`, for an `EventSource`, which can't send headers.
+pub async fn stream_ticket(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
+    state.engine.run(&caller.0, &id).await?;
+    let ttl = state.config.stream_ticket_ttl;
+    let engine = &state.engine;
+    let ticket =
+        issue_ticket(engine.store().as_ref(), &caller.0, TicketScope::RunEvents, Some(id.clone()), engine.now(), ttl)
+            .await?;
+    let body = json!({
+        "ticket": ticket.secret,
+        "expiresAt": ticket.expires_at,
+        "url": format!("/v1/runs/{id}/events?ticket={}", ticket.secret),
+    });
+    Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
 #[derive(Debug, Deserialize)]
@@ -102,10 +117,12 @@ pub async fn resume(
         }
     };
     let request = ResumeRequest { interrupt_id, decision, idempotency_key };
+    // A stream's slot is taken before the resume, so a refused stream resumes nothing.
+    let permit = if accepts(&headers, EVENT_STREAM) { Some(state.limits.streams.acquire(&caller.0)?) } else { None };
     let accepted = state.engine.resume(&caller.0, &id, request).await?;
     let after = (accepted.resumed_sequence - 1).max(0);
-    if accepts(&headers, EVENT_STREAM) {
-        return Ok(sse::stream_run(&state, id, after, Until::PauseOrTerminal));
+    if let Some(permit) = permit {
+        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal));
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;

@@ -61,10 +61,13 @@ async fn input_errors() {
     assert_eq!(s, StatusCode::CREATED, "{b}");
     assert_eq!(b["title"], "New conversation");
 
-    let response =
-        app.client.get(app.url("/v1/conversations")).header("x-keel-user", "not a user").send().await.unwrap();
-    let (s, b) = to_json(response).await;
-    assert_error(s, &b, 400, "INVALID_USER");
+    for authorization in ["Basic ZGVtbzpkZW1v", "Bearer ", "Bearer keel_not_a_key", "bearer"] {
+        let request = app.client.get(app.url("/v1/conversations")).header("authorization", authorization);
+        let response = request.send().await.unwrap();
+        assert_eq!(response.headers()["www-authenticate"], "Bearer realm=\"keel\"");
+        let (s, b) = to_json(response).await;
+        assert_error(s, &b, 401, "UNAUTHENTICATED");
+    }
 
     let (s, b) = app.get(&format!("{messages}?wait=maybe")).await;
     assert_error(s, &b, 405, "METHOD_NOT_ALLOWED");
@@ -87,15 +90,8 @@ async fn not_found_and_method_not_allowed() {
     }
     let (s, b) = app.get_as("alice", &format!("/v1/conversations/{conversation}")).await;
     assert_error(s, &b, 404, "CONVERSATION_NOT_FOUND");
-    let response = app
-        .client
-        .post(app.url(&format!("/v1/conversations/{conversation}/messages")))
-        .header("x-keel-user", "alice")
-        .json(&json!({"content": "hi"}))
-        .send()
-        .await
-        .unwrap();
-    let (s, b) = to_json(response).await;
+    let (s, b) =
+        app.post_as("alice", &format!("/v1/conversations/{conversation}/messages"), &json!({"content": "hi"})).await;
     assert_error(s, &b, 404, "CONVERSATION_NOT_FOUND");
     for path in ["/v1/runs/run_nope", "/v1/runs/garbage", "/v1/runs/run_nope/events"] {
         let (s, b) = app.get(path).await;

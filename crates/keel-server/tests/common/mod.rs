@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Once};
@@ -18,9 +18,10 @@ use keel_core::fleet::FleetSeed;
 use keel_core::store::Store;
 use keel_core::{Event, UserRole};
 use keel_models::DemoModel;
+use keel_server::auth::{issue_api_key, AuthMode};
 use keel_server::{AppState, ServerConfig};
 use keel_store::SqliteStore;
-use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, CONTENT_TYPE};
+use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
 use tempfile::TempDir;
@@ -40,6 +41,8 @@ pub struct Options {
     pub demo_delay: Duration,
     pub demo_mode: bool,
     pub body_limit: usize,
+    /// The server's settings; `heartbeat`, `demo_mode` and `body_limit` above win over these.
+    pub server: ServerConfig,
 }
 
 impl Default for Options {
@@ -50,6 +53,7 @@ impl Default for Options {
             demo_delay: Duration::from_millis(1),
             demo_mode: false,
             body_limit: 1024 * 1024,
+            server: ServerConfig { auth: AuthMode::Keys, ..ServerConfig::default() },
         }
     }
 }
@@ -60,6 +64,9 @@ pub struct TestApp {
     pub client: reqwest::Client,
     pub engine: Arc<Engine>,
     pub store: Arc<dyn Store>,
+    /// API keys by user: `demo`, `alice` and `bob` are operators, `vera` a viewer. `client` sends
+    /// demo's with every request unless the request names another.
+    pub keys: HashMap<String, String>,
     stop: Option<oneshot::Sender<()>>,
     _dir: TempDir,
 }
@@ -84,7 +91,16 @@ impl TestApp {
         let store: Arc<dyn Store> =
             Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.expect("open the store"));
         store.seed_fleet(FleetSeed { extra_abnormal: 0 }, chrono::Utc::now()).await.expect("seed");
-        store.set_user_role("demo", UserRole::Operator).await.expect("demo is an operator");
+        let mut keys = HashMap::new();
+        for (user, role) in [
+            ("demo", UserRole::Operator),
+            ("alice", UserRole::Operator),
+            ("bob", UserRole::Operator),
+            ("vera", UserRole::Viewer),
+        ] {
+            let issued = issue_api_key(store.as_ref(), user, role, chrono::Utc::now()).await.expect("an api key");
+            keys.insert(user.to_owned(), issued.secret);
+        }
         let engine = Arc::new(Engine::new(
             EngineParts {
                 store: store.clone(),
@@ -106,7 +122,7 @@ impl TestApp {
             heartbeat: options.heartbeat,
             demo_mode: options.demo_mode,
             body_limit: options.body_limit,
-            ..ServerConfig::default()
+            ..options.server
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
@@ -118,9 +134,10 @@ impl TestApp {
         Self {
             addr,
             base: format!("http://{addr}"),
-            client: reqwest::Client::new(),
+            client: client_as(&keys["demo"]),
             engine,
             store,
+            keys,
             stop: Some(stop),
             _dir: dir,
         }
@@ -134,8 +151,24 @@ impl TestApp {
         to_json(self.client.get(self.url(path)).send().await.expect("GET")).await
     }
 
+    /// `Authorization: Bearer` with `user`'s key.
+    pub fn bearer(&self, user: &str) -> String {
+        format!("Bearer {}", self.keys.get(user).unwrap_or_else(|| panic!("no key for {user}")))
+    }
+
+    /// A client that sends `user`'s key with every request.
+    pub fn client_for(&self, user: &str) -> reqwest::Client {
+        client_as(&self.keys[user])
+    }
+
     pub async fn get_as(&self, user: &str, path: &str) -> (StatusCode, Value) {
-        to_json(self.client.get(self.url(path)).header("x-keel-user", user).send().await.expect("GET")).await
+        to_json(self.client.get(self.url(path)).header(AUTHORIZATION, self.bearer(user)).send().await.expect("GET"))
+            .await
+    }
+
+    pub async fn post_as(&self, user: &str, path: &str, body: &Value) -> (StatusCode, Value) {
+        let request = self.client.post(self.url(path)).header(AUTHORIZATION, self.bearer(user)).json(body);
+        to_json(request.send().await.expect("POST")).await
     }
 
     pub async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
@@ -253,6 +286,12 @@ impl Drop for TestApp {
             let _ = stop.send(());
         }
     }
+}
+
+fn client_as(key: &str) -> reqwest::Client {
+    let mut headers = HeaderMap::new();
+    headers.insert(AUTHORIZATION, HeaderValue::from_str(&format!("Bearer {key}")).expect("a header value"));
+    reqwest::Client::builder().default_headers(headers).build().expect("a client")
 }
 
 pub async fn to_json(response: reqwest::Response) -> (StatusCode, Value) {
