@@ -449,13 +449,16 @@ impl Engine {
             return Err(EngineError::Invalid("content: must be at most 32000 characters".into()));
         }
         self.conversation(user_id, conversation_id).await?;
+        // A key or password pasted into the chat is masked before it is stored, streamed or shown to
+        // the model.
+        let content = mask_text(content);
         let started = self
             .inner
             .store
             .start_run(NewRun {
                 conversation_id: conversation_id.clone(),
                 user_id: user_id.to_owned(),
-                content: content.to_owned(),
+                content,
                 cancel_on_disconnect: message.cancel_on_disconnect,
                 now: self.inner.clock.now(),
                 events: vec![EventKind::RunStarted { conversation_id: conversation_id.clone() }, topology()],

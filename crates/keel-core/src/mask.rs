@@ -49,6 +49,9 @@ const TOKEN_PREFIXES: &[(&str, usize)] = &[
     ("rk_live_", 10),
     ("rk_test_", 10),
     ("whsec_", 16),
+    // Keel's own API keys and stream tickets.
+    ("keel_", 32),
+    ("kst_", 32),
 ];
 
 const MASK: &str = "***";
@@ -362,7 +365,10 @@ mod tests {
             ("xoxb-1234-5678-abcdef", "***"),
             ("eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxIn0.sig_nature", "***"),
             ("key=sk-live-123456", "key=***"),
+            (&format!("my key keel_{}", "0a".repeat(32)), "my key ***"),
+            (&format!("?ticket=kst_{}", "f1".repeat(32)), "?ticket=***"),
             // Not tokens.
+            ("keel_core and kst_x", "keel_core and kst_x"),
             ("sk-learn and pay-prod-2", "sk-learn and pay-prod-2"),
             ("AKIA is a prefix", "AKIA is a prefix"),
             ("tokenizer-free text with v1.2.3", "tokenizer-free text with v1.2.3"),

@@ -17,7 +17,7 @@ use std::future::Future;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
-use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
+use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use error::{ApiError, ApiResult};
@@ -49,8 +49,11 @@ pub fn router(state: AppState) -> Router {
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(state.config.body_limit))
         .layer(
+            // The span names the path, never the query: `?ticket=` is a credential.
             TraceLayer::new_for_http()
-                .make_span_with(DefaultMakeSpan::new().level(Level::INFO))
+                .make_span_with(|request: &axum::http::Request<_>| {
+                    tracing::info_span!("request", method = %request.method(), path = %request.uri().path())
+                })
                 .on_response(DefaultOnResponse::new().level(Level::INFO)),
         )
         .with_state(state)

@@ -6,4 +6,5 @@ mod common;
 mod docs;
 mod errors;
 mod hitl;
+mod security;
 mod streams;

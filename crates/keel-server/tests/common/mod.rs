@@ -15,7 +15,9 @@ use keel_core::bus::LocalBus;
 use keel_core::clock::SystemClock;
 use keel_core::engine::{Engine, EngineConfig, EngineParts};
 use keel_core::fleet::FleetSeed;
+use keel_core::model::Model;
 use keel_core::store::Store;
+use keel_core::tool::Tool;
 use keel_core::{Event, UserRole};
 use keel_models::DemoModel;
 use keel_server::auth::{issue_api_key, AuthMode};
@@ -33,7 +35,7 @@ pub const DEADLINE: Duration = Duration::from_secs(20);
 pub const RESTART_PROMPT: &str = "Restart the abnormal instance of payment-api";
 pub const ERRORS_PROMPT: &str = "Look at the recent errors of payment-api";
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Options {
     pub heartbeat: Duration,
     pub interrupt_ttl: Duration,
@@ -43,6 +45,10 @@ pub struct Options {
     pub body_limit: usize,
     /// The server's settings; `heartbeat`, `demo_mode` and `body_limit` above win over these.
     pub server: ServerConfig,
+    /// Instead of the demo model.
+    pub model: Option<Arc<dyn Model>>,
+    /// Extra tools beside OpsPilot's.
+    pub extra_tools: Vec<Arc<dyn Tool>>,
 }
 
 impl Default for Options {
@@ -54,6 +60,8 @@ impl Default for Options {
             demo_mode: false,
             body_limit: 1024 * 1024,
             server: ServerConfig { auth: AuthMode::Keys, ..ServerConfig::default() },
+            model: None,
+            extra_tools: Vec::new(),
         }
     }
 }
@@ -101,11 +109,15 @@ impl TestApp {
             let issued = issue_api_key(store.as_ref(), user, role, chrono::Utc::now()).await.expect("an api key");
             keys.insert(user.to_owned(), issued.secret);
         }
+        let mut tools = keel_opspilot::registry();
+        for tool in &options.extra_tools {
+            tools.register(tool.clone());
+        }
         let engine = Arc::new(Engine::new(
             EngineParts {
                 store: store.clone(),
-                model: Arc::new(DemoModel::new(options.demo_delay)),
-                tools: keel_opspilot::registry(),
+                model: options.model.clone().unwrap_or_else(|| Arc::new(DemoModel::new(options.demo_delay))),
+                tools,
                 bus: Arc::new(LocalBus::default()),
                 clock: Arc::new(SystemClock),
             },
@@ -141,6 +153,11 @@ impl TestApp {
             stop: Some(stop),
             _dir: dir,
         }
+    }
+
+    /// The SQLite database file (its `-wal` beside it).
+    pub fn db_path(&self) -> std::path::PathBuf {
+        self._dir.path().join("keel.db")
     }
 
     pub fn url(&self, path: &str) -> String {
