@@ -40,10 +40,38 @@ function svg(tag, attrs = {}, ...children) {
   return el;
 }
 
+// A server with API keys answers 401 until the page has one. The key lives in this tab's
+// sessionStorage only, and goes out as `Authorization: Bearer` (never in a URL, never a cookie, so
+// there is no cross-site request to forge).
+const KEY_SLOT = 'keel.apiKey';
+
+function withAuth(headers) {
+  const key = sessionStorage.getItem(KEY_SLOT);
+  return key ? { ...headers, Authorization: `Bearer ${key}` } : headers;
+}
+
+// Asks for a key after a 401; true when the user gave one (the request is then worth retrying).
+function askForKey(message) {
+  sessionStorage.removeItem(KEY_SLOT);
+  const key = window.prompt(`${message}\n\nThis Keel server needs an API key (made with \`keel users add NAME --role operator\`):`);
+  if (!key || !key.trim()) return false;
+  sessionStorage.setItem(KEY_SLOT, key.trim());
+  return true;
+}
+
+async function authedFetch(path, init = {}) {
+  for (;;) {
+    const res = await fetch(path, { ...init, headers: withAuth(init.headers || {}) });
+    if (res.status !== 401) return res;
+    const data = await res.clone().json().catch(() => null);
+    if (!askForKey(data?.error?.message || 'Not signed in.')) return res;
+  }
+}
+
 async function api(method, path, body) {
   const headers = { Accept: 'application/json' };
   if (body !== undefined) headers['Content-Type'] = 'application/json';
-  const res = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const res = await authedFetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
   const data = await res.json().catch(() => null);
   if (!res.ok) {
     const err = new Error(data?.error?.message || `${res.status} ${res.statusText}`);
@@ -319,7 +347,7 @@ async function follow(run) {
     const ctl = new AbortController();
     run.ctl = ctl;
     try {
-      const res = await fetch(`/v1/runs/${run.id}/events`, {
+      const res = await authedFetch(`/v1/runs/${run.id}/events`, {
         headers: { Accept: 'text/event-stream', 'Last-Event-ID': String(run.replayFrom ?? run.lastSeq) }, signal: ctl.signal, cache: 'no-store',
       });
       run.replayFrom = undefined;
