@@ -5,5 +5,6 @@ mod common;
 
 mod docs;
 mod errors;
+mod history;
 mod hitl;
 mod streams;
