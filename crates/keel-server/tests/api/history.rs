@@ -43,7 +43,8 @@ async fn runs_are_listed_newest_first_per_user_with_filters() {
 #[tokio::test]
 async fn bad_list_parameters_are_400_invalid_query() {
     let app = TestApp::spawn().await;
-    for query in ["limit=0", "limit=101", "limit=-1", "limit=ten", "limit=", "status=done", "status=", "status=QUEUED"] {
+    for query in ["limit=0", "limit=101", "limit=-1", "limit=ten", "limit=", "status=done", "status=", "status=QUEUED"]
+    {
         let (status, body) = app.get(&format!("/v1/runs?{query}")).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {body}");
         assert_eq!(body["error"]["code"], "INVALID_QUERY", "{query}: {body}");
