@@ -212,7 +212,7 @@ impl KeelClient {
     /// `GET /v1/conversations/{id}`: the conversation with recent messages, facts, active run.
     pub async fn get_conversation(&self, conversation_id: &ConversationId) -> Result<ConversationView, ClientError> {
         let req = self.request(Method::GET, &format!("/v1/conversations/{conversation_id}"));
-        send_json(req, "get_conversation").await
+        self.get_json(req, "get_conversation").await
     }
 
     /// `POST /v1/conversations/{id}/messages {"content"}` → `{messageId, runId}` (the run is
@@ -236,13 +236,13 @@ impl KeelClient {
         if let Some(limit) = params.limit {
             query.push(("limit", limit.to_string()));
         }
-        send_json(self.request(Method::GET, "/v1/runs").query(&query), "list_runs").await
+        self.get_json(self.request(Method::GET, "/v1/runs").query(&query), "list_runs").await
     }
 
     /// `GET /v1/runs/{id}`: status, checkpoint step, pending interrupt, last sequence, tool calls,
     /// and every interrupt with who decided it and when.
     pub async fn get_run(&self, run_id: &RunId) -> Result<RunBody, ClientError> {
-        send_json(self.request(Method::GET, &format!("/v1/runs/{run_id}")), "get_run").await
+        self.get_json(self.request(Method::GET, &format!("/v1/runs/{run_id}")), "get_run").await
     }
 
     /// `POST /v1/runs/{id}/resume` with an idempotency key of its own: a new key per call, kept
@@ -320,6 +320,22 @@ impl KeelClient {
             after,
         )
         .into_stream()
+    }
+
+    /// A read: safe to send again, so a transport failure (a pooled connection the server or a proxy
+    /// closed, a server restarting) is retried with backoff, at most `max_attempts` times.
+    async fn get_json<T: DeserializeOwned>(&self, req: RequestBuilder, what: &str) -> Result<T, ClientError> {
+        let mut failures = 0;
+        loop {
+            let Some(attempt) = req.try_clone() else { return send_json(req, what).await };
+            match send_json(attempt, what).await {
+                Err(ClientError::Http(_)) if failures < self.reconnect.max_attempts => {
+                    failures += 1;
+                    tokio::time::sleep(self.reconnect.backoff(failures, None)).await;
+                }
+                other => return other,
+            }
+        }
     }
 
     fn url(&self, path: &str) -> String {

@@ -590,3 +590,19 @@ async fn a_typed_response_of_the_wrong_shape_is_a_decode_error() {
     let err = client.send_message(&ConversationId::parse("conv_1").unwrap(), "hi").await.unwrap_err();
     assert!(matches!(err, ClientError::Decode { .. }), "{err:?}");
 }
+
+#[tokio::test]
+async fn a_read_cut_off_before_its_answer_is_sent_again_but_a_write_is_not() {
+    let cut = Reply { pieces: vec![], hold: false };
+    let server = FakeServer::start(vec![cut.clone(), json_reply(200, run_body("completed"))]).await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+    assert_eq!(client.get_run(&run_id()).await.unwrap().status, RunStatus::Completed);
+    assert_eq!(server.requests().len(), 2);
+
+    // a message sent twice would start two runs: its failure is the caller's to handle
+    let server = FakeServer::start(vec![cut, json_reply(202, json!({ "messageId": "msg_1", "runId": "run_1" }))]).await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+    let err = client.send_message(&ConversationId::parse("conv_1").unwrap(), "hi").await.unwrap_err();
+    assert!(matches!(err, ClientError::Http(_)), "{err:?}");
+    assert_eq!(server.requests().len(), 1);
+}
