@@ -20,9 +20,18 @@
 //! # }
 //! ```
 //!
-//! [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
-//! event stream to its terminal event across dropped connections, delivering every event once.
-//! The SSE parser it uses is [`sse::SseParser`].
+//! - Requests and responses are the server's own types, from [`keel_core::wire`] (re-exported
+//!   here): the two sides can't disagree on a field.
+//! - [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
+//!   event stream to its terminal event across dropped connections and server restarts, backing
+//!   off, delivering every event once, in order. The SSE parser it uses is [`sse::SseParser`].
+//! - [`KeelClient::resume`] makes its own idempotency key and retries with it, so a lost answer
+//!   never applies a decision twice; reads are retried on transport failures; other writes are not.
+//! - [`KeelClient::with_api_key`] sends `Authorization: Bearer <key>`; the key never shows in
+//!   `Debug` output.
+//!
+//! `examples/approve.rs` is a whole approval flow; `keel chat` (in `crates/keel/src/client/`) is a
+//! terminal client built on this crate.
 #![forbid(unsafe_code)]
 
 pub mod resume;
