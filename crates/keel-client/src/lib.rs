@@ -5,7 +5,7 @@
 //! use futures::StreamExt;
 //! use keel_client::KeelClient;
 //!
-//! let keel = KeelClient::new("http://127.0.0.1:8080").user("alice");
+//! let keel = KeelClient::new("http://127.0.0.1:8080").with_api_key("keel_…")?;
 //! let conv = keel.create_conversation("troubleshoot payment-api").await?;
 //! let sent = keel.send_message(&conv.id, "Restart the abnormal instance of payment-api").await?;
 //! let mut events = keel.events(&sent.run_id, 0);
@@ -20,21 +20,36 @@
 //! # }
 //! ```
 //!
-//! [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
-//! event stream to its terminal event across dropped connections, delivering every event once.
-//! The SSE parser it uses is [`sse::SseParser`].
+//! - Requests and responses are the server's own types, from [`keel_core::wire`] (re-exported
+//!   here): the two sides can't disagree on a field.
+//! - [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
+//!   event stream to its terminal event across dropped connections and server restarts, backing
+//!   off, delivering every event once, in order. The SSE parser it uses is [`sse::SseParser`].
+//! - [`KeelClient::resume`] makes its own idempotency key and retries with it, so a lost answer
+//!   never applies a decision twice; reads are retried on transport failures; other writes are not.
+//! - [`KeelClient::with_api_key`] sends `Authorization: Bearer <key>`; the key never shows in
+//!   `Debug` output.
+//!
+//! `examples/approve.rs` is a whole approval flow; `keel chat` (in `crates/keel/src/client/`) is a
+//! terminal client built on this crate.
 #![forbid(unsafe_code)]
 
 pub mod resume;
 pub mod sse;
 
 use futures::Stream;
-use keel_core::{ConversationId, Event, InterruptId, MessageId, RunId, Timestamp};
+use keel_core::engine::{ConversationView, ResumeAccepted};
+use keel_core::{ConversationId, Event, InterruptId, RunId, RunStatus, Timestamp};
+use reqwest::header::{HeaderMap, HeaderValue, AUTHORIZATION};
 use reqwest::{Method, RequestBuilder, Response, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use serde_json::{json, Value};
+use serde_json::Value;
 use std::time::Duration;
+
+pub use keel_core::wire::{
+    CreateConversation, MessageAccepted, PostMessage, ResumeBody, RunBody, RunList, RunSummary, ToolCallBody, TurnBody,
+};
 
 pub use resume::{ReconnectPolicy, Resumer, Step};
 pub use sse::{SseFrame, SseParser};
@@ -127,20 +142,25 @@ pub struct Conversation {
     pub created_at: Timestamp,
 }
 
-/// `POST /v1/conversations/{id}/messages` → 202.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct SentMessage {
-    pub message_id: MessageId,
-    pub run_id: RunId,
+/// `POST /v1/conversations/{id}/messages` → 202 `{messageId, runId}`.
+pub type SentMessage = MessageAccepted;
+
+/// `GET /v1/runs` parameters: at most `limit` runs (the server's default is 20, its cap 100), only
+/// those with `status`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ListRuns {
+    pub status: Option<RunStatus>,
+    pub limit: Option<u32>,
 }
 
-/// A client of one Keel server. Cheap to clone (the connection pool is shared).
+/// A client of one Keel server. Cheap to clone (the connection pool is shared). Its `Debug` output
+/// never shows the API key.
 #[derive(Debug, Clone)]
 pub struct KeelClient {
     http: reqwest::Client,
     base: String,
-    user: Option<String>,
+    /// `Authorization` and `X-Keel-User`, sent with every request (the key marked sensitive).
+    identity: HeaderMap,
     reconnect: ReconnectPolicy,
 }
 
@@ -158,16 +178,30 @@ impl KeelClient {
         while base.ends_with('/') {
             base.pop();
         }
-        Self { http, base, user: None, reconnect: ReconnectPolicy::default() }
+        Self { http, base, identity: HeaderMap::new(), reconnect: ReconnectPolicy::default() }
     }
 
-    /// Acts as `name`: sends `X-Keel-User: name` with every request.
+    /// Authenticates with an API key: sends `Authorization: Bearer <key>` with every request,
+    /// event-stream reconnects included. A key that can't be a header value (a control character,
+    /// a newline) is [`ClientError::Protocol`], before anything is sent.
+    pub fn with_api_key(mut self, key: &str) -> Result<Self, ClientError> {
+        let mut value = HeaderValue::from_str(&format!("Bearer {}", key.trim()))
+            .map_err(|_| ClientError::Protocol("the API key is not a valid header value".into()))?;
+        value.set_sensitive(true);
+        self.identity.insert(AUTHORIZATION, value);
+        Ok(self)
+    }
+
+    /// Acts as `name`: sends `X-Keel-User: name` with every request (the development identity,
+    /// until authentication lands). A name that can't be a header value is not sent.
     pub fn user(mut self, name: impl Into<String>) -> Self {
-        self.user = Some(name.into());
+        if let Ok(value) = HeaderValue::from_str(&name.into()) {
+            self.identity.insert(USER_HEADER, value);
+        }
         self
     }
 
-    /// How [`KeelClient::events`] streams reconnect.
+    /// How [`KeelClient::events`] streams reconnect, and how often [`KeelClient::resume`] retries.
     pub fn reconnect_policy(mut self, policy: ReconnectPolicy) -> Self {
         self.reconnect = policy;
         self
@@ -180,14 +214,14 @@ impl KeelClient {
 
     /// `POST /v1/conversations {"title"}`.
     pub async fn create_conversation(&self, title: &str) -> Result<Conversation, ClientError> {
-        let req = self.request(Method::POST, "/v1/conversations").json(&json!({ "title": title }));
-        send_json(req, "create_conversation").await
+        let body = CreateConversation { title: Some(title.to_owned()) };
+        send_json(self.request(Method::POST, "/v1/conversations").json(&body), "create_conversation").await
     }
 
     /// `GET /v1/conversations/{id}`: the conversation with recent messages, facts, active run.
-    pub async fn get_conversation(&self, conversation_id: &ConversationId) -> Result<Value, ClientError> {
+    pub async fn get_conversation(&self, conversation_id: &ConversationId) -> Result<ConversationView, ClientError> {
         let req = self.request(Method::GET, &format!("/v1/conversations/{conversation_id}"));
-        send_json(req, "get_conversation").await
+        self.get_json(req, "get_conversation").await
     }
 
     /// `POST /v1/conversations/{id}/messages {"content"}` → `{messageId, runId}` (the run is
@@ -197,38 +231,75 @@ impl KeelClient {
         conversation_id: &ConversationId,
         content: &str,
     ) -> Result<SentMessage, ClientError> {
-        let req = self
-            .request(Method::POST, &format!("/v1/conversations/{conversation_id}/messages"))
-            .json(&json!({ "content": content }));
+        let body = PostMessage { content: content.to_owned(), cancel_on_disconnect: false };
+        let req = self.request(Method::POST, &format!("/v1/conversations/{conversation_id}/messages")).json(&body);
         send_json(req, "send_message").await
     }
 
-    /// `GET /v1/runs/{id}`: status, checkpoint step, pending interrupt, last sequence.
-    pub async fn get_run(&self, run_id: &RunId) -> Result<Value, ClientError> {
-        send_json(self.request(Method::GET, &format!("/v1/runs/{run_id}")), "get_run").await
+    /// `GET /v1/runs`: the caller's runs, newest first.
+    pub async fn list_runs(&self, params: ListRuns) -> Result<RunList, ClientError> {
+        let mut query: Vec<(&str, String)> = Vec::new();
+        if let Some(status) = params.status {
+            query.push(("status", status.as_str().to_owned()));
+        }
+        if let Some(limit) = params.limit {
+            query.push(("limit", limit.to_string()));
+        }
+        self.get_json(self.request(Method::GET, "/v1/runs").query(&query), "list_runs").await
     }
 
-    /// `POST /v1/runs/{id}/resume {"interruptId", "decision", "idempotencyKey"}`. `decision` is
-    /// `"approve"`, `"reject"`, `{"edit": …}`, `{"calls": …}`, `{"select": …}` or `{"provide": …}`.
-    /// The same key with the same body returns the first answer again.
+    /// `GET /v1/runs/{id}`: status, checkpoint step, pending interrupt, last sequence, tool calls,
+    /// and every interrupt with who decided it and when.
+    pub async fn get_run(&self, run_id: &RunId) -> Result<RunBody, ClientError> {
+        self.get_json(self.request(Method::GET, &format!("/v1/runs/{run_id}")), "get_run").await
+    }
+
+    /// `POST /v1/runs/{id}/resume` with an idempotency key of its own: a new key per call, kept
+    /// across this call's retries. A transport failure, a 5xx, a 429 or a 409
+    /// `IDEMPOTENCY_KEY_IN_FLIGHT` is retried with the same key and body (backing off as
+    /// [`ReconnectPolicy`] says, at most `max_attempts` times), so the decision is applied once
+    /// even when an answer is lost: the server answers a retry with the first answer. `decision` is
+    /// `"approve"`, `"reject"`, `{"edit": …}`, `{"calls": …}`, `{"select": …}` or `{"provide": …}`
+    /// (see [`decision`]).
     pub async fn resume(
         &self,
         run_id: &RunId,
         interrupt_id: &InterruptId,
         decision: Value,
+    ) -> Result<ResumeAccepted, ClientError> {
+        let key = format!("keel-client-{interrupt_id}-{}", uuid::Uuid::now_v7().simple());
+        let mut failures = 0;
+        loop {
+            match self.resume_with_key(run_id, interrupt_id, decision.clone(), &key).await {
+                Err(err) if failures < self.reconnect.max_attempts && retry_resume(&err) => {
+                    failures += 1;
+                    tokio::time::sleep(self.reconnect.backoff(failures, None)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// `POST /v1/runs/{id}/resume {"interruptId", "decision", "idempotencyKey"}` with the caller's
+    /// key, once. The same key with the same body returns the first answer again.
+    pub async fn resume_with_key(
+        &self,
+        run_id: &RunId,
+        interrupt_id: &InterruptId,
+        decision: Value,
         idempotency_key: &str,
-    ) -> Result<Value, ClientError> {
-        let body = json!({
-            "interruptId": interrupt_id,
-            "decision": decision,
-            "idempotencyKey": idempotency_key,
-        });
+    ) -> Result<ResumeAccepted, ClientError> {
+        let body = ResumeBody {
+            interrupt_id: interrupt_id.to_string(),
+            decision: Some(decision),
+            idempotency_key: Some(idempotency_key.to_owned()),
+        };
         let req = self.request(Method::POST, &format!("/v1/runs/{run_id}/resume")).json(&body);
         send_json(req, "resume").await
     }
 
-    /// `POST /v1/runs/{id}/cancel`: a durable cancel. Returns the response body (`null` if empty).
-    pub async fn cancel(&self, run_id: &RunId) -> Result<Value, ClientError> {
+    /// `POST /v1/runs/{id}/cancel`: a durable cancel. Returns the run as it is now.
+    pub async fn cancel(&self, run_id: &RunId) -> Result<RunBody, ClientError> {
         send_json(self.request(Method::POST, &format!("/v1/runs/{run_id}/cancel")), "cancel").await
     }
 
@@ -252,7 +323,7 @@ impl KeelClient {
         resume::EventStream::new(
             self.http.clone(),
             self.url(&format!("/v1/runs/{run_id}/events")),
-            self.user.clone(),
+            self.identity.clone(),
             run_id.clone(),
             self.reconnect.clone(),
             after,
@@ -260,16 +331,57 @@ impl KeelClient {
         .into_stream()
     }
 
+    /// A read: safe to send again, so a transport failure (a pooled connection the server or a proxy
+    /// closed, a server restarting) is retried with backoff, at most `max_attempts` times.
+    async fn get_json<T: DeserializeOwned>(&self, req: RequestBuilder, what: &str) -> Result<T, ClientError> {
+        let mut failures = 0;
+        loop {
+            let Some(attempt) = req.try_clone() else { return send_json(req, what).await };
+            match send_json(attempt, what).await {
+                Err(ClientError::Http(_)) if failures < self.reconnect.max_attempts => {
+                    failures += 1;
+                    tokio::time::sleep(self.reconnect.backoff(failures, None)).await;
+                }
+                other => return other,
+            }
+        }
+    }
+
     fn url(&self, path: &str) -> String {
         format!("{}{path}", self.base)
     }
 
     fn request(&self, method: Method, path: &str) -> RequestBuilder {
-        let req = self.http.request(method, self.url(path)).header(reqwest::header::ACCEPT, "application/json");
-        match &self.user {
-            Some(user) => req.header(USER_HEADER, user),
-            None => req,
-        }
+        self.http
+            .request(method, self.url(path))
+            .header(reqwest::header::ACCEPT, "application/json")
+            .headers(self.identity.clone())
+    }
+}
+
+/// Worth sending the same resume again: it may not have arrived, or the first is still in flight.
+fn retry_resume(err: &ClientError) -> bool {
+    matches!(err, ClientError::Http(_)) || err.is_retryable() || err.code() == Some("IDEMPOTENCY_KEY_IN_FLIGHT")
+}
+
+/// The `decision` values of a resume.
+pub mod decision {
+    use serde_json::{json, Map, Value};
+
+    /// Approve every call of the interrupt.
+    pub fn approve() -> Value {
+        json!("approve")
+    }
+
+    /// Reject every call of the interrupt: no side effect.
+    pub fn reject() -> Value {
+        json!("reject")
+    }
+
+    /// Approve, with these calls' arguments replaced (`(callId, args)` pairs).
+    pub fn edit<'a>(calls: impl IntoIterator<Item = (&'a str, Value)>) -> Value {
+        let edits: Map<String, Value> = calls.into_iter().map(|(id, args)| (id.to_owned(), args)).collect();
+        json!({ "edit": edits })
     }
 }
 

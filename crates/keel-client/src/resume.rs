@@ -124,7 +124,8 @@ type Body = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
 pub(crate) struct EventStream {
     http: reqwest::Client,
     url: String,
-    user: Option<String>,
+    /// Who is asking (`Authorization`, `X-Keel-User`), sent on every reconnect.
+    identity: reqwest::header::HeaderMap,
     run_id: RunId,
     policy: ReconnectPolicy,
     cursor: Resumer,
@@ -142,7 +143,7 @@ impl EventStream {
     pub(crate) fn new(
         http: reqwest::Client,
         url: String,
-        user: Option<String>,
+        identity: reqwest::header::HeaderMap,
         run_id: RunId,
         policy: ReconnectPolicy,
         after: i64,
@@ -150,7 +151,7 @@ impl EventStream {
         Self {
             http,
             url,
-            user,
+            identity,
             run_id,
             policy,
             cursor: Resumer::new(after),
@@ -279,15 +280,13 @@ impl EventStream {
 
     // `&mut self`: the state is `Send` but not `Sync` (the body stream), and this future must be `Send`.
     async fn connect(&mut self) -> Result<Body, ClientError> {
-        let mut req = self
+        let req = self
             .http
             .get(&self.url)
+            .headers(self.identity.clone())
             .header(reqwest::header::ACCEPT, "text/event-stream")
             .header(reqwest::header::CACHE_CONTROL, "no-cache")
             .header("Last-Event-ID", self.cursor.last_sequence().to_string());
-        if let Some(user) = &self.user {
-            req = req.header(crate::USER_HEADER, user);
-        }
         let resp = match tokio::time::timeout(self.policy.idle_timeout, req.send()).await {
             Ok(resp) => resp?,
             Err(_) => return Err(ClientError::IdleTimeout(self.policy.idle_timeout)),

@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::StreamExt;
-use keel_client::{ClientError, KeelClient, ReconnectPolicy};
-use keel_core::{ConversationId, Event, EventKind, InterruptId, RunId};
+use keel_client::{decision, ClientError, KeelClient, ListRuns, ReconnectPolicy};
+use keel_core::{ConversationId, Event, EventKind, InterruptId, RunId, RunStatus};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -386,6 +386,27 @@ async fn a_non_sse_response_is_a_protocol_error() {
     assert_eq!(server.requests().len(), 1);
 }
 
+/// A `GET /v1/runs/{id}` body of run_1, as the server writes it.
+fn run_body(status: &str) -> Value {
+    json!({
+        "id": "run_1", "conversationId": "conv_1", "userMessageId": "msg_0", "status": status, "reason": null,
+        "cancelOnDisconnect": false, "cancelRequested": false, "lastSequence": 9,
+        "checkpoint": {"nextStep": "await_interrupt", "iteration": 1, "pendingCallIds": ["call_1"], "conversationVersion": 1},
+        "pendingInterrupt": null,
+        "toolCalls": [{"id": "call_1", "name": "restart_instance", "state": "asking", "summary": null,
+                       "startedAt": null, "finishedAt": null}],
+        "interrupts": [{"id": "int_1", "runId": "run_1", "kind": "confirm_action", "status": "resolved",
+                        "payload": {"title": "Restart pay-prod-2?"}, "callIds": ["call_1"],
+                        "createdAt": "2025-01-01T00:00:00Z", "expiresAt": "2025-01-01T00:15:00Z",
+                        "decision": "approve", "resolvedBy": "alice", "resolvedAt": "2025-01-01T00:01:00Z"}],
+        "createdAt": "2025-01-01T00:00:00Z", "updatedAt": "2025-01-01T00:01:00Z"
+    })
+}
+
+fn resume_answer() -> Value {
+    json!({"runId": "run_1", "interruptId": "int_1", "status": "running", "decision": "approve", "resumedSequence": 10})
+}
+
 #[tokio::test]
 async fn http_methods_send_the_contract_shapes() {
     let server = FakeServer::start(vec![
@@ -394,10 +415,19 @@ async fn http_methods_send_the_contract_shapes() {
             json!({ "id": "conv_1", "title": "troubleshoot payment-api", "createdAt": "2025-01-01T00:00:00Z" }),
         ),
         json_reply(202, json!({ "messageId": "msg_1", "runId": "run_1" })),
-        json_reply(200, json!({ "id": "run_1", "status": "interrupted", "lastSequence": 9 })),
-        json_reply(200, json!({ "runId": "run_1", "status": "running" })),
-        reply(202, "application/json", ""),
-        json_reply(200, json!({ "id": "conv_1", "messages": [] })),
+        json_reply(200, run_body("interrupted")),
+        json_reply(200, resume_answer()),
+        json_reply(200, run_body("cancelled")),
+        json_reply(
+            200,
+            json!({ "id": "conv_1", "userId": "alice", "title": "t", "version": 1, "createdAt": "2025-01-01T00:00:00Z",
+                    "facts": {"service": "payment-api"}, "activeRunId": null, "messages": [] }),
+        ),
+        json_reply(
+            200,
+            json!({"runs": [{"id": "run_1", "conversationId": "conv_1", "status": "completed", "reason": null,
+                             "lastSequence": 12, "createdAt": "2025-01-01T00:00:00Z", "updatedAt": "2025-01-01T00:00:00Z"}]}),
+        ),
     ])
     .await;
     let client = KeelClient::new(&server.base).user("alice");
@@ -411,16 +441,25 @@ async fn http_methods_send_the_contract_shapes() {
     assert_eq!(sent.run_id, run_id());
 
     let run = client.get_run(&sent.run_id).await.unwrap();
-    assert_eq!(run["lastSequence"], 9);
+    assert_eq!(run.last_sequence, 9);
+    assert_eq!(run.status, RunStatus::Interrupted);
+    assert_eq!(run.tool_calls[0].name, "restart_instance");
+    assert_eq!(run.interrupts[0].resolved_by.as_deref(), Some("alice"));
 
     let interrupt = InterruptId::parse("int_1").unwrap();
-    let resumed = client.resume(&sent.run_id, &interrupt, json!("approve"), "resume_int_1_1").await.unwrap();
-    assert_eq!(resumed["status"], "running");
+    let resumed =
+        client.resume_with_key(&sent.run_id, &interrupt, decision::approve(), "resume_int_1_1").await.unwrap();
+    assert_eq!(resumed.status, RunStatus::Running);
+    assert_eq!(resumed.resumed_sequence, 10);
 
-    assert_eq!(client.cancel(&sent.run_id).await.unwrap(), Value::Null, "an empty body is null");
+    assert_eq!(client.cancel(&sent.run_id).await.unwrap().status, RunStatus::Cancelled);
 
     let got = client.get_conversation(&conv.id).await.unwrap();
-    assert_eq!(got["id"], "conv_1");
+    assert_eq!(got.conversation.id, conv.id);
+    assert_eq!(got.facts["service"], "payment-api");
+
+    let runs = client.list_runs(ListRuns { status: Some(RunStatus::Completed), limit: Some(5) }).await.unwrap();
+    assert_eq!(runs.runs[0].last_sequence, 12);
 
     let reqs = server.requests();
     let shapes: Vec<(&str, &str)> = reqs.iter().map(|r| (r.method.as_str(), r.path.as_str())).collect();
@@ -433,17 +472,82 @@ async fn http_methods_send_the_contract_shapes() {
             ("POST", "/v1/runs/run_1/resume"),
             ("POST", "/v1/runs/run_1/cancel"),
             ("GET", "/v1/conversations/conv_1"),
+            ("GET", "/v1/runs?status=completed&limit=5"),
         ]
     );
     assert_eq!(reqs[0].json(), json!({ "title": "troubleshoot payment-api" }));
-    assert_eq!(reqs[1].json(), json!({ "content": "Restart the abnormal instance of payment-api" }));
+    assert_eq!(
+        reqs[1].json(),
+        json!({ "content": "Restart the abnormal instance of payment-api", "cancelOnDisconnect": false })
+    );
     assert_eq!(
         reqs[3].json(),
         json!({ "interruptId": "int_1", "decision": "approve", "idempotencyKey": "resume_int_1_1" })
     );
     for r in &reqs {
         assert_eq!(r.header("x-keel-user"), Some("alice"), "{} {}", r.method, r.path);
+        assert_eq!(r.header("authorization"), None);
     }
+}
+
+#[tokio::test]
+async fn an_api_key_is_sent_as_a_bearer_token_everywhere_and_never_shown() {
+    let server = FakeServer::start(vec![
+        json_reply(200, run_body("completed")),
+        sse(&format!("{}{}", frame(1, "run_started"), frame(2, "done"))),
+    ])
+    .await;
+    let client = KeelClient::new(&server.base).with_api_key("keel_secret_123").unwrap().reconnect_policy(fast());
+    client.get_run(&run_id()).await.unwrap();
+    assert_eq!(sequences(&collect(&client, 0).await), vec![1, 2]);
+    for r in server.requests() {
+        assert_eq!(r.header("authorization"), Some("Bearer keel_secret_123"), "{} {}", r.method, r.path);
+        assert_eq!(r.header("x-keel-user"), None);
+    }
+    let shown = format!("{client:?}");
+    assert!(!shown.contains("keel_secret_123"), "{shown}");
+    assert!(matches!(KeelClient::new(&server.base).with_api_key("a\nb"), Err(ClientError::Protocol(_))));
+}
+
+#[tokio::test]
+async fn resume_makes_its_own_key_and_retries_with_it() {
+    let server = FakeServer::start(vec![
+        error_reply(503, "SHUTTING_DOWN", "draining"),
+        error_reply(409, "IDEMPOTENCY_KEY_IN_FLIGHT", "still processing"),
+        json_reply(200, resume_answer()),
+        json_reply(200, resume_answer()),
+        error_reply(409, "INTERRUPT_ALREADY_RESOLVED", "resolved by another request"),
+    ])
+    .await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+    let interrupt = InterruptId::parse("int_1").unwrap();
+    let accepted = client.resume(&run_id(), &interrupt, decision::approve()).await.unwrap();
+    assert_eq!(accepted.interrupt_id, interrupt);
+    // a second decision is a new request: a new key, and a conflict is not retried
+    client.resume(&run_id(), &interrupt, decision::approve()).await.unwrap();
+    let err = client.resume(&run_id(), &interrupt, decision::reject()).await.unwrap_err();
+    assert_eq!(err.code(), Some("INTERRUPT_ALREADY_RESOLVED"));
+
+    let keys: Vec<String> =
+        server.requests().iter().map(|r| r.json()["idempotencyKey"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(keys.len(), 5, "three tries of the first, one of each other: {keys:?}");
+    assert!(keys[0].starts_with("keel-client-int_1-"), "{keys:?}");
+    assert_eq!(keys[0], keys[1]);
+    assert_eq!(keys[1], keys[2]);
+    assert_ne!(keys[2], keys[3]);
+    assert_ne!(keys[3], keys[4]);
+    let bodies: Vec<Value> = server.requests().iter().map(Request::json).collect();
+    assert_eq!(bodies[0], bodies[2], "a retry sends the same body");
+    assert_eq!(bodies[4]["decision"], "reject");
+}
+
+#[tokio::test]
+async fn resume_gives_up_after_the_bounded_number_of_retries() {
+    let server = FakeServer::start(vec![error_reply(503, "SHUTTING_DOWN", "draining")]).await;
+    let client = KeelClient::new(&server.base).reconnect_policy(ReconnectPolicy { max_attempts: 2, ..fast() });
+    let err = client.resume(&run_id(), &InterruptId::parse("int_1").unwrap(), decision::approve()).await.unwrap_err();
+    assert_eq!(err.code(), Some("SHUTTING_DOWN"));
+    assert_eq!(server.requests().len(), 3);
 }
 
 #[tokio::test]
@@ -475,7 +579,7 @@ async fn api_errors_carry_status_code_and_message() {
     assert!(err.is_retryable());
 
     let interrupt = InterruptId::parse("int_1").unwrap();
-    let err = client.resume(&run_id(), &interrupt, json!({ "select": "a" }), "k").await.unwrap_err();
+    let err = client.resume_with_key(&run_id(), &interrupt, json!({ "select": "a" }), "k").await.unwrap_err();
     assert_eq!(err.code(), Some("INTERRUPT_EXPIRED"));
 }
 
@@ -485,4 +589,20 @@ async fn a_typed_response_of_the_wrong_shape_is_a_decode_error() {
     let client = KeelClient::new(&server.base);
     let err = client.send_message(&ConversationId::parse("conv_1").unwrap(), "hi").await.unwrap_err();
     assert!(matches!(err, ClientError::Decode { .. }), "{err:?}");
+}
+
+#[tokio::test]
+async fn a_read_cut_off_before_its_answer_is_sent_again_but_a_write_is_not() {
+    let cut = Reply { pieces: vec![], hold: false };
+    let server = FakeServer::start(vec![cut.clone(), json_reply(200, run_body("completed"))]).await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+    assert_eq!(client.get_run(&run_id()).await.unwrap().status, RunStatus::Completed);
+    assert_eq!(server.requests().len(), 2);
+
+    // a message sent twice would start two runs: its failure is the caller's to handle
+    let server = FakeServer::start(vec![cut, json_reply(202, json!({ "messageId": "msg_1", "runId": "run_1" }))]).await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+    let err = client.send_message(&ConversationId::parse("conv_1").unwrap(), "hi").await.unwrap_err();
+    assert!(matches!(err, ClientError::Http(_)), "{err:?}");
+    assert_eq!(server.requests().len(), 1);
 }

@@ -215,6 +215,9 @@ pub struct RunView {
     pub run: Run,
     pub pending_interrupt: Option<Interrupt>,
     pub tool_calls: Vec<ToolCall>,
+    /// Every interrupt of the run, oldest first.
+    #[serde(default)]
+    pub interrupts: Vec<Interrupt>,
 }
 
 /// A resume request, after transport-level parsing.
@@ -488,7 +491,8 @@ impl Engine {
         let run = self.run(user_id, run_id).await?;
         let pending_interrupt = self.inner.store.pending_interrupt(run_id).await?;
         let tool_calls = self.inner.store.list_tool_calls(run_id).await?;
-        Ok(RunView { run, pending_interrupt, tool_calls })
+        let interrupts = self.inner.store.list_interrupts(run_id).await?;
+        Ok(RunView { run, pending_interrupt, tool_calls, interrupts })
     }
 
     /// The run's events after `after`, stored then live, until `until`. Check ownership first with

@@ -15,6 +15,7 @@ pub mod model;
 pub mod store;
 pub mod stream;
 pub mod tool;
+pub mod wire;
 
 pub use domain::*;
 pub use event::{Event, EventKind, ToolOutcomeStatus};

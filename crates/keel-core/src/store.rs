@@ -319,4 +319,11 @@ pub trait Store: Send + Sync + 'static {
     async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>>;
     /// Error log entries of `service` in `env` at or after `since`, newest first.
     async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>>;
+
+    // --- run history (`GET /v1/runs`, `keel runs`)
+    /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with
+    /// `status` when given.
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>>;
+    /// Every interrupt of the run, whatever its status, oldest first.
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>>;
 }

@@ -29,6 +29,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get))
         .route("/v1/conversations/{id}/messages", post(conversations::post_message))
+        .route("/v1/runs", get(runs::list))
         .route("/v1/runs/{id}", get(runs::get))
         .route("/v1/runs/{id}/events", get(runs::events))
         .route("/v1/runs/{id}/resume", post(runs::resume))

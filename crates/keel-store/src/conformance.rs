@@ -72,6 +72,8 @@ macro_rules! conformance_tests {
             user_roles,
             api_keys_map_hashes_to_users_until_revoked,
             stream_tickets_are_redeemed_once_before_expiry,
+            runs_are_listed_per_user_newest_first,
+            interrupts_of_a_run_are_listed_with_their_history,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -1453,4 +1455,67 @@ pub async fn stream_tickets_are_redeemed_once_before_expiry(store: SharedStore) 
     // tickets long expired are forgotten when a new one is stored
     store.insert_stream_ticket(&ticket("t4", 10_000), at(5_000)).await.expect("ticket");
     store.insert_stream_ticket(&ticket("t2", 20_000), at(5_000)).await.expect("t2's hash is free again");
+}
+
+// --- run history
+
+pub async fn runs_are_listed_per_user_newest_first(store: SharedStore) {
+    let mut alices = Vec::new();
+    for secs in [10, 30, 20] {
+        let conversation = store.create_conversation("alice", &format!("t{secs}"), at(secs)).await.expect("create");
+        alices.push(start(&store, &conversation, at(secs)).await.run);
+    }
+    let bobs = conversation(&store, "bob").await;
+    let bob_run = start(&store, &bobs, at(40)).await.run;
+    // the run of t20 is cancelled
+    let mut c = Commit::new(alices[2].id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, at(50));
+    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("user".into()) });
+    commit_ok(&store, c).await;
+
+    let ids = |runs: Vec<Run>| runs.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let listed = store.list_runs("alice", None, 10).await.expect("list");
+    assert!(listed.iter().all(|r| r.user_id == "alice"));
+    assert_eq!(ids(listed), vec![alices[1].id.clone(), alices[2].id.clone(), alices[0].id.clone()]);
+    assert_eq!(
+        ids(store.list_runs("alice", None, 2).await.expect("list")),
+        vec![alices[1].id.clone(), alices[2].id.clone()]
+    );
+    assert_eq!(
+        ids(store.list_runs("alice", Some(RunStatus::Queued), 10).await.expect("list")),
+        vec![alices[1].id.clone(), alices[0].id.clone()]
+    );
+    let cancelled = store.list_runs("alice", Some(RunStatus::Cancelled), 10).await.expect("list");
+    assert_eq!(cancelled.len(), 1);
+    assert_eq!(cancelled[0].id, alices[2].id);
+    assert_eq!(cancelled[0].reason.as_deref(), Some("user"));
+    assert!(store.list_runs("alice", Some(RunStatus::Completed), 10).await.expect("list").is_empty());
+    assert_eq!(ids(store.list_runs("bob", None, 10).await.expect("list")), vec![bob_run.id]);
+    assert!(store.list_runs("carol", None, 10).await.expect("list").is_empty());
+}
+
+pub async fn interrupts_of_a_run_are_listed_with_their_history(store: SharedStore) {
+    let (_, run, first) = interrupted(&store, at(300)).await;
+    let (_, other_run, other) = interrupted(&store, at(300)).await;
+
+    // alice approves the first; the run pauses again on a second one
+    let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(400)), at(7));
+    c.run = to(RunStatus::Running);
+    c.interrupt_changes.push(resolve(&first, "alice"));
+    c.events.push(resumed(&first, "alice"));
+    commit_ok(&store, c).await;
+    let second = Interrupt { created_at: at(8), ..interrupt(&run.id, vec![], at(500)) };
+    let mut c = Commit::new(run.id.clone(), lease("w2", at(400)), at(8));
+    c.run = to(RunStatus::Interrupted);
+    c.new_interrupts.push(second.clone());
+    commit_ok(&store, c).await;
+
+    let listed = store.list_interrupts(&run.id).await.expect("list");
+    assert_eq!(listed.iter().map(|i| i.id.clone()).collect::<Vec<_>>(), vec![first.id.clone(), second.id.clone()]);
+    assert_eq!(listed[0].status, InterruptStatus::Resolved);
+    assert_eq!(listed[0].decision, Some(json!("approve")));
+    assert_eq!(listed[0].resolved_by.as_deref(), Some("alice"));
+    assert_eq!(listed[0].resolved_at, Some(at(7)));
+    assert_eq!(listed[1], second);
+    assert_eq!(store.list_interrupts(&other_run.id).await.expect("list"), vec![other]);
+    assert!(store.list_interrupts(&RunId::new()).await.expect("list").is_empty());
 }

@@ -1657,6 +1657,29 @@ impl Store for PostgresStore {
         .map_err(db("list recent errors"))?;
         all(&rows, error_log_from)
     }
+
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE user_id = $1 AND ($2::text IS NULL OR status = $2) \
+             ORDER BY created_at DESC, id DESC LIMIT $3",
+        )
+        .bind(user_id)
+        .bind(status.map(RunStatus::as_str))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list runs"))?;
+        all(&rows, run_from)
+    }
+
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+        let rows = sqlx::query("SELECT * FROM interrupts WHERE run_id = $1 ORDER BY created_at, id")
+            .bind(run_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list interrupts"))?;
+        all(&rows, interrupt_from)
+    }
 }
 
 #[cfg(test)]

@@ -1551,6 +1551,30 @@ impl Store for SqliteStore {
                 .map_err(db("list recent errors"))?;
         all(&rows, error_log_from)
     }
+
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE user_id = ? AND (? IS NULL OR status = ?) \
+             ORDER BY created_at DESC, id DESC LIMIT ?",
+        )
+        .bind(user_id)
+        .bind(status.map(RunStatus::as_str))
+        .bind(status.map(RunStatus::as_str))
+        .bind(i64::from(limit))
+        .fetch_all(&self.reader)
+        .await
+        .map_err(db("list runs"))?;
+        all(&rows, run_from)
+    }
+
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+        let rows = sqlx::query("SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id")
+            .bind(run_id.as_str())
+            .fetch_all(&self.reader)
+            .await
+            .map_err(db("list interrupts"))?;
+        all(&rows, interrupt_from)
+    }
 }
 
 #[cfg(test)]

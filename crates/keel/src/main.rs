@@ -1,6 +1,8 @@
-//! `keel`: serve the API, run the offline demo, or migrate the database.
+//! `keel`: serve the API, run the offline demo, or migrate the database; `chat` and `runs` are the
+//! terminal client of a running server.
 #![forbid(unsafe_code)]
 
+mod client;
 mod config;
 
 use std::process::ExitCode;
@@ -39,7 +41,7 @@ struct Cli {
     options: Options,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
+#[derive(Debug, Clone, Subcommand)]
 enum Command {
     /// Serve the HTTP API (seeds the demo fleet only if the database has none).
     Serve,
@@ -47,6 +49,13 @@ enum Command {
     Demo,
     /// Create or upgrade the database schema, then exit.
     Migrate,
+    /// Chat with a running server in this terminal (see `keel chat --help`).
+    Chat(client::ChatArgs),
+    /// Your runs on a running server: list, show a run's history, watch (reattach to) a run.
+    Runs {
+        #[command(subcommand)]
+        command: client::RunsCommand,
+    },
     /// Manage users and their API keys (in the database `--db` / `--data-dir` names).
     #[command(subcommand)]
     Users(UsersCommand),
@@ -69,7 +78,14 @@ enum UsersCommand {
 }
 
 fn main() -> ExitCode {
-    match try_main() {
+    let cli = Cli::parse();
+    // The client commands talk to a server; they need none of the server's settings.
+    match cli.command {
+        Command::Chat(args) => return client::chat(args),
+        Command::Runs { command } => return client::runs(command),
+        Command::Serve | Command::Demo | Command::Migrate | Command::Users(_) => {}
+    }
+    match try_main(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // The cause chain on one line; no backtrace for a configuration mistake.
@@ -79,8 +95,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn try_main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+fn try_main(cli: Cli) -> anyhow::Result<()> {
     let file = FileConfig::load(cli.options.config.as_deref())?;
     let settings = Settings::resolve(&cli.options, &file)?;
     init_tracing(settings.log_format);
@@ -118,6 +133,7 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
             store.close().await;
             result
         }
+        Command::Chat(_) | Command::Runs { .. } => unreachable!("client commands are dispatched in main"),
     }
 }
 

@@ -6,20 +6,13 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_core::engine::SendMessage;
 use keel_core::stream::Until;
-use serde::Deserialize;
+use keel_core::wire::{CreateConversation, MessageAccepted, PostMessage};
 use serde_json::json;
 
 use crate::error::ApiResult;
 use crate::extract::{accepts, ApiJson, Caller, ConversationPath, OptionalJson, Params, EVENT_STREAM};
 use crate::sse;
 use crate::state::AppState;
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct CreateConversation {
-    #[serde(default)]
-    pub title: Option<String>,
-}
 
 pub async fn create(
     State(state): State<AppState>,
@@ -41,15 +34,6 @@ pub async fn get(
     ConversationPath(id): ConversationPath,
 ) -> ApiResult<Response> {
     Ok(Json(state.engine.conversation_view(&caller.0, &id).await?).into_response())
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct PostMessage {
-    pub content: String,
-    /// Cancel the run when the client streaming it goes away.
-    #[serde(default)]
-    pub cancel_on_disconnect: bool,
 }
 
 /// `202 {messageId, runId}`; with `Accept: text/event-stream` the run's events from the start until
@@ -74,5 +58,5 @@ pub async fn post_message(
     if wait {
         return Ok(Json(super::settle_turn(&state, &caller, &run_id, 0).await?).into_response());
     }
-    Ok((StatusCode::ACCEPTED, Json(json!({"messageId": started.message.id, "runId": run_id}))).into_response())
+    Ok((StatusCode::ACCEPTED, Json(MessageAccepted { message_id: started.message.id, run_id })).into_response())
 }

@@ -6,9 +6,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_core::engine::ResumeRequest;
 use keel_core::stream::Until;
-use keel_core::{InterruptId, TicketScope};
-use serde::Deserialize;
-use serde_json::{json, Value};
+use keel_core::wire::{ResumeBody, RunList, RunSummary};
+use keel_core::{InterruptId, RunStatus, TicketScope};
+use serde_json::json;
 
 use crate::auth::issue_ticket;
 use crate::error::{ApiError, ApiResult};
@@ -16,6 +16,35 @@ use crate::extract::{accepts, cursor, ApiJson, Caller, Params, RunPath, APPLICAT
 use crate::sse;
 use crate::state::AppState;
 use crate::views::RunBody;
+
+/// `GET /v1/runs`: runs listed without `?limit=`, and the most one page may hold.
+const DEFAULT_RUNS: u32 = 20;
+const MAX_RUNS: u32 = 100;
+
+/// The caller's runs, newest first: `?limit=` (1 to 100, default 20), `?status=` (one run status).
+pub async fn list(State(state): State<AppState>, caller: Caller, params: Params) -> ApiResult<Response> {
+    let limit = match params.0.get("limit") {
+        None => DEFAULT_RUNS,
+        Some(raw) => match raw.parse::<u32>() {
+            Ok(n) if (1..=MAX_RUNS).contains(&n) => n,
+            _ => {
+                return Err(ApiError::bad_request(
+                    "INVALID_QUERY",
+                    format!("limit: must be an integer from 1 to {MAX_RUNS}"),
+                ))
+            }
+        },
+    };
+    let status = match params.0.get("status") {
+        None => None,
+        Some(raw) => Some(RunStatus::parse(raw).ok_or_else(|| {
+            let all: Vec<&str> = RunStatus::ALL.iter().map(|s| s.as_str()).collect();
+            ApiError::bad_request("INVALID_QUERY", format!("status: must be one of {}", all.join(", ")))
+        })?),
+    };
+    let runs = state.engine.store().list_runs(&caller.0, status, limit).await?;
+    Ok(Json(RunList { runs: runs.into_iter().map(RunSummary::from).collect() }).into_response())
+}
 
 pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
     let view = state.engine.run_view(&caller.0, &id).await?;
@@ -74,16 +103,6 @@ pub async fn stream_ticket(State(state): State<AppState>, caller: Caller, RunPat
         "url": format!("/v1/runs/{id}/events?ticket={}", ticket.secret),
     });
     Ok((StatusCode::CREATED, Json(body)).into_response())
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ResumeBody {
-    pub interrupt_id: String,
-    #[serde(default)]
-    pub decision: Option<Value>,
-    #[serde(default)]
-    pub idempotency_key: Option<String>,
 }
 
 /// The engine's `ResumeAccepted`; with `Accept: text/event-stream` the run's events from `resumed`

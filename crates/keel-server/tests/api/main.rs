@@ -5,6 +5,7 @@ mod common;
 
 mod docs;
 mod errors;
+mod history;
 mod hitl;
 mod security;
 mod streams;

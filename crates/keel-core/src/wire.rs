@@ -1,0 +1,168 @@
+//! The JSON bodies of the HTTP API (v1) that are not a domain record as it is, shared by the server
+//! (`keel-server`, which serializes them) and the client (`keel-client`, which deserializes them),
+//! so both sides agree by construction. Shapes follow DESIGN.md, "The contract, by example": fields
+//! may be added (with `#[serde(default)]`, so an older server still decodes); none may be renamed.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::domain::{Checkpoint, Interrupt, Message, Run, RunStatus, Timestamp, ToolCallState};
+use crate::engine::RunView;
+use crate::ids::{CallId, ConversationId, MessageId, RunId};
+
+// --- requests
+
+/// `POST /v1/conversations` (an empty body is fine).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreateConversation {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub title: Option<String>,
+}
+
+/// `POST /v1/conversations/{id}/messages`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PostMessage {
+    pub content: String,
+    /// Cancel the run when the client streaming it goes away.
+    #[serde(default)]
+    pub cancel_on_disconnect: bool,
+}
+
+/// `POST /v1/runs/{id}/resume`. Loosely typed on purpose: the server validates each field itself so
+/// that a bad one gets its own 422 message, not a generic decoding error.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ResumeBody {
+    pub interrupt_id: String,
+    /// `"approve"`, `"reject"`, `{"edit": {callId: args}}`, `{"calls": {…}}`, `{"select": …}`,
+    /// `{"provide": …}`.
+    #[serde(default)]
+    pub decision: Option<Value>,
+    /// May come from an `Idempotency-Key` header instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
+}
+
+// --- responses
+
+/// `POST /v1/conversations/{id}/messages` → 202.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MessageAccepted {
+    pub message_id: MessageId,
+    pub run_id: RunId,
+}
+
+/// `GET /v1/runs/{id}`: what a refreshed page needs, and the run's history of decisions. Never a
+/// tool's full result.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunBody {
+    pub id: RunId,
+    pub conversation_id: ConversationId,
+    pub user_message_id: MessageId,
+    pub status: RunStatus,
+    pub reason: Option<String>,
+    pub cancel_on_disconnect: bool,
+    pub cancel_requested: bool,
+    pub last_sequence: i64,
+    pub checkpoint: Checkpoint,
+    pub pending_interrupt: Option<Interrupt>,
+    pub tool_calls: Vec<ToolCallBody>,
+    /// Every interrupt of the run, oldest first, with its status, decision, `resolvedBy` and
+    /// `resolvedAt`: who decided what, when.
+    #[serde(default)]
+    pub interrupts: Vec<Interrupt>,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ToolCallBody {
+    pub id: CallId,
+    pub name: String,
+    pub state: ToolCallState,
+    pub summary: Option<String>,
+    pub started_at: Option<Timestamp>,
+    pub finished_at: Option<Timestamp>,
+}
+
+impl From<RunView> for RunBody {
+    fn from(view: RunView) -> Self {
+        let RunView { run, pending_interrupt, tool_calls, interrupts } = view;
+        Self {
+            last_sequence: run.last_sequence(),
+            id: run.id,
+            conversation_id: run.conversation_id,
+            user_message_id: run.user_message_id,
+            status: run.status,
+            reason: run.reason,
+            cancel_on_disconnect: run.cancel_on_disconnect,
+            cancel_requested: run.cancel_requested,
+            checkpoint: run.checkpoint,
+            pending_interrupt,
+            tool_calls: tool_calls
+                .into_iter()
+                .map(|c| ToolCallBody {
+                    id: c.id,
+                    name: c.name,
+                    state: c.state,
+                    summary: c.summary,
+                    started_at: c.started_at,
+                    finished_at: c.finished_at,
+                })
+                .collect(),
+            interrupts,
+            created_at: run.created_at,
+            updated_at: run.updated_at,
+        }
+    }
+}
+
+/// `?wait=true`: the turn once its run paused or ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnBody {
+    pub run: RunBody,
+    /// The run's last assistant message, if it wrote one.
+    pub message: Option<Message>,
+    /// The decision the run waits for, if it paused.
+    pub interrupt: Option<Interrupt>,
+}
+
+/// `GET /v1/runs`: the caller's runs, newest first.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunList {
+    pub runs: Vec<RunSummary>,
+}
+
+/// One run of `GET /v1/runs`: its state, without checkpoint, calls or interrupts.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunSummary {
+    pub id: RunId,
+    pub conversation_id: ConversationId,
+    pub status: RunStatus,
+    pub reason: Option<String>,
+    pub last_sequence: i64,
+    pub created_at: Timestamp,
+    pub updated_at: Timestamp,
+}
+
+impl From<Run> for RunSummary {
+    fn from(run: Run) -> Self {
+        Self {
+            last_sequence: run.last_sequence(),
+            id: run.id,
+            conversation_id: run.conversation_id,
+            status: run.status,
+            reason: run.reason,
+            created_at: run.created_at,
+            updated_at: run.updated_at,
+        }
+    }
+}

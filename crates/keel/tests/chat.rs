@@ -1,0 +1,227 @@
+//! `keel chat` and `keel runs` as a person uses them: `keel chat` in a real pseudo-terminal (so it
+//! draws its spinner and Ctrl-C is a real SIGINT from the terminal), against the real `keel serve`.
+
+mod support;
+
+use std::process::{Command, Stdio};
+
+use keel_client::{KeelClient, ListRuns};
+use keel_core::{RunId, RunStatus};
+use rexpect::process::WaitStatus;
+use rexpect::session::PtySession;
+use serde_json::Value;
+
+use support::{eventually, keel, Server, DEADLINE};
+
+/// rexpect hands bytes over one by one as `char`s; these match and read UTF-8 text through that.
+fn latin1(text: &str) -> String {
+    text.bytes().map(char::from).collect()
+}
+
+fn utf8(seen: &str) -> String {
+    String::from_utf8_lossy(&seen.chars().map(|c| c as u8).collect::<Vec<u8>>()).into_owned()
+}
+
+/// `keel chat --server URL` in a pseudo-terminal.
+fn chat(server: &Server) -> Chat {
+    let mut cmd = keel();
+    cmd.args(["chat", "--server", &server.url()]);
+    Chat(rexpect::session::spawn_command(cmd, Some(DEADLINE.as_millis() as u64)).expect("spawn keel chat in a pty"))
+}
+
+struct Chat(PtySession);
+
+impl Chat {
+    /// Reads up to and including `needle`; returns what came before it.
+    fn expect(&mut self, needle: &str) -> String {
+        match self.0.exp_string(&latin1(needle)) {
+            Ok(before) => utf8(&before),
+            Err(e) => panic!("keel chat never printed {needle:?}: {e}"),
+        }
+    }
+
+    fn type_line(&mut self, line: &str) {
+        self.0.send_line(line).expect("type a line");
+    }
+
+    fn exit_code(&mut self) -> i32 {
+        self.0.exp_eof().expect("keel chat exits");
+        match self.0.process().wait().expect("wait for keel chat") {
+            WaitStatus::Exited(_, code) => code,
+            other => panic!("keel chat did not exit normally: {other:?}"),
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+}
+
+async fn instance(server: &Server, id: &str) -> Value {
+    let fleet: Value = reqwest::get(format!("{}/v1/demo/instances", server.url())).await.unwrap().json().await.unwrap();
+    fleet.as_array().unwrap().iter().find(|i| i["id"] == id).cloned().expect("the instance")
+}
+
+/// `keel runs …` with stdin closed and stdout a pipe: its exit code and output.
+fn runs(server: &Server, args: &[&str]) -> (i32, String) {
+    let output = keel()
+        .arg("runs")
+        .args(args)
+        .args(["--server", &server.url()])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run keel runs");
+    (output.status.code().unwrap_or(-1), String::from_utf8(output.stdout).expect("UTF-8"))
+}
+
+async fn only_run(keel: &KeelClient) -> RunId {
+    let list = keel.list_runs(ListRuns::default()).await.unwrap();
+    assert_eq!(list.runs.len(), 1, "{list:?}");
+    list.runs[0].id.clone()
+}
+
+#[test]
+fn chat_asks_before_the_restart_and_restarts_once_after_y() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), 2);
+    let rt = runtime();
+    assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 0);
+
+    let mut chat = chat(&server);
+    chat.expect("you> ");
+    chat.type_line("Restart the abnormal instance of payment-api");
+    // a tool step on a terminal: a spinner, then the outcome
+    chat.expect("⠋ find_abnormal_instances");
+    chat.expect("✓ find_abnormal_instances: pay-prod-2 is abnormal");
+    let card = chat.expect("Restart pay-prod-2? [y/N/e(dit)] ");
+    assert!(card.contains("restart_instance {\"instanceId\":\"pay-prod-2\"}"), "{card}");
+    assert!(!card.contains("restarted"), "nothing ran before the answer: {card}");
+    chat.type_line("y");
+    chat.expect("approved by demo");
+    chat.expect("⠋ restart_instance instanceId=pay-prod-2");
+    chat.expect("✓ restart_instance: restarted pay-prod-2 (restart #1)");
+    let answer = chat.expect("you> ");
+    assert!(answer.contains("Restarted pay-prod-2. It is healthy now (restart count 1)."), "{answer}");
+    chat.0.send_control('d').unwrap();
+    assert_eq!(chat.exit_code(), 0);
+
+    let keel = KeelClient::new(server.url());
+    let pay2 = rt.block_on(instance(&server, "pay-prod-2"));
+    assert_eq!(pay2["restartCount"], 1, "{pay2}");
+    assert_eq!(pay2["status"], "healthy");
+
+    // the history says who approved what, and when
+    let run_id = rt.block_on(only_run(&keel));
+    let (code, shown) = runs(&server, &["show", run_id.as_str()]);
+    assert_eq!(code, 0, "{shown}");
+    assert!(shown.starts_with(&format!("Run {run_id}: completed\n")), "{shown}");
+    assert!(shown.contains("restart_instance succeeded: restarted pay-prod-2 (restart #1)"), "{shown}");
+    let run = rt.block_on(keel.get_run(&run_id)).unwrap();
+    let resolved_at = run.interrupts[0].resolved_at.unwrap().format("%Y-%m-%d %H:%M:%S UTC").to_string();
+    assert!(
+        shown.contains(&format!(
+            "Restart pay-prod-2? (restart_instance {{\"instanceId\":\"pay-prod-2\"}}): approved by demo at {resolved_at}"
+        )),
+        "{shown}"
+    );
+
+    let (code, listed) = runs(&server, &["list", "--status", "completed"]);
+    assert_eq!(code, 0);
+    assert!(listed.lines().nth(1).unwrap().starts_with(&format!("{run_id} ")), "{listed}");
+    assert!(listed.contains(" completed "), "{listed}");
+    let (code, listed) = runs(&server, &["list", "--status", "interrupted"]);
+    assert_eq!((code, listed.as_str()), (0, "No runs.\n"));
+}
+
+#[test]
+fn edit_resumes_with_the_edited_arguments() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), 1);
+    let mut chat = chat(&server);
+    chat.expect("you> ");
+    chat.type_line("Restart the abnormal instance of payment-api");
+    chat.expect("[y/N/e(dit)] ");
+    chat.type_line("maybe");
+    chat.expect("answer y (approve), n (reject, the default) or e (edit the arguments)");
+    chat.expect("[y/N/e(dit)] ");
+    chat.type_line("e");
+    chat.expect("restart_instance arguments (JSON; empty keeps {\"instanceId\":\"pay-prod-2\"}): ");
+    chat.type_line("[\"not an object\"]");
+    chat.expect("the arguments must be a JSON object");
+    chat.expect("restart_instance arguments (JSON; empty keeps");
+    chat.type_line("{\"instanceId\": \"pay-prod-2\"}");
+    chat.expect("approved with edited arguments");
+    chat.expect("✓ restart_instance: restarted pay-prod-2 (restart #1)");
+    chat.expect("you> ");
+    chat.0.send_control('d').unwrap();
+    assert_eq!(chat.exit_code(), 0);
+
+    let rt = runtime();
+    let keel = KeelClient::new(server.url());
+    let run = rt.block_on(keel.get_run(&rt.block_on(only_run(&keel)))).unwrap();
+    assert!(run.interrupts[0].decision.as_ref().unwrap().get("edit").is_some(), "{:?}", run.interrupts);
+    assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 1);
+}
+
+#[test]
+fn ctrl_c_detaches_the_run_goes_on_and_runs_watch_shows_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    // 60 ms a word: the answer streams for more than a second after its tool step
+    let server = Server::start(dir.path(), 60);
+    let mut chat = chat(&server);
+    chat.expect("you> ");
+    chat.type_line("Look at the recent errors of payment-api");
+    let before = chat.expect("✓ get_recent_errors:");
+    chat.0.send_control('c').unwrap();
+    let streamed = chat.expect("Reattach with: keel runs watch ");
+    let (_, run_id) = chat.0.exp_regex("run_[0-9a-f]+").expect("the run id");
+    let run_id = RunId::parse(&run_id).unwrap();
+    assert!(streamed.contains(&format!("Detached from {run_id}; the run goes on")), "{streamed}");
+    assert_eq!(chat.exit_code(), 130);
+
+    // the run was not cancelled: it finishes on its own
+    let rt = runtime();
+    let keel = KeelClient::new(server.url());
+    let run = rt.block_on(eventually("the detached run to finish", || async {
+        let run = keel.get_run(&run_id).await.unwrap();
+        run.status.is_terminal().then_some(run)
+    }));
+    assert_eq!(run.status, RunStatus::Completed, "{run:?}");
+    let conversation = rt.block_on(keel.get_conversation(&run.conversation_id)).unwrap();
+    let answer = conversation.messages.last().unwrap().content.clone();
+    assert!(answer.starts_with("payment-api in prod had 12 5xx errors"), "{answer}");
+    let chat_saw = format!("{before}{streamed}");
+    assert!(!chat_saw.contains(answer.as_str()), "the chat detached before the answer ended: {chat_saw}");
+
+    // reattach: the whole story again, then the end
+    let (code, watched) = runs(&server, &["watch", run_id.as_str()]);
+    assert_eq!(code, 0, "{watched}");
+    assert!(watched.starts_with(&format!("Run {run_id} (completed), from its first event:\n")), "{watched}");
+    assert!(watched.contains("… get_recent_errors"), "no spinner off a terminal: {watched}");
+    assert!(!watched.contains('⠋'), "{watched}");
+    assert!(watched.contains(&answer), "{watched}");
+    assert!(watched.ends_with(&format!("Run {run_id} completed.\n")), "{watched}");
+}
+
+#[test]
+fn runs_commands_refuse_bad_input_with_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), 1);
+    for (args, needle) in [
+        (vec!["show", "nope"], "`nope` is not a run id"),
+        (vec!["watch", "run_0123"], "RUN_NOT_FOUND"),
+        (vec!["list", "--status", "done"], "--status: expected one of queued"),
+        (vec!["list", "--limit", "0"], "INVALID_QUERY"),
+    ] {
+        let output =
+            keel().arg("runs").args(&args).args(["--server", &server.url()]).stdin(Stdio::null()).output().unwrap();
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+    let output = Command::new(support::KEEL).args(["chat", "--server", "localhost:1"]).output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&output.stderr).contains("--server: expected an http:// or https:// URL"));
+}

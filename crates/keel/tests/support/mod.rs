@@ -1,0 +1,91 @@
+//! The real `keel serve` as a child process on a free port, over a SQLite file in a directory the
+//! test owns; and waiting for a condition with a deadline instead of sleeping.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const KEEL: &str = env!("CARGO_BIN_EXE_keel");
+
+/// How long any one wait in a test may take before it fails.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// `keel` with no `KEEL_…` settings from the environment of the test run.
+pub fn keel() -> Command {
+    let mut cmd = Command::new(KEEL);
+    cmd.env("RUST_LOG", "warn");
+    for (key, _) in std::env::vars() {
+        if key.starts_with("KEEL_") {
+            cmd.env_remove(key);
+        }
+    }
+    cmd
+}
+
+/// A running `keel serve`; killed when dropped.
+pub struct Server {
+    child: Child,
+    pub addr: String,
+    pub data_dir: PathBuf,
+}
+
+impl Server {
+    /// `keel serve` on 127.0.0.1:0 with the demo model pausing `demo_delay_ms` before each word.
+    /// Returns once it listens (its banner is printed after the bind).
+    pub fn start(data_dir: &Path, demo_delay_ms: u64) -> Self {
+        let mut child = keel()
+            .args(["serve", "--listen", "127.0.0.1:0", "--demo-delay-ms", &demo_delay_ms.to_string()])
+            .arg("--data-dir")
+            .arg(data_dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn keel serve");
+        let mut banner = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut banner).expect("banner");
+        let addr = banner
+            .trim()
+            .strip_prefix("Keel listening on http://")
+            .and_then(|rest| rest.strip_suffix('/'))
+            .unwrap_or_else(|| panic!("unexpected banner {banner:?}"))
+            .to_owned();
+        Self { child, addr, data_dir: data_dir.to_owned() }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// SIGKILL: no graceful shutdown, no lease released — a crash.
+    pub fn kill(mut self) {
+        self.child.kill().expect("kill keel serve");
+        self.child.wait().expect("reap keel serve");
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `check` until it returns `Some`, failing after [`DEADLINE`].
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let start = Instant::now();
+    loop {
+        if let Some(value) = check().await {
+            return value;
+        }
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
