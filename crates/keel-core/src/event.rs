@@ -58,7 +58,12 @@ pub struct GraphEdge {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
 pub enum EventKind {
-    RunStarted { conversation_id: crate::ids::ConversationId },
+    RunStarted {
+        conversation_id: crate::ids::ConversationId,
+        /// The run's W3C trace id: its spans (and the log lines inside them) carry it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        trace_id: Option<String>,
+    },
     GraphTopology { nodes: Vec<GraphNode>, edges: Vec<GraphEdge> },
     NodeStarted { node: String },
     NodeFinished { node: String, duration_ms: u64 },
