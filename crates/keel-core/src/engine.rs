@@ -402,6 +402,11 @@ impl Engine {
         self.inner.shutting_down.load(Ordering::SeqCst)
     }
 
+    /// Events the bus failed to fan out (see [`Bus::dropped_events`]).
+    pub fn bus_dropped_events(&self) -> u64 {
+        self.inner.bus.dropped_events()
+    }
+
     /// Workers currently driving a run in this process.
     pub fn active_workers(&self) -> usize {
         let mut workers = self.inner.workers.lock().unwrap_or_else(|e| e.into_inner());

@@ -4,6 +4,7 @@
 
 pub mod error;
 pub mod extract;
+pub mod metrics;
 pub mod page;
 pub mod routes;
 pub mod sse;
@@ -19,13 +20,15 @@ use tower_http::trace::{DefaultMakeSpan, DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use error::{ApiError, ApiResult};
+pub use metrics::ServerMetrics;
 pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
-    use routes::{conversations, demo, health, runs};
+    use routes::{conversations, demo, health, metrics, runs};
     let mut router = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/metrics", get(metrics::metrics))
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get))
         .route("/v1/conversations/{id}/messages", post(conversations::post_message))

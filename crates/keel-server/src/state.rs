@@ -6,6 +6,8 @@ use std::time::Duration;
 use keel_core::engine::Engine;
 use tokio::sync::watch;
 
+use crate::metrics::ServerMetrics;
+
 /// The HTTP layer's settings. The engine's own settings live in `keel_core::engine::EngineConfig`.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -74,11 +76,22 @@ impl Shutdown {
 pub struct AppState {
     pub engine: Arc<Engine>,
     pub config: Arc<ServerConfig>,
+    /// The Prometheus registry of `GET /metrics`. Transports count their connections here
+    /// ([`ServerMetrics::connection_opened`]).
+    pub metrics: ServerMetrics,
     pub(crate) shutdown: Shutdown,
 }
 
 impl AppState {
+    /// With a registry of its own, which sees only what the transports count; give the engine's
+    /// with [`AppState::with_metrics`] to serve the engine's measurements too.
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
-        Self { engine, config: Arc::new(config), shutdown: Shutdown::new() }
+        Self { engine, config: Arc::new(config), metrics: ServerMetrics::new(), shutdown: Shutdown::new() }
+    }
+
+    /// Serves `metrics`: the registry whose [`ServerMetrics::recorder`] the engine was built with.
+    pub fn with_metrics(mut self, metrics: ServerMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 }

@@ -18,7 +18,7 @@ use keel_core::model::Model;
 use keel_core::store::Store;
 use keel_core::UserRole;
 use keel_models::{DemoModel, OpenAiCompatible};
-use keel_server::{AppState, ServerConfig};
+use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
 
@@ -162,7 +162,8 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     } else {
         StoreClock::start(store.clone(), Duration::from_secs(30)).await.context("reading the database clock")?
     };
-    let mut engine_config = EngineConfig::default();
+    let metrics = ServerMetrics::new();
+    let mut engine_config = EngineConfig { metrics: metrics.recorder(), ..EngineConfig::default() };
     if let Some(id) = &settings.instance_id {
         engine_config.instance_id = id.clone();
     }
@@ -203,7 +204,7 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
         demo_abnormal: settings.demo_abnormal,
         ..ServerConfig::default()
     };
-    let state = AppState::new(engine.clone(), server_config);
+    let state = AppState::new(engine.clone(), server_config).with_metrics(metrics);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {

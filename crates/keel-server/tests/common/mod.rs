@@ -18,7 +18,7 @@ use keel_core::fleet::FleetSeed;
 use keel_core::store::Store;
 use keel_core::{Event, UserRole};
 use keel_models::DemoModel;
-use keel_server::{AppState, ServerConfig};
+use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::SqliteStore;
 use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, CONTENT_TYPE};
 use reqwest::StatusCode;
@@ -60,6 +60,8 @@ pub struct TestApp {
     pub client: reqwest::Client,
     pub engine: Arc<Engine>,
     pub store: Arc<dyn Store>,
+    /// The registry `GET /metrics` serves (the engine records into it).
+    pub metrics: ServerMetrics,
     stop: Option<oneshot::Sender<()>>,
     _dir: TempDir,
 }
@@ -85,6 +87,7 @@ impl TestApp {
             Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.expect("open the store"));
         store.seed_fleet(FleetSeed { extra_abnormal: 0 }, chrono::Utc::now()).await.expect("seed");
         store.set_user_role("demo", UserRole::Operator).await.expect("demo is an operator");
+        let metrics = ServerMetrics::new();
         let engine = Arc::new(Engine::new(
             EngineParts {
                 store: store.clone(),
@@ -98,6 +101,7 @@ impl TestApp {
                 interrupt_ttl: options.interrupt_ttl,
                 sweep_interval: Duration::from_millis(50),
                 poll_interval: Duration::from_millis(200),
+                metrics: metrics.recorder(),
                 ..EngineConfig::default()
             },
         ));
@@ -111,7 +115,7 @@ impl TestApp {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let state = AppState::new(engine.clone(), config);
+        let state = AppState::new(engine.clone(), config).with_metrics(metrics.clone());
         tokio::spawn(keel_server::serve(listener, state, async move {
             let _ = stopped.await;
         }));
@@ -121,6 +125,7 @@ impl TestApp {
             client: reqwest::Client::new(),
             engine,
             store,
+            metrics,
             stop: Some(stop),
             _dir: dir,
         }
