@@ -6,4 +6,5 @@ mod common;
 mod docs;
 mod errors;
 mod hitl;
+mod metrics;
 mod streams;
