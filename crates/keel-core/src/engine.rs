@@ -1038,11 +1038,7 @@ impl Inner {
             Lease::Acquire(from) => (inner.lease_token(), Some(from)),
         };
         let cancel_signal = Arc::new(tokio::sync::Notify::new());
-        inner
-            .cancel_signals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(run_id.clone(), cancel_signal.clone());
+        inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
         let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
         let mut worker = Worker { inner: inner.clone(), run, owner, acquire, cancel_signal };
         let outcome = match worker.drive().await {
@@ -1325,7 +1321,9 @@ impl Worker {
     }
 
     /// The model's input for this step; `None` if the run was cancelled meanwhile.
-    async fn assemble_context(&mut self) -> Result<Option<(ModelRequest, Option<crate::domain::Summary>)>, WorkerError> {
+    async fn assemble_context(
+        &mut self,
+    ) -> Result<Option<(ModelRequest, Option<crate::domain::Summary>)>, WorkerError> {
         let store = self.store().clone();
         let conv = &self.run.conversation_id;
         let messages = store.list_messages(conv).await?;

@@ -64,19 +64,61 @@ pub enum EventKind {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         trace_id: Option<String>,
     },
-    GraphTopology { nodes: Vec<GraphNode>, edges: Vec<GraphEdge> },
-    NodeStarted { node: String },
-    NodeFinished { node: String, duration_ms: u64 },
-    TextDelta { message_id: MessageId, delta: String },
-    ToolStarted { call_id: CallId, tool: String, args_summary: String },
-    ToolFinished { call_id: CallId, tool: String, status: ToolOutcomeStatus, summary: String },
-    FactsUpdated { facts: FactMap },
-    Interrupt { interrupt_id: InterruptId, kind: InterruptKind, payload: Value, expires_at: Timestamp },
-    Resumed { interrupt_id: InterruptId, decision: Value, human_wait_ms: u64, resolved_by: String },
-    TextDiscarded { message_id: MessageId, reason: String },
-    Done { message_id: Option<MessageId> },
-    Error { code: String, message: String },
-    Cancelled { reason: String },
+    GraphTopology {
+        nodes: Vec<GraphNode>,
+        edges: Vec<GraphEdge>,
+    },
+    NodeStarted {
+        node: String,
+    },
+    NodeFinished {
+        node: String,
+        duration_ms: u64,
+    },
+    TextDelta {
+        message_id: MessageId,
+        delta: String,
+    },
+    ToolStarted {
+        call_id: CallId,
+        tool: String,
+        args_summary: String,
+    },
+    ToolFinished {
+        call_id: CallId,
+        tool: String,
+        status: ToolOutcomeStatus,
+        summary: String,
+    },
+    FactsUpdated {
+        facts: FactMap,
+    },
+    Interrupt {
+        interrupt_id: InterruptId,
+        kind: InterruptKind,
+        payload: Value,
+        expires_at: Timestamp,
+    },
+    Resumed {
+        interrupt_id: InterruptId,
+        decision: Value,
+        human_wait_ms: u64,
+        resolved_by: String,
+    },
+    TextDiscarded {
+        message_id: MessageId,
+        reason: String,
+    },
+    Done {
+        message_id: Option<MessageId>,
+    },
+    Error {
+        code: String,
+        message: String,
+    },
+    Cancelled {
+        reason: String,
+    },
 }
 
 impl EventKind {

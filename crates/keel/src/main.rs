@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 mod config;
+mod telemetry;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -22,7 +23,7 @@ use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
 
-use crate::config::{BusChoice, Database, FileConfig, LogFormat, ModelChoice, Options, Settings};
+use crate::config::{BusChoice, Database, FileConfig, ModelChoice, Options, Settings};
 
 /// The user the demo page acts as; an operator, so it may approve restarts.
 const DEMO_USER: &str = "demo";
@@ -63,22 +64,14 @@ fn try_main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let file = FileConfig::load(cli.options.config.as_deref())?;
     let settings = Settings::resolve(&cli.options, &file)?;
-    init_tracing(settings.log_format);
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?
-        .block_on(run(cli.command, settings))
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
+    let telemetry = telemetry::init(settings.log_format, settings.otlp_endpoint.as_ref())?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let result = runtime.block_on(run(cli.command, settings));
+    drop(runtime);
+    // After the runtime: the spans of the last runs are sent before the process exits.
+    telemetry.shutdown();
+    result
 }
 
 async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
@@ -180,6 +173,8 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
                 (BusChoice::Redis(_), false) => Duration::from_secs(3),
                 (BusChoice::Local, false) => Duration::from_secs(1),
             },
+            // Exported traces: every worker of a run joins the run's trace.
+            run_span_hook: settings.otlp_endpoint.is_some().then(telemetry::run_span_hook),
             context: keel_core::context::ContextConfig {
                 // A real model writes the summary of earlier turns; the demo model keeps the
                 // deterministic extractive one.
@@ -227,7 +222,7 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     } else {
         println!("Keel listening on http://{addr}/");
     }
-    tracing::info!(%addr, demo_mode, "serving");
+    tracing::info!(%addr, demo_mode, otlp = ?settings.otlp_endpoint, "serving");
 
     let mut server = tokio::spawn(keel_server::serve(listener, state, stopped()));
     tokio::select! {

@@ -42,7 +42,8 @@ impl Scrape {
             assert!(name.starts_with("keel_"), "every metric is prefixed: {line}");
             assert!(
                 families.iter().any(|f| name == f
-                    || [f.to_owned() + "_bucket", f.to_owned() + "_sum", f.to_owned() + "_count"].contains(&name.into())),
+                    || [f.to_owned() + "_bucket", f.to_owned() + "_sum", f.to_owned() + "_count"]
+                        .contains(&name.into())),
                 "{name} has no # TYPE line"
             );
             samples.insert((name.to_owned(), labels), value);
