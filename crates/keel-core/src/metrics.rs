@@ -83,7 +83,9 @@ impl fmt::Debug for Metrics {
 /// drives the run — before and after a pause, on any instance — shows in one trace. `tracing`
 /// alone has no notion of a trace id; without a hook the id is only a span field and a log field.
 #[derive(Clone)]
-pub struct RunSpanHook(Arc<dyn Fn(&tracing::Span, &str) + Send + Sync>);
+pub struct RunSpanHook(Arc<SpanHookFn>);
+
+type SpanHookFn = dyn Fn(&tracing::Span, &str) + Send + Sync;
 
 impl RunSpanHook {
     pub fn new(hook: impl Fn(&tracing::Span, &str) + Send + Sync + 'static) -> Self {
