@@ -55,70 +55,25 @@ pub struct GraphEdge {
     pub to: String,
 }
 
+/// The fields of each event type (docs/events.md). `RunStarted::trace_id` is the run's W3C trace
+/// id: its spans, and the log lines written inside them, carry it (`None` for older runs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
 pub enum EventKind {
-    RunStarted {
-        conversation_id: crate::ids::ConversationId,
-        /// The run's W3C trace id: its spans (and the log lines inside them) carry it.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        trace_id: Option<String>,
-    },
-    GraphTopology {
-        nodes: Vec<GraphNode>,
-        edges: Vec<GraphEdge>,
-    },
-    NodeStarted {
-        node: String,
-    },
-    NodeFinished {
-        node: String,
-        duration_ms: u64,
-    },
-    TextDelta {
-        message_id: MessageId,
-        delta: String,
-    },
-    ToolStarted {
-        call_id: CallId,
-        tool: String,
-        args_summary: String,
-    },
-    ToolFinished {
-        call_id: CallId,
-        tool: String,
-        status: ToolOutcomeStatus,
-        summary: String,
-    },
-    FactsUpdated {
-        facts: FactMap,
-    },
-    Interrupt {
-        interrupt_id: InterruptId,
-        kind: InterruptKind,
-        payload: Value,
-        expires_at: Timestamp,
-    },
-    Resumed {
-        interrupt_id: InterruptId,
-        decision: Value,
-        human_wait_ms: u64,
-        resolved_by: String,
-    },
-    TextDiscarded {
-        message_id: MessageId,
-        reason: String,
-    },
-    Done {
-        message_id: Option<MessageId>,
-    },
-    Error {
-        code: String,
-        message: String,
-    },
-    Cancelled {
-        reason: String,
-    },
+    RunStarted { conversation_id: crate::ids::ConversationId, trace_id: Option<String> },
+    GraphTopology { nodes: Vec<GraphNode>, edges: Vec<GraphEdge> },
+    NodeStarted { node: String },
+    NodeFinished { node: String, duration_ms: u64 },
+    TextDelta { message_id: MessageId, delta: String },
+    ToolStarted { call_id: CallId, tool: String, args_summary: String },
+    ToolFinished { call_id: CallId, tool: String, status: ToolOutcomeStatus, summary: String },
+    FactsUpdated { facts: FactMap },
+    Interrupt { interrupt_id: InterruptId, kind: InterruptKind, payload: Value, expires_at: Timestamp },
+    Resumed { interrupt_id: InterruptId, decision: Value, human_wait_ms: u64, resolved_by: String },
+    TextDiscarded { message_id: MessageId, reason: String },
+    Done { message_id: Option<MessageId> },
+    Error { code: String, message: String },
+    Cancelled { reason: String },
 }
 
 impl EventKind {
