@@ -209,6 +209,10 @@ impl RedisBus {
 }
 
 impl Bus for RedisBus {
+    fn dropped_events(&self) -> u64 {
+        self.dropped_count()
+    }
+
     fn publish(&self, events: &[Event]) {
         if events.is_empty() {
             return;

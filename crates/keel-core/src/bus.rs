@@ -19,6 +19,11 @@ pub trait Bus: Send + Sync + 'static {
     /// lags): readers subscribe before they read the store and rely on that to see no gap. A shared
     /// bus therefore starts reading no later than the call (duplicates are fine; readers drop them).
     fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Event>;
+    /// Events this bus failed to fan out since it started (a shared bus that was unreachable or
+    /// full); readers found them in the store instead. Read by the metrics endpoint.
+    fn dropped_events(&self) -> u64 {
+        0
+    }
 }
 
 /// One process: a bounded broadcast channel per run with live subscribers.

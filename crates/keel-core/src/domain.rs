@@ -278,6 +278,10 @@ pub struct Checkpoint {
     /// The last assistant message with text: what `done` points at.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub answer_message_id: Option<MessageId>,
+    /// The run's trace id (also on `run_started`): every worker that continues the run joins its
+    /// spans to this trace. Set by the first worker.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub trace_id: Option<String>,
 }
 
 impl Checkpoint {
@@ -289,6 +293,7 @@ impl Checkpoint {
             conversation_version,
             streaming_message_id: None,
             answer_message_id: None,
+            trace_id: None,
         }
     }
 }

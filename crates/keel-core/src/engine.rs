@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use tokio::task::JoinHandle;
+use tracing::Instrument;
 
 use crate::bus::Bus;
 use crate::clock::Clock;
@@ -27,6 +28,7 @@ use crate::domain::{
 use crate::event::{Event, EventKind, GraphEdge, GraphNode, ToolOutcomeStatus};
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use crate::mask::{mask_fact, mask_text, mask_value, truncate};
+use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
 use crate::model::{Model, ModelChunk, ModelError, ModelRequest};
 use crate::store::{
     Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun,
@@ -63,6 +65,10 @@ pub struct EngineConfig {
     /// died): until then a retry is told `IDEMPOTENCY_KEY_IN_FLIGHT`, after it the retry proceeds.
     pub idempotency_in_flight_ttl: Duration,
     pub context: ContextConfig,
+    /// Where the engine's measurements go (the server's Prometheus registry); nowhere by default.
+    pub metrics: Metrics,
+    /// Links each `run` span to the run's trace (an OpenTelemetry exporter); none by default.
+    pub run_span_hook: Option<RunSpanHook>,
 }
 
 impl Default for EngineConfig {
@@ -82,6 +88,8 @@ impl Default for EngineConfig {
             default_role: None,
             idempotency_in_flight_ttl: Duration::from_secs(30),
             context: ContextConfig::default(),
+            metrics: Metrics::default(),
+            run_span_hook: None,
         }
     }
 }
@@ -242,6 +250,10 @@ pub struct ResumeAccepted {
     pub resumed_sequence: i64,
 }
 
+/// Whether a resume's answer is the stored answer of an earlier request with the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Replayed(bool);
+
 /// What a human decided for one call.
 #[derive(Debug, Clone, PartialEq)]
 enum CallDecision {
@@ -352,9 +364,11 @@ impl Engine {
                     break;
                 }
                 if let Err(e) = inner.sweep_expired().await {
+                    inner.config.metrics.store_error("sweep_expired");
                     tracing::warn!(error = %e, "interrupt expiry sweep failed");
                 }
                 if let Err(e) = inner.claim_and_spawn(false).await {
+                    inner.config.metrics.store_error("claim_runs");
                     tracing::warn!(error = %e, "claiming orphaned runs failed");
                 }
             }
@@ -389,6 +403,11 @@ impl Engine {
 
     pub fn is_shutting_down(&self) -> bool {
         self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Events the bus failed to fan out (see [`Bus::dropped_events`]).
+    pub fn bus_dropped_events(&self) -> u64 {
+        self.inner.bus.dropped_events()
     }
 
     /// Workers currently driving a run in this process.
@@ -464,7 +483,10 @@ impl Engine {
                 content,
                 cancel_on_disconnect: message.cancel_on_disconnect,
                 now: self.inner.clock.now(),
-                events: vec![EventKind::RunStarted { conversation_id: conversation_id.clone() }, topology()],
+                events: vec![
+                    EventKind::RunStarted { conversation_id: conversation_id.clone(), trace_id: Some(new_trace_id()) },
+                    topology(),
+                ],
             })
             .await
             .map_err(|e| match e {
@@ -472,7 +494,7 @@ impl Engine {
                 StoreError::NotFound(what) => EngineError::NotFound(what),
                 other => EngineError::Store(other),
             })?;
-        self.inner.bus.publish(&started.events);
+        self.inner.committed(started.run.created_at, &started.events);
         self.inner.spawn_worker(started.run.id.clone(), Lease::Acquire(vec![RunStatus::Queued]));
         Ok(started)
     }
@@ -545,6 +567,27 @@ impl Engine {
     /// interrupt with a conditional update (one winner), then continue the run. The side effects
     /// happen in the worker, after a precheck and a conditional claim of each call.
     pub async fn resume(&self, user_id: &str, run_id: &RunId, req: ResumeRequest) -> EngineResult<ResumeAccepted> {
+        let outcome = self.resume_once(user_id, run_id, req).await;
+        let metrics = &self.inner.config.metrics;
+        match &outcome {
+            Ok((_, Replayed(true))) => metrics.resume("REPLAYED"),
+            Ok(_) => metrics.resume("OK"),
+            Err(e) => {
+                if let EngineError::Store(StoreError::Backend(_)) = e {
+                    metrics.store_error("resume");
+                }
+                metrics.resume(e.code())
+            }
+        }
+        outcome.map(|(accepted, _)| accepted)
+    }
+
+    async fn resume_once(
+        &self,
+        user_id: &str,
+        run_id: &RunId,
+        req: ResumeRequest,
+    ) -> EngineResult<(ResumeAccepted, Replayed)> {
         if self.is_shutting_down() {
             return Err(EngineError::ShuttingDown);
         }
@@ -595,6 +638,7 @@ impl Engine {
         match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, in_flight_until).await? {
             IdempotencyBegin::Done { response, .. } => {
                 return serde_json::from_value(response)
+                    .map(|accepted| (accepted, Replayed(true)))
                     .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored resume answer: {e}"))));
             }
             IdempotencyBegin::InFlight => return Err(EngineError::IdempotencyKeyInFlight),
@@ -608,7 +652,7 @@ impl Engine {
             // Nothing happened under this key: let a retry be evaluated afresh.
             store.idempotency_abandon(user_id, &req.idempotency_key).await?;
         }
-        outcome
+        outcome.map(|accepted| (accepted, Replayed(false)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -712,7 +756,7 @@ impl Engine {
             }
             Err(e) => return Err(e.into()),
         };
-        inner.bus.publish(&committed.events);
+        inner.committed(run.created_at, &committed.events);
         let resumed_sequence = committed
             .events
             .iter()
@@ -914,6 +958,31 @@ struct Worker {
 }
 
 impl Inner {
+    /// After a commit: publishes its events and measures what they announce.
+    fn committed(&self, run_created_at: Timestamp, events: &[Event]) {
+        self.bus.publish(events);
+        let metrics = &self.config.metrics;
+        let ms = Duration::from_millis;
+        for event in events {
+            metrics.event_appended(event.type_name());
+            match &event.kind {
+                EventKind::RunStarted { .. } => metrics.run_started(),
+                EventKind::NodeFinished { node, duration_ms } => metrics.node_finished(node, ms(*duration_ms)),
+                EventKind::Resumed { human_wait_ms, .. } => metrics.human_wait(ms(*human_wait_ms)),
+                EventKind::Done { .. } | EventKind::Error { .. } | EventKind::Cancelled { .. } => {
+                    let status = match event.kind {
+                        EventKind::Done { .. } => RunStatus::Completed,
+                        EventKind::Error { .. } => RunStatus::Failed,
+                        _ => RunStatus::Cancelled,
+                    };
+                    let age = (event.ts - run_created_at).to_std().unwrap_or_default();
+                    metrics.run_finished(status, age);
+                }
+                _ => {}
+            }
+        }
+    }
+
     fn lease_token(&self) -> String {
         format!("{}:{}", self.config.instance_id, uuid::Uuid::now_v7().simple())
     }
@@ -933,36 +1002,71 @@ impl Inner {
         let inner = self.clone();
         let key = run_id.clone();
         let handle = tokio::spawn(async move {
-            let Ok(Some(run)) = inner.store.get_run(&run_id).await else {
+            let Ok(Some(mut run)) = inner.store.get_run(&run_id).await else {
                 tracing::warn!(run_id = %run_id, "run vanished before its worker started");
                 return;
             };
-            let (owner, acquire) = match lease {
-                Lease::Held(owner) => (owner, None),
-                Lease::Acquire(from) => (inner.lease_token(), Some(from)),
+            let trace_id = match run.checkpoint.trace_id.clone() {
+                Some(id) => id,
+                None => inner.trace_id_of(&run_id).await,
             };
-            let cancel_signal = Arc::new(tokio::sync::Notify::new());
-            inner
-                .cancel_signals
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(run_id.clone(), cancel_signal.clone());
-            let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
-            let mut worker = Worker { inner: inner.clone(), run, owner, acquire, cancel_signal };
-            match worker.drive().await {
-                Ok(Stop::Settled | Stop::NotOurs) => {}
-                Ok(Stop::Shutdown) => {
-                    let _ = inner.store.release_lease(&worker.run.id, &worker.owner).await;
-                }
-                Err(e) => worker.fail(e).await,
+            let span = tracing::info_span!(
+                "run",
+                run_id = %run_id,
+                trace_id = %trace_id,
+                step = %run.checkpoint.next_step,
+                outcome = tracing::field::Empty,
+            );
+            if let Some(hook) = &inner.config.run_span_hook {
+                hook.call(&span, &trace_id);
             }
-            renewer.abort();
-            inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
-            inner.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
+            run.checkpoint.trace_id = Some(trace_id);
+            inner.clone().work(run, lease).instrument(span).await;
         });
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         workers.retain(|_, h| !h.is_finished());
         workers.insert(key, handle);
+    }
+
+    /// The trace id a run's first event carries, or a new one for a run from before trace ids.
+    async fn trace_id_of(&self, run_id: &RunId) -> String {
+        match self.store.list_events(run_id, 0, 1).await.as_deref() {
+            Ok([Event { kind: EventKind::RunStarted { trace_id: Some(id), .. }, .. }]) => id.clone(),
+            _ => new_trace_id(),
+        }
+    }
+
+    /// One worker's life: drive the run from its checkpoint until it pauses, ends or is not ours.
+    async fn work(self: Arc<Self>, run: Run, lease: Lease) {
+        let inner = self;
+        let run_id = run.id.clone();
+        let (owner, acquire) = match lease {
+            Lease::Held(owner) => (owner, None),
+            Lease::Acquire(from) => (inner.lease_token(), Some(from)),
+        };
+        let cancel_signal = Arc::new(tokio::sync::Notify::new());
+        inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
+        let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
+        let mut worker = Worker { inner: inner.clone(), run, owner, acquire, cancel_signal };
+        let outcome = match worker.drive().await {
+            Ok(Stop::Settled) => "settled",
+            Ok(Stop::NotOurs) => "not_ours",
+            Ok(Stop::Shutdown) => {
+                let _ = inner.store.release_lease(&worker.run.id, &worker.owner).await;
+                "shutdown"
+            }
+            Err(e) => {
+                if let WorkerError::Store(_) = e {
+                    inner.config.metrics.store_error("worker");
+                }
+                worker.fail(e).await;
+                "failed"
+            }
+        };
+        tracing::Span::current().record("outcome", outcome);
+        renewer.abort();
+        inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
+        inner.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
     }
 
     /// Keeps the lease alive while the worker waits on a slow model or tool. A renewal that fails
@@ -976,7 +1080,10 @@ impl Inner {
                 match inner.store.renew_lease(&run_id, &owner, inner.lease_until()).await {
                     Ok(true) => {}
                     Ok(false) => break,
-                    Err(e) => tracing::warn!(run_id = %run_id, error = %e, "lease renewal failed"),
+                    Err(e) => {
+                        inner.config.metrics.store_error("renew_lease");
+                        tracing::warn!(run_id = %run_id, error = %e, "lease renewal failed")
+                    }
                 }
             }
         })
@@ -1034,7 +1141,7 @@ impl Inner {
         match self.store.commit(commit).await {
             Ok(c) => {
                 tracing::info!(run_id = %run.id, interrupt_id = %interrupt.id, "interrupt expired; run cancelled");
-                self.bus.publish(&c.events);
+                self.committed(run.created_at, &c.events);
                 Ok(true)
             }
             Err(StoreError::Conflict(_)) => Ok(false),
@@ -1071,7 +1178,7 @@ impl Inner {
         commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()) });
         commit.events.push(EventKind::Cancelled { reason: reason.to_owned() });
         match self.store.commit(commit).await {
-            Ok(c) => self.bus.publish(&c.events),
+            Ok(c) => self.committed(run.created_at, &c.events),
             // It started or resumed meanwhile: the flag is set, its worker ends it.
             Err(StoreError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),
@@ -1104,7 +1211,7 @@ impl Worker {
         let checkpoint = commit.checkpoint.clone();
         let status = commit.run.as_ref().map(|c| c.to);
         let committed = self.store().commit(commit).await?;
-        self.inner.bus.publish(&committed.events);
+        self.inner.committed(self.run.created_at, &committed.events);
         if let Some(cp) = checkpoint {
             self.run.checkpoint = cp;
         }
@@ -1118,6 +1225,8 @@ impl Worker {
     async fn drive(&mut self) -> Result<Stop, WorkerError> {
         // The first commit takes the lease (queued → running), or proves we still hold it.
         let mut first = self.new_commit();
+        // Records the trace id for the workers that continue the run (the first one sets it).
+        first.checkpoint = Some(self.run.checkpoint.clone());
         if self.run.status == RunStatus::Queued {
             first.run = Some(RunChange { to: RunStatus::Running, reason: None });
         }
@@ -1149,8 +1258,8 @@ impl Worker {
             let step = self.run.checkpoint.next_step;
             let result = match step {
                 NextStep::CallModel => self.call_model().await,
-                NextStep::ExecuteTools => self.execute_tools().await,
-                NextStep::Finalize => self.finalize().await,
+                NextStep::ExecuteTools => self.execute_tools().instrument(node_span(nodes::TOOLS)).await,
+                NextStep::Finalize => self.finalize().instrument(node_span(nodes::FINALIZE)).await,
                 // A paused run has no worker; one that got here was resumed elsewhere.
                 NextStep::AwaitInterrupt | NextStep::AwaitExternal => return Ok(Stop::Settled),
             };
@@ -1212,6 +1321,16 @@ impl Worker {
             )));
         }
         let started = Instant::now();
+        let Some((request, new_summary)) = self.assemble_context().instrument(node_span(nodes::CONTEXT)).await? else {
+            return Ok(true);
+        };
+        self.stream_answer(request, new_summary, started).instrument(node_span(nodes::MODEL)).await
+    }
+
+    /// The model's input for this step; `None` if the run was cancelled meanwhile.
+    async fn assemble_context(
+        &mut self,
+    ) -> Result<Option<(ModelRequest, Option<crate::domain::Summary>)>, WorkerError> {
         let store = self.store().clone();
         let conv = &self.run.conversation_id;
         let messages = store.list_messages(conv).await?;
@@ -1228,7 +1347,7 @@ impl Worker {
                 Ok(Some(text)) => Some(text),
                 Ok(None) => {
                     self.run.cancel_requested = true;
-                    return Ok(true);
+                    return Ok(None);
                 }
                 Err(e) => {
                     tracing::warn!(run_id = %self.run.id, error = %e, "the summary call failed; using the extractive summary");
@@ -1243,12 +1362,21 @@ impl Worker {
             tools: self.inner.tools.specs(),
             facts: crate::domain::fact_map(&facts),
         };
+        Ok(Some((request, assembled.new_summary)))
+    }
 
+    /// Calls the model (retrying a transient failure once), streaming its text into the run.
+    async fn stream_answer(
+        &mut self,
+        request: ModelRequest,
+        new_summary: Option<crate::domain::Summary>,
+        started: Instant,
+    ) -> Result<bool, WorkerError> {
         let mut attempt = 0;
         loop {
             let message_id = MessageId::new();
             let mut c = self.new_commit();
-            c.summary = assembled.new_summary.clone();
+            c.summary = new_summary.clone();
             if attempt == 0 {
                 c.events.push(EventKind::NodeStarted { node: nodes::CONTEXT.into() });
                 c.events.push(EventKind::NodeFinished {
@@ -1262,8 +1390,22 @@ impl Worker {
             c.checkpoint = Some(cp);
             self.commit(c).await?;
             let model_started = Instant::now();
-
-            match self.stream_model(&request, &message_id).await? {
+            let call_span = tracing::info_span!(
+                "model_call",
+                message_id = %message_id,
+                attempt,
+                outcome = tracing::field::Empty,
+            );
+            let end = self.stream_model(&request, &message_id).instrument(call_span.clone()).await?;
+            call_span.record(
+                "outcome",
+                match &end {
+                    StreamEnd::Completed { .. } => "completed",
+                    StreamEnd::Failed(_) => "failed",
+                    StreamEnd::Cancelled => "cancelled",
+                },
+            );
+            match end {
                 StreamEnd::Cancelled => return Ok(true),
                 StreamEnd::Failed(ModelError::Transient(e)) if attempt < self.inner.config.model_retries => {
                     tracing::warn!(run_id = %self.run.id, error = %e, attempt, "model call failed; retrying");
@@ -1350,6 +1492,8 @@ impl Worker {
 
     /// Streams one model call, committing text in groups.
     async fn stream_model(&mut self, request: &ModelRequest, message_id: &MessageId) -> Result<StreamEnd, WorkerError> {
+        let asked = Instant::now();
+        let mut first_token = true;
         let mut stream = match self.inner.model.stream(request.clone()).await {
             Ok(s) => s,
             Err(e) => return Ok(StreamEnd::Failed(e)),
@@ -1372,6 +1516,10 @@ impl Worker {
                     return Ok(StreamEnd::Cancelled);
                 }
             };
+            if first_token && matches!(next, Some(Some(Ok(_)))) {
+                first_token = false;
+                self.inner.config.metrics.model_first_token(asked.elapsed());
+            }
             match next {
                 // The flush deadline passed.
                 None => {
@@ -1584,9 +1732,25 @@ impl Worker {
             claimed.push((ToolCall { state: ToolCallState::Executing, ..call }, tool));
         }
         let contexts: Vec<ToolContext> = claimed.iter().map(|(call, _)| self.tool_context(call, role)).collect();
-        let outputs = futures::future::join_all(
-            claimed.iter().zip(contexts.iter()).map(|((call, tool), ctx)| tool.execute(ctx, &call.args)),
-        )
+        let metrics = &self.inner.config.metrics;
+        let outputs = futures::future::join_all(claimed.iter().zip(contexts.iter()).map(|((call, tool), ctx)| {
+            // Ids and the tool's name only: arguments and results may hold anything.
+            let span = tracing::info_span!(
+                "tool_call",
+                call_id = %call.id,
+                tool = %call.name,
+                outcome = tracing::field::Empty,
+            );
+            async move {
+                let started = Instant::now();
+                let output = tool.execute(ctx, &call.args).await;
+                let outcome = if output.is_ok() { "success" } else { "error" };
+                tracing::Span::current().record("outcome", outcome);
+                metrics.tool_call(&call.name, outcome, started.elapsed());
+                output
+            }
+            .instrument(span)
+        }))
         .await;
         for ((call, _), output) in claimed.into_iter().zip(outputs) {
             self.record_result(&call, output).await?;
@@ -1770,6 +1934,11 @@ impl Worker {
         self.commit(c).await?;
         Ok(false)
     }
+}
+
+/// A span per node of the agent loop (`context`, `model`, `tools`, `finalize`) inside the run's.
+fn node_span(node: &'static str) -> tracing::Span {
+    tracing::info_span!("node", node)
 }
 
 enum StreamEnd {

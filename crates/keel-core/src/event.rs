@@ -55,10 +55,12 @@ pub struct GraphEdge {
     pub to: String,
 }
 
+/// The fields of each event type (docs/events.md). `RunStarted::trace_id` is the run's W3C trace
+/// id: its spans, and the log lines written inside them, carry it (`None` for older runs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
 pub enum EventKind {
-    RunStarted { conversation_id: crate::ids::ConversationId },
+    RunStarted { conversation_id: crate::ids::ConversationId, trace_id: Option<String> },
     GraphTopology { nodes: Vec<GraphNode>, edges: Vec<GraphEdge> },
     NodeStarted { node: String },
     NodeFinished { node: String, duration_ms: u64 },

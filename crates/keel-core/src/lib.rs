@@ -11,6 +11,7 @@ pub mod event;
 pub mod fleet;
 pub mod ids;
 pub mod mask;
+pub mod metrics;
 pub mod model;
 pub mod store;
 pub mod stream;

@@ -68,6 +68,9 @@ pub struct RunBody {
     pub cancel_on_disconnect: bool,
     pub cancel_requested: bool,
     pub last_sequence: i64,
+    /// The run's trace id (from its first worker on): its spans and log lines carry it.
+    #[serde(default)]
+    pub trace_id: Option<String>,
     pub checkpoint: Checkpoint,
     pub pending_interrupt: Option<Interrupt>,
     pub tool_calls: Vec<ToolCallBody>,
@@ -95,6 +98,7 @@ impl From<RunView> for RunBody {
         let RunView { run, pending_interrupt, tool_calls, interrupts } = view;
         Self {
             last_sequence: run.last_sequence(),
+            trace_id: run.checkpoint.trace_id.clone(),
             id: run.id,
             conversation_id: run.conversation_id,
             user_message_id: run.user_message_id,

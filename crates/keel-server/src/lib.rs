@@ -6,6 +6,7 @@ pub mod auth;
 pub mod error;
 pub mod extract;
 pub mod limits;
+pub mod metrics;
 pub mod page;
 pub mod routes;
 pub mod sse;
@@ -21,10 +22,11 @@ use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
 pub use error::{ApiError, ApiResult};
+pub use metrics::ServerMetrics;
 pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
-    use routes::{conversations, demo, health, runs};
+    use routes::{conversations, demo, health, metrics, runs};
     let mut v1 = Router::new()
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get))
@@ -44,6 +46,7 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/metrics", get(metrics::metrics))
         .merge(v1)
         .merge(page::routes())
         .fallback(routes::not_found)

@@ -25,6 +25,7 @@ use tokio::sync::mpsc::error::SendTimeoutError;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::limits::StreamPermit;
+use crate::metrics::{ServerMetrics, SSE};
 use crate::state::AppState;
 
 pub const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
@@ -46,12 +47,19 @@ pub fn event_frame(event: &Event) -> Result<Bytes, serde_json::Error> {
 /// `permit` holds the caller's stream slot for as long as the stream is fed.
 pub fn stream_run(state: &AppState, permit: StreamPermit, run_id: RunId, after: i64, until: Until) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
+    // Counted open for as long as the body lives: the server drops it when the response ends or
+    // the client goes away.
+    let connection = state.metrics.connection_opened(SSE);
     let state = state.clone();
     tokio::spawn(async move {
         feed(state, tx, run_id, after, until).await;
         drop(permit);
     });
-    sse_response(Body::from_stream(ReceiverStream::new(rx).map(Ok::<_, Infallible>)))
+    let body = ReceiverStream::new(rx).map(move |frame| {
+        let _open = &connection;
+        Ok::<_, Infallible>(frame)
+    });
+    sse_response(Body::from_stream(body))
 }
 
 fn sse_response(body: Body) -> Response {
@@ -93,7 +101,9 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i6
         heartbeat: state.config.heartbeat,
         send_timeout: state.config.sse_send_timeout,
     };
-    let end = pump(&tx, engine.events(&run_id, after, until), pacing, state.shutdown.wait()).await;
+    let metrics: &ServerMetrics = &state.metrics;
+    let delivered = || metrics.event_delivered(SSE);
+    let end = pump(&tx, engine.events(&run_id, after, until), pacing, state.shutdown.wait(), delivered).await;
     // The response ends when the last sender goes.
     drop(tx);
     match end {
@@ -104,16 +114,27 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i6
             }
         }
         End::TooSlow => {
+            metrics.subscriber_dropped(SSE);
             tracing::info!(run_id = %run_id, "SSE client too slow to drain its buffer; cut off (it may reconnect)")
         }
-        End::Failed(reason) => tracing::error!(run_id = %run_id, %reason, "ending the SSE stream"),
+        End::Failed(reason) => {
+            keel_core::metrics::Recorder::store_error(metrics, "read_events");
+            tracing::error!(run_id = %run_id, %reason, "ending the SSE stream")
+        }
         End::Finished | End::Shutdown => {}
     }
 }
 
 /// Writes `retry`, then every event as a frame and a keep-alive whenever `heartbeat` passes without
-/// one, until the events end, the client goes or is too slow, or `shutdown` resolves.
-async fn pump<S>(tx: &mpsc::Sender<Bytes>, events: S, pacing: Pacing, shutdown: impl Future<Output = ()>) -> End
+/// one, until the events end, the client goes or is too slow, or `shutdown` resolves. `delivered` is
+/// called for each event the client's buffer took.
+async fn pump<S>(
+    tx: &mpsc::Sender<Bytes>,
+    events: S,
+    pacing: Pacing,
+    shutdown: impl Future<Output = ()>,
+    delivered: impl Fn(),
+) -> End
 where
     S: Stream<Item = Result<Event, StoreError>>,
 {
@@ -133,6 +154,7 @@ where
     let mut keep_alive = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
     keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        let mut is_event = false;
         let frame = tokio::select! {
             biased;
             () = tx.closed() => return End::Detached,
@@ -143,6 +165,7 @@ where
                 Some(Ok(event)) => match event_frame(&event) {
                     Ok(frame) => {
                         keep_alive.reset();
+                        is_event = true;
                         frame
                     }
                     Err(e) => return End::Failed(format!("encoding event {} failed: {e}", event.sequence)),
@@ -152,6 +175,9 @@ where
         };
         if let Some(end) = send(frame).await {
             return end;
+        }
+        if is_event {
+            delivered();
         }
     }
 }
@@ -208,7 +234,10 @@ mod tests {
     async fn a_finished_stream_is_retry_then_events() {
         let (tx, mut rx) = mpsc::channel(16);
         let events = futures::stream::iter((1..=3).map(|n| Ok(event(n))));
-        assert_eq!(pump(&tx, events, PACING, std::future::pending()).await, End::Finished);
+        let delivered = std::cell::Cell::new(0);
+        let count = || delivered.set(delivered.get() + 1);
+        assert_eq!(pump(&tx, events, PACING, std::future::pending(), count).await, End::Finished);
+        assert_eq!(delivered.get(), 3, "each event counted once; retry is not an event");
         let frames = drain(&mut rx);
         assert_eq!(frames.len(), 4);
         assert_eq!(frames[0], "retry: 2000\n\n");
@@ -221,9 +250,12 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(4);
         let events = futures::stream::iter((1..).map(|n| Ok(event(n))));
         let started = tokio::time::Instant::now();
-        assert_eq!(pump(&tx, events, PACING, std::future::pending()).await, End::TooSlow);
+        let delivered = std::cell::Cell::new(0);
+        let count = || delivered.set(delivered.get() + 1);
+        assert_eq!(pump(&tx, events, PACING, std::future::pending(), count).await, End::TooSlow);
         assert_eq!(started.elapsed(), PACING.send_timeout);
         assert_eq!(drain(&mut rx).len(), 4);
+        assert_eq!(delivered.get(), 3, "retry and three events fit; the fourth event was never delivered");
     }
 
     #[tokio::test(start_paused = true)]
@@ -231,7 +263,7 @@ mod tests {
         let (tx, mut rx) = mpsc::channel(16);
         let events = futures::stream::pending::<Result<Event, StoreError>>();
         let shutdown = tokio::time::sleep(Duration::from_millis(350));
-        assert_eq!(pump(&tx, events, PACING, shutdown).await, End::Shutdown);
+        assert_eq!(pump(&tx, events, PACING, shutdown, || {}).await, End::Shutdown);
         assert_eq!(drain(&mut rx), vec!["retry: 2000\n\n", ": keep-alive\n\n", ": keep-alive\n\n", ": keep-alive\n\n"]);
     }
 
@@ -239,7 +271,7 @@ mod tests {
     async fn a_reader_that_goes_away_is_noticed_while_idle() {
         let (tx, rx) = mpsc::channel(16);
         let events = futures::stream::pending::<Result<Event, StoreError>>();
-        let pump = pump(&tx, events, PACING, std::future::pending());
+        let pump = pump(&tx, events, PACING, std::future::pending(), || {});
         drop(rx);
         assert_eq!(pump.await, End::Detached);
     }
@@ -248,7 +280,7 @@ mod tests {
     async fn a_store_error_ends_the_stream_without_an_event() {
         let (tx, mut rx) = mpsc::channel(16);
         let events = futures::stream::iter(vec![Ok(event(1)), Err(StoreError::Backend("disk on fire".into()))]);
-        let end = pump(&tx, events, PACING, std::future::pending()).await;
+        let end = pump(&tx, events, PACING, std::future::pending(), || {}).await;
         assert!(matches!(end, End::Failed(_)), "{end:?}");
         let frames = drain(&mut rx);
         assert_eq!(frames.len(), 2);

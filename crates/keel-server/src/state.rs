@@ -8,6 +8,7 @@ use tokio::sync::watch;
 
 use crate::auth::AuthMode;
 use crate::limits::{RateLimiter, StreamLimiter};
+use crate::metrics::ServerMetrics;
 
 /// The HTTP layer's settings. The engine's own settings live in `keel_core::engine::EngineConfig`.
 #[derive(Debug, Clone)]
@@ -93,6 +94,9 @@ pub struct AppState {
     pub engine: Arc<Engine>,
     pub config: Arc<ServerConfig>,
     pub limits: Arc<Limits>,
+    /// The Prometheus registry of `GET /metrics`. Transports count their connections here
+    /// ([`ServerMetrics::connection_opened`]).
+    pub metrics: ServerMetrics,
     pub(crate) shutdown: Shutdown,
 }
 
@@ -104,11 +108,25 @@ pub struct Limits {
 }
 
 impl AppState {
+    /// With a registry of its own, which sees only what the transports count; give the engine's
+    /// with [`AppState::with_metrics`] to serve the engine's measurements too.
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
         let limits = Limits {
             rate: RateLimiter::new(config.rate_limit_per_second, config.rate_limit_burst),
             streams: StreamLimiter::new(config.max_streams_per_user),
         };
-        Self { engine, config: Arc::new(config), limits: Arc::new(limits), shutdown: Shutdown::new() }
+        Self {
+            engine,
+            config: Arc::new(config),
+            limits: Arc::new(limits),
+            metrics: ServerMetrics::new(),
+            shutdown: Shutdown::new(),
+        }
+    }
+
+    /// Serves `metrics`: the registry whose [`ServerMetrics::recorder`] the engine was built with.
+    pub fn with_metrics(mut self, metrics: ServerMetrics) -> Self {
+        self.metrics = metrics;
+        self
     }
 }

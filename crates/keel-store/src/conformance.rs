@@ -107,7 +107,7 @@ pub fn at(secs: i64) -> Timestamp {
 
 fn first_events(conversation_id: &ConversationId) -> Vec<EventKind> {
     vec![
-        EventKind::RunStarted { conversation_id: conversation_id.clone() },
+        EventKind::RunStarted { conversation_id: conversation_id.clone(), trace_id: None },
         EventKind::GraphTopology {
             nodes: vec![GraphNode { id: "call_model".into(), label: "Call model".into() }],
             edges: vec![],

@@ -304,7 +304,10 @@ async fn returned_times_equal_stored_times() {
     let started = store
         .start_run(NewRun {
             now: t,
-            events: vec![keel_core::event::EventKind::RunStarted { conversation_id: conversation.id.clone() }],
+            events: vec![keel_core::event::EventKind::RunStarted {
+                conversation_id: conversation.id.clone(),
+                trace_id: None,
+            }],
             ..new_run(&conversation.id)
         })
         .await

@@ -39,7 +39,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
             content: "go".into(),
             cancel_on_disconnect: false,
             now,
-            events: vec![EventKind::RunStarted { conversation_id: conv.id.clone() }],
+            events: vec![EventKind::RunStarted { conversation_id: conv.id.clone(), trace_id: None }],
         })
         .await
         .unwrap();

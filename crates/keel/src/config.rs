@@ -58,6 +58,10 @@ pub struct Options {
     /// Log lines as text or JSON; the level comes from RUST_LOG [default: text].
     #[arg(long, global = true, env = "KEEL_LOG_FORMAT", value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Export traces over OTLP/HTTP (protobuf) to this collector, e.g. `http://127.0.0.1:4318`
+    /// (`/v1/traces` is added unless the URL ends with it) [default: no export].
+    #[arg(long, global = true, env = "KEEL_OTLP_ENDPOINT", value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
     /// `--model openai`: the API root, e.g. `http://127.0.0.1:11434/v1`. The API key comes from
     /// `KEEL_MODEL_API_KEY` or `model_api_key` in keel.toml, never from a flag.
     #[arg(long, global = true, env = "KEEL_MODEL_BASE_URL", value_name = "URL")]
@@ -130,6 +134,7 @@ pub struct FileConfig {
     pub lease_ttl: Option<String>,
     pub instance_id: Option<String>,
     pub log_format: Option<LogFormat>,
+    pub otlp_endpoint: Option<String>,
     pub model_base_url: Option<String>,
     pub model_name: Option<String>,
     pub model_api_key: Option<SecretString>,
@@ -216,6 +221,8 @@ pub struct Settings {
     pub rate_burst: u32,
     pub max_streams_per_user: usize,
     pub stream_ticket_ttl: Duration,
+    /// Where traces go over OTLP/HTTP, the full `…/v1/traces` URL; none: traces are only logs.
+    pub otlp_endpoint: Option<OtlpEndpoint>,
 }
 
 /// A user name: 1 to 64 of `[A-Za-z0-9_.@-]`.
@@ -240,6 +247,29 @@ fn configured_keys(keys: &[ConfiguredKey]) -> anyhow::Result<Vec<KeyHash>> {
             Ok(KeyHash { user: k.user.clone(), role: parse_role(&k.role)?, sha256: k.sha256.clone() })
         })
         .collect()
+}
+
+/// The collector's traces URL. Masked in `Debug`: a URL may carry credentials.
+#[derive(Clone, PartialEq)]
+pub struct OtlpEndpoint(pub String);
+
+impl std::fmt::Debug for OtlpEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OtlpEndpoint({})", keel_core::mask::mask_text(&self.0))
+    }
+}
+
+/// `http://host:4318` → `http://host:4318/v1/traces`; a URL that already names the path stays.
+fn otlp_endpoint(url: &str) -> anyhow::Result<OtlpEndpoint> {
+    let url = url.trim();
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        bail!(
+            "--otlp-endpoint {:?} must be an http:// or https:// URL (OTLP over HTTP)",
+            keel_core::mask::mask_text(url)
+        );
+    }
+    let url = url.trim_end_matches('/');
+    Ok(OtlpEndpoint(if url.ends_with("/v1/traces") { url.to_owned() } else { format!("{url}/v1/traces") }))
 }
 
 /// How committed events reach the readers of other instances.
@@ -291,7 +321,12 @@ impl Settings {
                 )
             }
         };
+        let otlp_endpoint = match pick(&cli.otlp_endpoint, &file.otlp_endpoint).filter(|u| !u.trim().is_empty()) {
+            Some(url) => Some(otlp_endpoint(&url)?),
+            None => None,
+        };
         Ok(Self {
+            otlp_endpoint,
             listen,
             data_dir,
             database,
@@ -484,6 +519,25 @@ mod tests {
         assert_eq!(s.bus, BusChoice::Local);
         assert_eq!(s.lease_ttl, Duration::from_secs(30));
         assert_eq!(s.log_format, LogFormat::Text);
+        assert_eq!(s.otlp_endpoint, None);
+    }
+
+    #[test]
+    fn the_otlp_endpoint_names_the_traces_path_and_must_be_http() {
+        let with = |url: &str| {
+            Settings::resolve(
+                &Options { otlp_endpoint: Some(url.into()), ..Default::default() },
+                &FileConfig::default(),
+            )
+        };
+        let traces = |url: &str| with(url).unwrap().otlp_endpoint.unwrap().0;
+        assert_eq!(traces("http://127.0.0.1:4318"), "http://127.0.0.1:4318/v1/traces");
+        assert_eq!(traces("https://otel.internal:4318/"), "https://otel.internal:4318/v1/traces");
+        assert_eq!(traces("http://c:4318/v1/traces"), "http://c:4318/v1/traces");
+        assert_eq!(with("").unwrap().otlp_endpoint, None);
+        let err = with("grpc://user:hunter2@c:4317").unwrap_err().to_string();
+        assert!(err.contains("http://"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 mod client;
 mod config;
+mod telemetry;
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,11 +22,11 @@ use keel_core::store::Store;
 use keel_core::UserRole;
 use keel_models::{DemoModel, OpenAiCompatible};
 use keel_server::auth::AuthMode;
-use keel_server::{AppState, ServerConfig};
+use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
 
-use crate::config::{BusChoice, Database, FileConfig, LogFormat, ModelChoice, Options, Settings};
+use crate::config::{BusChoice, Database, FileConfig, ModelChoice, Options, Settings};
 
 /// The user the demo page acts as; an operator, so it may approve restarts.
 const DEMO_USER: &str = "demo";
@@ -98,22 +99,14 @@ fn main() -> ExitCode {
 fn try_main(cli: Cli) -> anyhow::Result<()> {
     let file = FileConfig::load(cli.options.config.as_deref())?;
     let settings = Settings::resolve(&cli.options, &file)?;
-    init_tracing(settings.log_format);
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?
-        .block_on(run(cli.command, settings))
-}
-
-fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    match format {
-        LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
-    }
+    let telemetry = telemetry::init(settings.log_format, settings.otlp_endpoint.as_ref())?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
+    let result = runtime.block_on(run(cli.command, settings));
+    drop(runtime);
+    // After the runtime: the spans of the last runs are sent before the process exits.
+    telemetry.shutdown();
+    result
 }
 
 async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
@@ -264,7 +257,8 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     } else {
         StoreClock::start(store.clone(), Duration::from_secs(30)).await.context("reading the database clock")?
     };
-    let mut engine_config = EngineConfig::default();
+    let metrics = ServerMetrics::new();
+    let mut engine_config = EngineConfig { metrics: metrics.recorder(), ..EngineConfig::default() };
     if let Some(id) = &settings.instance_id {
         engine_config.instance_id = id.clone();
     }
@@ -281,6 +275,8 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
                 (BusChoice::Redis(_), false) => Duration::from_secs(3),
                 (BusChoice::Local, false) => Duration::from_secs(1),
             },
+            // Exported traces: every worker of a run joins the run's trace.
+            run_span_hook: settings.otlp_endpoint.is_some().then(telemetry::run_span_hook),
             context: keel_core::context::ContextConfig {
                 // A real model writes the summary of earlier turns; the demo model keeps the
                 // deterministic extractive one.
@@ -314,7 +310,7 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
         stream_ticket_ttl: settings.stream_ticket_ttl,
         ..ServerConfig::default()
     };
-    let state = AppState::new(engine.clone(), server_config);
+    let state = AppState::new(engine.clone(), server_config).with_metrics(metrics);
 
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
@@ -337,7 +333,7 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     } else {
         println!("Keel listening on http://{addr}/");
     }
-    tracing::info!(%addr, demo_mode, "serving");
+    tracing::info!(%addr, demo_mode, otlp = ?settings.otlp_endpoint, "serving");
 
     let mut server = tokio::spawn(keel_server::serve(listener, state, stopped()));
     tokio::select! {

@@ -3,6 +3,7 @@
 pub mod conversations;
 pub mod demo;
 pub mod health;
+pub mod metrics;
 pub mod runs;
 
 use std::sync::Arc;

@@ -7,5 +7,6 @@ mod docs;
 mod errors;
 mod history;
 mod hitl;
+mod metrics;
 mod security;
 mod streams;

@@ -21,7 +21,7 @@ use keel_core::tool::Tool;
 use keel_core::{Event, UserRole};
 use keel_models::DemoModel;
 use keel_server::auth::{issue_api_key, AuthMode};
-use keel_server::{AppState, ServerConfig};
+use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::SqliteStore;
 use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use reqwest::StatusCode;
@@ -75,6 +75,8 @@ pub struct TestApp {
     /// API keys by user: `demo`, `alice` and `bob` are operators, `vera` a viewer. `client` sends
     /// demo's with every request unless the request names another.
     pub keys: HashMap<String, String>,
+    /// The registry `GET /metrics` serves (the engine records into it).
+    pub metrics: ServerMetrics,
     stop: Option<oneshot::Sender<()>>,
     _dir: TempDir,
 }
@@ -113,6 +115,7 @@ impl TestApp {
         for tool in &options.extra_tools {
             tools.register(tool.clone());
         }
+        let metrics = ServerMetrics::new();
         let engine = Arc::new(Engine::new(
             EngineParts {
                 store: store.clone(),
@@ -126,6 +129,7 @@ impl TestApp {
                 interrupt_ttl: options.interrupt_ttl,
                 sweep_interval: Duration::from_millis(50),
                 poll_interval: Duration::from_millis(200),
+                metrics: metrics.recorder(),
                 ..EngineConfig::default()
             },
         ));
@@ -139,7 +143,7 @@ impl TestApp {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("local addr");
         let (stop, stopped) = oneshot::channel::<()>();
-        let state = AppState::new(engine.clone(), config);
+        let state = AppState::new(engine.clone(), config).with_metrics(metrics.clone());
         tokio::spawn(keel_server::serve(listener, state, async move {
             let _ = stopped.await;
         }));
@@ -150,6 +154,7 @@ impl TestApp {
             engine,
             store,
             keys,
+            metrics,
             stop: Some(stop),
             _dir: dir,
         }
