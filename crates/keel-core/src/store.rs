@@ -301,4 +301,28 @@ pub trait Store: Send + Sync + 'static {
     async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>>;
     /// Error log entries of `service` in `env` at or after `since`, newest first.
     async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>>;
+
+    // --- AG-UI threads and client message ids (docs/ag-ui.md)
+    /// The conversation bound to an AG-UI `threadId` of `user_id`.
+    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>>;
+    /// Binds `thread_id` to `conversation_id` unless it is bound already; returns the conversation
+    /// the thread is bound to now (the first binding wins a race).
+    async fn bind_ag_ui_thread(
+        &self,
+        user_id: &str,
+        thread_id: &str,
+        conversation_id: &ConversationId,
+        now: Timestamp,
+    ) -> StoreResult<ConversationId>;
+    /// The Keel message stored for an AG-UI client's message id in a conversation.
+    async fn ag_ui_message(&self, conversation_id: &ConversationId, client_message_id: &str)
+        -> StoreResult<Option<MessageId>>;
+    /// Remembers that `client_message_id` was stored as `message_id` (a second call for the same
+    /// client id keeps the first).
+    async fn record_ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+        message_id: &MessageId,
+    ) -> StoreResult<()>;
 }

@@ -70,6 +70,7 @@ macro_rules! conformance_tests {
             due_interrupts_are_pending_and_past_expiry,
             conversation_tool_calls_span_runs,
             user_roles,
+            ag_ui_threads_and_message_ids,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -1361,4 +1362,25 @@ pub async fn user_roles(store: SharedStore) {
     store.set_user_role("alice", UserRole::Operator).await.expect("set");
     assert_eq!(store.user_role("alice").await.expect("role"), Some(UserRole::Operator));
     assert_eq!(store.user_role("bob").await.expect("role"), None);
+}
+
+pub async fn ag_ui_threads_and_message_ids(store: SharedStore) {
+    let alice = store.create_conversation("alice", "a", at(0)).await.expect("create");
+    let other = store.create_conversation("alice", "b", at(0)).await.expect("create");
+    assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), None);
+    let bound = store.bind_ag_ui_thread("alice", "thread-1", &alice.id, at(1)).await.expect("bind");
+    assert_eq!(bound, alice.id);
+    // the first binding wins; a second one answers with it
+    let again = store.bind_ag_ui_thread("alice", "thread-1", &other.id, at(2)).await.expect("bind again");
+    assert_eq!(again, alice.id);
+    assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), Some(alice.id.clone()));
+    // threads are per user
+    assert_eq!(store.ag_ui_thread("bob", "thread-1").await.expect("get"), None);
+
+    let first = MessageId::new();
+    assert_eq!(store.ag_ui_message(&alice.id, "m-1").await.expect("get"), None);
+    store.record_ag_ui_message(&alice.id, "m-1", &first).await.expect("record");
+    store.record_ag_ui_message(&alice.id, "m-1", &MessageId::new()).await.expect("record again");
+    assert_eq!(store.ag_ui_message(&alice.id, "m-1").await.expect("get"), Some(first));
+    assert_eq!(store.ag_ui_message(&other.id, "m-1").await.expect("get"), None, "per conversation");
 }
