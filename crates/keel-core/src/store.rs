@@ -315,8 +315,11 @@ pub trait Store: Send + Sync + 'static {
         now: Timestamp,
     ) -> StoreResult<ConversationId>;
     /// The Keel message stored for an AG-UI client's message id in a conversation.
-    async fn ag_ui_message(&self, conversation_id: &ConversationId, client_message_id: &str)
-        -> StoreResult<Option<MessageId>>;
+    async fn ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+    ) -> StoreResult<Option<MessageId>>;
     /// Remembers that `client_message_id` was stored as `message_id` (a second call for the same
     /// client id keeps the first).
     async fn record_ag_ui_message(

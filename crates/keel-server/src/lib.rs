@@ -2,6 +2,7 @@
 //! `keel-core`. The shapes are those of DESIGN.md, "The contract, by example".
 #![forbid(unsafe_code)]
 
+pub mod ag_ui;
 pub mod error;
 pub mod extract;
 pub mod page;
@@ -22,7 +23,7 @@ pub use error::{ApiError, ApiResult};
 pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
-    use routes::{conversations, demo, health, runs};
+    use routes::{ag_ui, conversations, demo, health, runs};
     let mut router = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
@@ -33,7 +34,9 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/events", get(runs::events))
         .route("/v1/runs/{id}/resume", post(runs::resume))
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
-        .route("/v1/demo/instances", get(demo::instances));
+        .route("/v1/demo/instances", get(demo::instances))
+        .route("/v1/ag-ui", post(ag_ui::run))
+        .route("/v1/ag-ui/{agent}", post(ag_ui::run_agent));
     if state.config.demo_mode {
         router = router.route("/v1/demo/reset", post(demo::reset));
     }

@@ -1591,14 +1591,13 @@ impl Store for PostgresStore {
         conversation_id: &ConversationId,
         client_message_id: &str,
     ) -> StoreResult<Option<MessageId>> {
-        let row = sqlx::query(
-            "SELECT message_id FROM ag_ui_messages WHERE conversation_id = $1 AND client_message_id = $2",
-        )
-        .bind(conversation_id.as_str())
-        .bind(client_message_id)
-        .fetch_optional(&self.pool)
-        .await
-        .map_err(db("get an AG-UI message id"))?;
+        let row =
+            sqlx::query("SELECT message_id FROM ag_ui_messages WHERE conversation_id = $1 AND client_message_id = $2")
+                .bind(conversation_id.as_str())
+                .bind(client_message_id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db("get an AG-UI message id"))?;
         row.map(|row| Cols::new(&row, "ag_ui_messages").id("message_id")).transpose()
     }
 

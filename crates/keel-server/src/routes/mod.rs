@@ -1,5 +1,6 @@
 //! The v1 routes, one module per resource.
 
+pub mod ag_ui;
 pub mod conversations;
 pub mod demo;
 pub mod health;
