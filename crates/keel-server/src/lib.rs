@@ -23,7 +23,7 @@ pub use error::{ApiError, ApiResult};
 pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
-    use routes::{ag_ui, conversations, demo, health, runs};
+    use routes::{ag_ui, conversations, demo, health, runs, ws};
     let mut router = Router::new()
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
@@ -36,7 +36,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
         .route("/v1/demo/instances", get(demo::instances))
         .route("/v1/ag-ui", post(ag_ui::run))
-        .route("/v1/ag-ui/{agent}", post(ag_ui::run_agent));
+        .route("/v1/ag-ui/{agent}", post(ag_ui::run_agent))
+        .route("/v1/ws", get(ws::ws));
     if state.config.demo_mode {
         router = router.route("/v1/demo/reset", post(demo::reset));
     }

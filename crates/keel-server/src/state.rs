@@ -1,5 +1,6 @@
 //! What every handler shares: the engine, the server's settings and the shutdown signal.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +25,11 @@ pub struct ServerConfig {
     pub sse_send_timeout: Duration,
     /// Frames buffered per SSE response before the writer waits on the reader.
     pub sse_buffer: usize,
+    /// A WebSocket client that does not take a frame within this long is cut off; it resubscribes
+    /// with `after` and catches up from the store.
+    pub ws_send_timeout: Duration,
+    /// Frames queued per WebSocket connection (events of all its subscriptions and replies).
+    pub ws_buffer: usize,
     /// The caller when a request names none.
     ///
     /// Development placeholder until authentication lands: the caller is whoever the
@@ -41,6 +47,8 @@ impl Default for ServerConfig {
             demo_abnormal: 0,
             sse_send_timeout: Duration::from_secs(30),
             sse_buffer: 64,
+            ws_send_timeout: Duration::from_secs(5),
+            ws_buffer: 64,
             default_user: "demo".to_owned(),
         }
     }
@@ -70,15 +78,27 @@ impl Shutdown {
     }
 }
 
+/// WebSocket counters, shared by every connection of a server.
+#[derive(Debug, Default)]
+pub struct WsStats {
+    /// Connections open now.
+    pub open: AtomicUsize,
+    /// Connections cut off because their client did not keep up.
+    pub cut_off: AtomicU64,
+    /// The most frames any connection had queued at once (never more than `ws_buffer`).
+    pub max_queued: AtomicUsize,
+}
+
 #[derive(Clone)]
 pub struct AppState {
     pub engine: Arc<Engine>,
     pub config: Arc<ServerConfig>,
+    pub ws: Arc<WsStats>,
     pub(crate) shutdown: Shutdown,
 }
 
 impl AppState {
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
-        Self { engine, config: Arc::new(config), shutdown: Shutdown::new() }
+        Self { engine, config: Arc::new(config), ws: Arc::default(), shutdown: Shutdown::new() }
     }
 }

@@ -5,6 +5,7 @@ pub mod conversations;
 pub mod demo;
 pub mod health;
 pub mod runs;
+pub mod ws;
 
 use std::sync::Arc;
 
