@@ -152,8 +152,13 @@ async fn connection(state: AppState, caller: Caller, socket: WebSocket) {
     let capacity = state.config.ws_buffer.max(1);
     let (tx, rx) = mpsc::channel::<Message>(capacity);
     let (closing, mut closed) = watch::channel(Closing::Open);
-    let outbox =
-        Outbox { tx, capacity, timeout: state.config.ws_send_timeout, closing: Arc::new(closing), stats: stats.clone() };
+    let outbox = Outbox {
+        tx,
+        capacity,
+        timeout: state.config.ws_send_timeout,
+        closing: Arc::new(closing),
+        stats: stats.clone(),
+    };
     let (sink, mut stream) = socket.split();
     let writer = tokio::spawn(write(sink, rx, outbox.clone(), state.config.heartbeat));
     let mut subscriptions: HashMap<RunId, JoinHandle<()>> = HashMap::new();
@@ -301,7 +306,13 @@ async fn handle(
                     let result = json!({"runId": run_id, "after": after, "lastSequence": last});
                     // The reply is queued before the subscription's first event.
                     if outbox.reply(&request_id, Ok(result)).await {
-                        let task = tokio::spawn(subscription(state.clone(), outbox.clone(), run_id.clone(), after, request_id));
+                        let task = tokio::spawn(subscription(
+                            state.clone(),
+                            outbox.clone(),
+                            run_id.clone(),
+                            after,
+                            request_id,
+                        ));
                         subscriptions.insert(run_id, task);
                     }
                 }
@@ -321,7 +332,8 @@ async fn handle(
             let outcome = async {
                 let id = ConversationId::parse(&conversation_id)
                     .map_err(|_| ApiError::from(EngineError::NotFound("conversation")))?;
-                let started = engine.send_message(&caller.0, &id, SendMessage { content, cancel_on_disconnect }).await?;
+                let started =
+                    engine.send_message(&caller.0, &id, SendMessage { content, cancel_on_disconnect }).await?;
                 Ok(json!({"messageId": started.message.id, "runId": started.run.id}))
             }
             .await;

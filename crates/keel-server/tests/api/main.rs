@@ -3,7 +3,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod ag_ui;
 mod docs;
 mod errors;
 mod hitl;
 mod streams;
+mod ws;

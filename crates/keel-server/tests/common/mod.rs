@@ -40,6 +40,11 @@ pub struct Options {
     pub demo_delay: Duration,
     pub demo_mode: bool,
     pub body_limit: usize,
+    pub ws_send_timeout: Duration,
+    pub ws_buffer: usize,
+    /// `SO_SNDBUF` of the server's sockets (accepted sockets inherit the listener's): a small one
+    /// lets a test fill the path to a client that stopped reading with little data.
+    pub send_buffer: Option<u32>,
 }
 
 impl Default for Options {
@@ -50,6 +55,9 @@ impl Default for Options {
             demo_delay: Duration::from_millis(1),
             demo_mode: false,
             body_limit: 1024 * 1024,
+            ws_send_timeout: Duration::from_secs(5),
+            ws_buffer: 64,
+            send_buffer: None,
         }
     }
 }
@@ -60,6 +68,7 @@ pub struct TestApp {
     pub client: reqwest::Client,
     pub engine: Arc<Engine>,
     pub store: Arc<dyn Store>,
+    pub state: AppState,
     stop: Option<oneshot::Sender<()>>,
     _dir: TempDir,
 }
@@ -106,13 +115,20 @@ impl TestApp {
             heartbeat: options.heartbeat,
             demo_mode: options.demo_mode,
             body_limit: options.body_limit,
+            ws_send_timeout: options.ws_send_timeout,
+            ws_buffer: options.ws_buffer,
             ..ServerConfig::default()
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        if let Some(size) = options.send_buffer {
+            socket.set_send_buffer_size(size).expect("SO_SNDBUF");
+        }
+        socket.bind("127.0.0.1:0".parse().expect("address")).expect("bind");
+        let listener = socket.listen(1024).expect("listen");
         let addr = listener.local_addr().expect("local addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let state = AppState::new(engine.clone(), config);
-        tokio::spawn(keel_server::serve(listener, state, async move {
+        tokio::spawn(keel_server::serve(listener, state.clone(), async move {
             let _ = stopped.await;
         }));
         Self {
@@ -121,6 +137,7 @@ impl TestApp {
             client: reqwest::Client::new(),
             engine,
             store,
+            state,
             stop: Some(stop),
             _dir: dir,
         }
@@ -140,6 +157,11 @@ impl TestApp {
 
     pub async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
         to_json(self.client.post(self.url(path)).json(body).send().await.expect("POST")).await
+    }
+
+    pub async fn post_as(&self, user: &str, path: &str, body: &Value) -> (StatusCode, Value) {
+        to_json(self.client.post(self.url(path)).header("x-keel-user", user).json(body).send().await.expect("POST"))
+            .await
     }
 
     pub async fn create_conversation(&self) -> String {

@@ -1,0 +1,1 @@
+//! WebSocket transport tests.
