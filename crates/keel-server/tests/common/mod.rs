@@ -164,6 +164,16 @@ impl TestApp {
             .await
     }
 
+    /// The request that opens `GET /v1/ws`, as `user` when given.
+    pub fn ws_request(&self, user: Option<&str>) -> tokio_tungstenite::tungstenite::handshake::client::Request {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut request = format!("ws://{}/v1/ws", self.addr).into_client_request().expect("ws request");
+        if let Some(user) = user {
+            request.headers_mut().insert("x-keel-user", user.parse().expect("header"));
+        }
+        request
+    }
+
     pub async fn create_conversation(&self) -> String {
         let (status, body) = self.post("/v1/conversations", &json!({"title": "troubleshoot payment-api"})).await;
         assert_eq!(status, StatusCode::CREATED, "{body}");
