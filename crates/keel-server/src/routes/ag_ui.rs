@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::SendTimeoutError;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::ag_ui::input::{self, RunAgentInput};
+use crate::ag_ui::input::{self, ResumeStatus, RunAgentInput};
 use crate::ag_ui::{needs_snapshot, Lookup, Mapper, Snapshot};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, Caller};
@@ -79,7 +79,17 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
         let decision = input::decision(&entries, &interrupt.call_ids).map_err(ApiError::validation)?;
         let idempotency_key = input::idempotency_key(&interrupt.id, &decision);
         let request = ResumeRequest { interrupt_id: interrupt.id.clone(), decision, idempotency_key };
-        let accepted = engine.resume(&caller.0, &run.id, request).await?;
+        let accepted = match engine.resume(&caller.0, &run.id, request).await {
+            Ok(accepted) => accepted,
+            Err(EngineError::InterruptExpired) if resume.iter().all(|e| e.status == ResumeStatus::Cancelled) => {
+                // AG-UI lets a client only cancel an expired interrupt, and Keel already cancelled
+                // its run: the answer is that run's end, and the thread is free for a new turn.
+                let run = engine.run(&caller.0, &run.id).await?;
+                let after = (run.last_sequence() - 1).max(0);
+                return Ok(stream(&state, &input, conversation.id, run.id, after, None));
+            }
+            Err(e) => return Err(e.into()),
+        };
         let snapshot = snapshot(&state, &conversation.id).await?;
         let after = (accepted.resumed_sequence - 1).max(0);
         return Ok(stream(&state, &input, conversation.id, run.id, after, Some(snapshot)));

@@ -1,6 +1,8 @@
 //! AG-UI over SSE (`POST /v1/ag-ui`), spoken over real HTTP: the mapping of a run's events, the
 //! human-in-the-loop flow with resume, and refusals of bad input.
 
+use std::time::Duration;
+
 use keel_client::sse::SseFrame;
 use reqwest::header::{ACCEPT, CONTENT_TYPE};
 use reqwest::StatusCode;
@@ -208,6 +210,27 @@ async fn a_rejection_runs_nothing() {
     let second = ag_ui(&app, "/v1/ag-ui", &resume).await;
     assert_eq!(second.last().unwrap()["outcome"]["type"], "success");
     assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+}
+
+#[tokio::test]
+async fn an_expired_interrupt_can_be_cancelled_and_the_thread_goes_on() {
+    let app = TestApp::with(Options { interrupt_ttl: Duration::from_secs(1), ..Options::default() }).await;
+    let first = ag_ui(&app, "/v1/ag-ui", &input("thread-x", "agui-1", json!([user("u1", RESTART_PROMPT)]))).await;
+    let interrupt = first.last().unwrap()["outcome"]["interrupts"][0]["id"].clone();
+    let run = first[0]["metadata"]["keel"]["runId"].as_str().unwrap().to_owned();
+    app.wait_for_status(&run, "cancelled").await;
+
+    let mut resume = input("thread-x", "agui-2", json!([]));
+    resume["resume"] = json!([{"interruptId": interrupt, "status": "resolved", "payload": {"approved": true}}]);
+    let (status, body) = app.post("/v1/ag-ui", &resume).await;
+    assert_eq!((status, body["error"]["code"].clone()), (StatusCode::GONE, json!("INTERRUPT_EXPIRED")));
+    resume["resume"] = json!([{"interruptId": interrupt, "status": "cancelled"}]);
+    let cancelled = ag_ui(&app, "/v1/ag-ui", &resume).await;
+    assert_eq!(kinds(&cancelled), ["RUN_STARTED", "MESSAGES_SNAPSHOT", "RUN_FINISHED"]);
+    assert_eq!(cancelled.last().unwrap()["outcome"], json!({"type": "cancelled"}));
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+    let next = ag_ui(&app, "/v1/ag-ui", &input("thread-x", "agui-3", json!([user("u2", ERRORS_PROMPT)]))).await;
+    assert_eq!(next.last().unwrap()["outcome"]["type"], "success");
 }
 
 #[tokio::test]
