@@ -300,6 +300,9 @@ async fn handle(
             .await;
             match outcome {
                 Ok((run_id, after, last)) => {
+                    // Subscriptions that reached their run's end are done; a long-lived connection
+                    // keeps only the live ones.
+                    subscriptions.retain(|_, task| !task.is_finished());
                     if let Some(old) = subscriptions.remove(&run_id) {
                         old.abort();
                     }

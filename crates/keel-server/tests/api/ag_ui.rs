@@ -131,6 +131,39 @@ async fn a_plain_question_is_the_same_run_seen_through_ag_ui() {
     assert_eq!(second.last().unwrap()["outcome"]["type"], "success");
 }
 
+/// Between the model's words no event flows, but keep-alive comments do.
+#[tokio::test]
+async fn keep_alives_flow_while_the_run_is_quiet() {
+    let app = TestApp::with(Options {
+        heartbeat: Duration::from_millis(20),
+        demo_delay: Duration::from_millis(150),
+        ..Options::default()
+    })
+    .await;
+    let response = app
+        .client
+        .post(app.url("/v1/ag-ui"))
+        .header(ACCEPT, "text/event-stream")
+        .json(&input("thread-k", "agui-1", json!([user("u1", ERRORS_PROMPT)])))
+        .send()
+        .await
+        .unwrap();
+    let mut reader = SseReader::new(response);
+    let mut saw_event = false;
+    loop {
+        match reader.next_frame().await.expect("a keep-alive before the stream ends") {
+            SseFrame::Comment(text) => {
+                assert_eq!(text, "keep-alive");
+                assert!(saw_event, "RUN_STARTED comes first");
+                break;
+            }
+            SseFrame::Event { .. } => saw_event = true,
+            SseFrame::Retry(_) => panic!("no retry:"),
+        }
+    }
+    reader.disconnect();
+}
+
 #[tokio::test]
 async fn a_resent_input_is_not_a_new_turn() {
     let app = TestApp::spawn().await;
