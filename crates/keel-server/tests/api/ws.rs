@@ -136,7 +136,7 @@ async fn restart_with_approval_over_one_socket() {
 async fn a_reader_that_stops_reading_is_cut_off_and_resubscribing_gets_every_missed_event_once() {
     let buffer = 8;
     let app = TestApp::with(Options {
-        ws_send_timeout: Duration::from_millis(300),
+        ws_send_timeout: Duration::from_secs(1),
         ws_buffer: buffer,
         send_buffer: Some(4096),
         ..Options::default()
