@@ -254,6 +254,7 @@ impl Mapper {
                 out.push(json!({"type": "STATE_SNAPSHOT", "snapshot": state(facts), "timestamp": ts}));
             }
             EventKind::Interrupt { interrupt_id, payload, expires_at, .. } => {
+                self.close_text(&mut out, ts);
                 let actions = payload.get("actions").and_then(Value::as_array).cloned().unwrap_or_default();
                 for action in &actions {
                     let (Some(call_id), Some(tool)) =
