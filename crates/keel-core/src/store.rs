@@ -326,4 +326,30 @@ pub trait Store: Send + Sync + 'static {
     async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>>;
     /// Every interrupt of the run, whatever its status, oldest first.
     async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>>;
+    // --- AG-UI threads and client message ids (docs/ag-ui.md)
+    /// The conversation bound to an AG-UI `threadId` of `user_id`.
+    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>>;
+    /// Binds `thread_id` to `conversation_id` unless it is bound already; returns the conversation
+    /// the thread is bound to now (the first binding wins a race).
+    async fn bind_ag_ui_thread(
+        &self,
+        user_id: &str,
+        thread_id: &str,
+        conversation_id: &ConversationId,
+        now: Timestamp,
+    ) -> StoreResult<ConversationId>;
+    /// The Keel message stored for an AG-UI client's message id in a conversation.
+    async fn ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+    ) -> StoreResult<Option<MessageId>>;
+    /// Remembers that `client_message_id` was stored as `message_id` (a second call for the same
+    /// client id keeps the first).
+    async fn record_ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+        message_id: &MessageId,
+    ) -> StoreResult<()>;
 }

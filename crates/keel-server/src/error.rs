@@ -124,6 +124,7 @@ pub const ERROR_CODES: &[&str] = &[
     "UNSUPPORTED_MEDIA_TYPE",
     "VALIDATION_FAILED",
     "NOT_READY",
+    "UPGRADE_REQUIRED",
     "INTERNAL",
 ];
 

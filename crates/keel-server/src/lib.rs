@@ -2,6 +2,7 @@
 //! `keel-core`. The shapes are those of DESIGN.md, "The contract, by example".
 #![forbid(unsafe_code)]
 
+pub mod ag_ui;
 pub mod auth;
 pub mod error;
 pub mod extract;
@@ -26,7 +27,7 @@ pub use metrics::ServerMetrics;
 pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
-    use routes::{conversations, demo, health, metrics, runs};
+    use routes::{ag_ui, conversations, demo, health, metrics, runs, ws};
     let mut v1 = Router::new()
         .route("/v1/conversations", post(conversations::create).get(conversations::list))
         .route("/v1/conversations/{id}", get(conversations::get))
@@ -37,7 +38,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/runs/{id}/resume", post(runs::resume))
         .route("/v1/runs/{id}/cancel", post(runs::cancel))
         .route("/v1/runs/{id}/stream-ticket", post(runs::stream_ticket))
-        .route("/v1/demo/instances", get(demo::instances));
+        .route("/v1/demo/instances", get(demo::instances))
+        .route("/v1/ag-ui", post(ag_ui::run))
+        .route("/v1/ag-ui/{agent}", post(ag_ui::run_agent))
+        .route("/v1/ws", get(ws::ws))
+        .route("/v1/ws/ticket", post(ws::ticket));
     if state.config.demo_mode {
         v1 = v1.route("/v1/demo/reset", post(demo::reset));
     }

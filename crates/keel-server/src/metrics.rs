@@ -29,6 +29,7 @@ const WAIT_BUCKETS: &[f64] =
 
 /// The transport label of the SSE encoder.
 pub const SSE: &str = "sse";
+pub const WEBSOCKET: &str = "websocket";
 
 /// The server's metric families. Cheap to clone (one registry behind an `Arc`).
 #[derive(Clone)]

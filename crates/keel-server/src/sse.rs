@@ -62,7 +62,7 @@ pub fn stream_run(state: &AppState, permit: StreamPermit, run_id: RunId, after: 
     sse_response(Body::from_stream(body))
 }
 
-fn sse_response(body: Body) -> Response {
+pub(crate) fn sse_response(body: Body) -> Response {
     let mut response = (StatusCode::OK, body).into_response();
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream; charset=utf-8"));

@@ -1,5 +1,6 @@
 //! What every handler shares: the engine, the server's settings and the shutdown signal.
 
+use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,6 +43,11 @@ pub struct ServerConfig {
     pub replay_page_max: u32,
     /// How long a stream ticket can be used.
     pub stream_ticket_ttl: Duration,
+    /// A WebSocket client that does not take a frame within this long is cut off; it resubscribes
+    /// with `after` and catches up from the store.
+    pub ws_send_timeout: Duration,
+    /// Frames queued per WebSocket connection (events of all its subscriptions and replies).
+    pub ws_buffer: usize,
 }
 
 impl Default for ServerConfig {
@@ -61,6 +67,8 @@ impl Default for ServerConfig {
             json_max_depth: 32,
             replay_page_max: 1000,
             stream_ticket_ttl: Duration::from_secs(60),
+            ws_send_timeout: Duration::from_secs(5),
+            ws_buffer: 64,
         }
     }
 }
@@ -89,6 +97,17 @@ impl Shutdown {
     }
 }
 
+/// WebSocket counters, shared by every connection of a server.
+#[derive(Debug, Default)]
+pub struct WsStats {
+    /// Connections open now.
+    pub open: AtomicUsize,
+    /// Connections cut off because their client did not keep up.
+    pub cut_off: AtomicU64,
+    /// The most frames any connection had queued at once (never more than `ws_buffer`).
+    pub max_queued: AtomicUsize,
+}
+
 #[derive(Clone)]
 pub struct AppState {
     pub engine: Arc<Engine>,
@@ -97,6 +116,7 @@ pub struct AppState {
     /// The Prometheus registry of `GET /metrics`. Transports count their connections here
     /// ([`ServerMetrics::connection_opened`]).
     pub metrics: ServerMetrics,
+    pub ws: Arc<WsStats>,
     pub(crate) shutdown: Shutdown,
 }
 
@@ -120,6 +140,7 @@ impl AppState {
             config: Arc::new(config),
             limits: Arc::new(limits),
             metrics: ServerMetrics::new(),
+            ws: Arc::default(),
             shutdown: Shutdown::new(),
         }
     }

@@ -74,6 +74,7 @@ macro_rules! conformance_tests {
             stream_tickets_are_redeemed_once_before_expiry,
             runs_are_listed_per_user_newest_first,
             interrupts_of_a_run_are_listed_with_their_history,
+            ag_ui_threads_and_message_ids,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -1518,4 +1519,25 @@ pub async fn interrupts_of_a_run_are_listed_with_their_history(store: SharedStor
     assert_eq!(listed[1], second);
     assert_eq!(store.list_interrupts(&other_run.id).await.expect("list"), vec![other]);
     assert!(store.list_interrupts(&RunId::new()).await.expect("list").is_empty());
+}
+
+pub async fn ag_ui_threads_and_message_ids(store: SharedStore) {
+    let alice = store.create_conversation("alice", "a", at(0)).await.expect("create");
+    let other = store.create_conversation("alice", "b", at(0)).await.expect("create");
+    assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), None);
+    let bound = store.bind_ag_ui_thread("alice", "thread-1", &alice.id, at(1)).await.expect("bind");
+    assert_eq!(bound, alice.id);
+    // the first binding wins; a second one answers with it
+    let again = store.bind_ag_ui_thread("alice", "thread-1", &other.id, at(2)).await.expect("bind again");
+    assert_eq!(again, alice.id);
+    assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), Some(alice.id.clone()));
+    // threads are per user
+    assert_eq!(store.ag_ui_thread("bob", "thread-1").await.expect("get"), None);
+
+    let first = MessageId::new();
+    assert_eq!(store.ag_ui_message(&alice.id, "m-1").await.expect("get"), None);
+    store.record_ag_ui_message(&alice.id, "m-1", &first).await.expect("record");
+    store.record_ag_ui_message(&alice.id, "m-1", &MessageId::new()).await.expect("record again");
+    assert_eq!(store.ag_ui_message(&alice.id, "m-1").await.expect("get"), Some(first));
+    assert_eq!(store.ag_ui_message(&other.id, "m-1").await.expect("get"), None, "per conversation");
 }

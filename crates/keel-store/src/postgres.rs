@@ -1680,6 +1680,77 @@ impl Store for PostgresStore {
             .map_err(db("list interrupts"))?;
         all(&rows, interrupt_from)
     }
+
+    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>> {
+        let row = sqlx::query("SELECT conversation_id FROM ag_ui_threads WHERE user_id = $1 AND thread_id = $2")
+            .bind(user_id)
+            .bind(thread_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get an AG-UI thread"))?;
+        row.map(|row| Cols::new(&row, "ag_ui_threads").id("conversation_id")).transpose()
+    }
+
+    async fn bind_ag_ui_thread(
+        &self,
+        user_id: &str,
+        thread_id: &str,
+        conversation_id: &ConversationId,
+        now: Timestamp,
+    ) -> StoreResult<ConversationId> {
+        sqlx::query(
+            "INSERT INTO ag_ui_threads (user_id, thread_id, conversation_id, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (user_id, thread_id) DO NOTHING",
+        )
+        .bind(user_id)
+        .bind(thread_id)
+        .bind(conversation_id.as_str())
+        .bind(micros(now))
+        .execute(&self.pool)
+        .await
+        .map_err(db("bind an AG-UI thread"))?;
+        let row = sqlx::query("SELECT conversation_id FROM ag_ui_threads WHERE user_id = $1 AND thread_id = $2")
+            .bind(user_id)
+            .bind(thread_id)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db("bind an AG-UI thread"))?;
+        Cols::new(&row, "ag_ui_threads").id("conversation_id")
+    }
+
+    async fn ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+    ) -> StoreResult<Option<MessageId>> {
+        let row =
+            sqlx::query("SELECT message_id FROM ag_ui_messages WHERE conversation_id = $1 AND client_message_id = $2")
+                .bind(conversation_id.as_str())
+                .bind(client_message_id)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(db("get an AG-UI message id"))?;
+        row.map(|row| Cols::new(&row, "ag_ui_messages").id("message_id")).transpose()
+    }
+
+    async fn record_ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+        message_id: &MessageId,
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO ag_ui_messages (conversation_id, client_message_id, message_id) VALUES ($1, $2, $3) \
+             ON CONFLICT (conversation_id, client_message_id) DO NOTHING",
+        )
+        .bind(conversation_id.as_str())
+        .bind(client_message_id)
+        .bind(message_id.as_str())
+        .execute(&self.pool)
+        .await
+        .map_err(db("record an AG-UI message id"))?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

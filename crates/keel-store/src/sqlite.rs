@@ -1575,6 +1575,77 @@ impl Store for SqliteStore {
             .map_err(db("list interrupts"))?;
         all(&rows, interrupt_from)
     }
+
+    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>> {
+        let row = sqlx::query("SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?")
+            .bind(user_id)
+            .bind(thread_id)
+            .fetch_optional(&self.reader)
+            .await
+            .map_err(db("get an AG-UI thread"))?;
+        row.map(|row| Cols::new(&row, "ag_ui_threads").id("conversation_id")).transpose()
+    }
+
+    async fn bind_ag_ui_thread(
+        &self,
+        user_id: &str,
+        thread_id: &str,
+        conversation_id: &ConversationId,
+        now: Timestamp,
+    ) -> StoreResult<ConversationId> {
+        sqlx::query(
+            "INSERT INTO ag_ui_threads (user_id, thread_id, conversation_id, created_at) VALUES (?, ?, ?, ?) \
+             ON CONFLICT (user_id, thread_id) DO NOTHING",
+        )
+        .bind(user_id)
+        .bind(thread_id)
+        .bind(conversation_id.as_str())
+        .bind(ts(&now))
+        .execute(&self.writer)
+        .await
+        .map_err(db("bind an AG-UI thread"))?;
+        let row = sqlx::query("SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?")
+            .bind(user_id)
+            .bind(thread_id)
+            .fetch_one(&self.writer)
+            .await
+            .map_err(db("bind an AG-UI thread"))?;
+        Cols::new(&row, "ag_ui_threads").id("conversation_id")
+    }
+
+    async fn ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+    ) -> StoreResult<Option<MessageId>> {
+        let row =
+            sqlx::query("SELECT message_id FROM ag_ui_messages WHERE conversation_id = ? AND client_message_id = ?")
+                .bind(conversation_id.as_str())
+                .bind(client_message_id)
+                .fetch_optional(&self.reader)
+                .await
+                .map_err(db("get an AG-UI message id"))?;
+        row.map(|row| Cols::new(&row, "ag_ui_messages").id("message_id")).transpose()
+    }
+
+    async fn record_ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+        message_id: &MessageId,
+    ) -> StoreResult<()> {
+        sqlx::query(
+            "INSERT INTO ag_ui_messages (conversation_id, client_message_id, message_id) VALUES (?, ?, ?) \
+             ON CONFLICT (conversation_id, client_message_id) DO NOTHING",
+        )
+        .bind(conversation_id.as_str())
+        .bind(client_message_id)
+        .bind(message_id.as_str())
+        .execute(&self.writer)
+        .await
+        .map_err(db("record an AG-UI message id"))?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

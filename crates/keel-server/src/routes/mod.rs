@@ -1,10 +1,12 @@
 //! The v1 routes, one module per resource.
 
+pub mod ag_ui;
 pub mod conversations;
 pub mod demo;
 pub mod health;
 pub mod metrics;
 pub mod runs;
+pub mod ws;
 
 use std::sync::Arc;
 

@@ -3,6 +3,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod ag_ui;
 mod docs;
 mod errors;
 mod history;
@@ -10,3 +11,4 @@ mod hitl;
 mod metrics;
 mod security;
 mod streams;
+mod ws;

@@ -49,6 +49,11 @@ pub struct Options {
     pub model: Option<Arc<dyn Model>>,
     /// Extra tools beside OpsPilot's.
     pub extra_tools: Vec<Arc<dyn Tool>>,
+    pub ws_send_timeout: Duration,
+    pub ws_buffer: usize,
+    /// `SO_SNDBUF` of the server's sockets (accepted sockets inherit the listener's): a small one
+    /// lets a test fill the path to a client that stopped reading with little data.
+    pub send_buffer: Option<u32>,
 }
 
 impl Default for Options {
@@ -62,6 +67,9 @@ impl Default for Options {
             server: ServerConfig { auth: AuthMode::Keys, ..ServerConfig::default() },
             model: None,
             extra_tools: Vec::new(),
+            ws_send_timeout: Duration::from_secs(5),
+            ws_buffer: 64,
+            send_buffer: None,
         }
     }
 }
@@ -77,6 +85,7 @@ pub struct TestApp {
     pub keys: HashMap<String, String>,
     /// The registry `GET /metrics` serves (the engine records into it).
     pub metrics: ServerMetrics,
+    pub state: AppState,
     stop: Option<oneshot::Sender<()>>,
     _dir: TempDir,
 }
@@ -138,13 +147,20 @@ impl TestApp {
             heartbeat: options.heartbeat,
             demo_mode: options.demo_mode,
             body_limit: options.body_limit,
+            ws_send_timeout: options.ws_send_timeout,
+            ws_buffer: options.ws_buffer,
             ..options.server
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        if let Some(size) = options.send_buffer {
+            socket.set_send_buffer_size(size).expect("SO_SNDBUF");
+        }
+        socket.bind("127.0.0.1:0".parse().expect("address")).expect("bind");
+        let listener = socket.listen(1024).expect("listen");
         let addr = listener.local_addr().expect("local addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let state = AppState::new(engine.clone(), config).with_metrics(metrics.clone());
-        tokio::spawn(keel_server::serve(listener, state, async move {
+        tokio::spawn(keel_server::serve(listener, state.clone(), async move {
             let _ = stopped.await;
         }));
         Self {
@@ -155,6 +171,7 @@ impl TestApp {
             store,
             keys,
             metrics,
+            state,
             stop: Some(stop),
             _dir: dir,
         }
@@ -195,6 +212,15 @@ impl TestApp {
 
     pub async fn post(&self, path: &str, body: &Value) -> (StatusCode, Value) {
         to_json(self.client.post(self.url(path)).json(body).send().await.expect("POST")).await
+    }
+
+    /// The request that opens `GET /v1/ws`, with `user`'s key (demo's when `None`).
+    pub fn ws_request(&self, user: Option<&str>) -> tokio_tungstenite::tungstenite::handshake::client::Request {
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut request = format!("ws://{}/v1/ws", self.addr).into_client_request().expect("ws request");
+        let bearer = self.bearer(user.unwrap_or("demo"));
+        request.headers_mut().insert("authorization", bearer.parse().expect("header"));
+        request
     }
 
     pub async fn create_conversation(&self) -> String {

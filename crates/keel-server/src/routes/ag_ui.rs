@@ -1,0 +1,314 @@
+//! `POST /v1/ag-ui` (and `/v1/ag-ui/opspilot`): AG-UI 1.0 over SSE, a view of a Keel run.
+//!
+//! A `RunAgentInput` either starts a turn (its last user message is new to Keel) or answers the
+//! interrupt a previous AG-UI run ended with (`resume`), through the same engine calls as the REST
+//! routes. The response maps the run's stored-then-live events (`Engine::events`, the source of the
+//! native SSE stream) through [`crate::ag_ui::Mapper`]. docs/ag-ui.md has the details.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::response::Response;
+use futures::StreamExt;
+use keel_core::engine::{EngineError, ResumeRequest, SendMessage};
+use keel_core::stream::Until;
+use keel_core::{CallId, Conversation, ConversationId, Event, EventKind, MessageId, RunId};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio::sync::mpsc::error::SendTimeoutError;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::ag_ui::input::{self, ResumeStatus, RunAgentInput};
+use crate::ag_ui::{needs_snapshot, Lookup, Mapper, Snapshot};
+use crate::error::{ApiError, ApiResult};
+use crate::extract::{ApiJson, Caller};
+use crate::sse;
+use crate::state::AppState;
+
+/// The one agent this server runs.
+pub const AGENT: &str = "opspilot";
+
+pub async fn run(
+    State(state): State<AppState>,
+    caller: Caller,
+    ApiJson(input): ApiJson<RunAgentInput>,
+) -> ApiResult<Response> {
+    start(state, caller, input).await
+}
+
+pub async fn run_agent(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(agent): Path<String>,
+    ApiJson(input): ApiJson<RunAgentInput>,
+) -> ApiResult<Response> {
+    if agent != AGENT {
+        return Err(ApiError::not_found());
+    }
+    start(state, caller, input).await
+}
+
+async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResult<Response> {
+    input.validate().map_err(ApiError::validation)?;
+    let engine = state.engine.clone();
+    let store = engine.store().clone();
+    let resume = input.resume.as_deref().unwrap_or_default();
+    if !resume.is_empty() {
+        // Answers to the interrupt a previous AG-UI run of this thread ended with.
+        let not_found = || ApiError::from(EngineError::NotFound("interrupt"));
+        let conversation = thread_conversation(&state, &caller, &input, false).await?.ok_or_else(not_found)?;
+        let mut entries = Vec::new();
+        let mut keel_interrupt = None;
+        for (i, entry) in resume.iter().enumerate() {
+            let (interrupt, call) = input::parse_interrupt_id(&entry.interrupt_id).ok_or_else(not_found)?;
+            if *keel_interrupt.get_or_insert_with(|| interrupt.clone()) != interrupt {
+                return Err(ApiError::validation("resume: the entries answer different interrupts"));
+            }
+            entries.push((i, entry, call));
+        }
+        let Some(interrupt_id) = keel_interrupt else { return Err(not_found()) };
+        let interrupt = store.get_interrupt(&interrupt_id).await?.ok_or_else(not_found)?;
+        let run = match engine.run(&caller.0, &interrupt.run_id).await {
+            Ok(run) if run.conversation_id == conversation.id => run,
+            Ok(_) | Err(EngineError::NotFound(_)) => return Err(not_found()),
+            Err(e) => return Err(e.into()),
+        };
+        let decision = input::decision(&entries, &interrupt.call_ids).map_err(ApiError::validation)?;
+        let idempotency_key = input::idempotency_key(&interrupt.id, &decision);
+        let request = ResumeRequest { interrupt_id: interrupt.id.clone(), decision, idempotency_key };
+        let accepted = match engine.resume(&caller.0, &run.id, request).await {
+            Ok(accepted) => accepted,
+            Err(EngineError::InterruptExpired) if resume.iter().all(|e| e.status == ResumeStatus::Cancelled) => {
+                // AG-UI lets a client only cancel an expired interrupt, and Keel already cancelled
+                // its run: the answer is that run's end, and the thread is free for a new turn.
+                let run = engine.run(&caller.0, &run.id).await?;
+                let after = (run.last_sequence() - 1).max(0);
+                return Ok(stream(&state, &input, conversation.id, run.id, after, None));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let snapshot = snapshot(&state, &conversation.id).await?;
+        let after = (accepted.resumed_sequence - 1).max(0);
+        return Ok(stream(&state, &input, conversation.id, run.id, after, Some(snapshot)));
+    }
+
+    let conversation = thread_conversation(&state, &caller, &input, true).await?.ok_or_else(ApiError::not_found)?;
+    let (client_id, content) = input
+        .last_user_message()
+        .map_err(ApiError::validation)?
+        .ok_or_else(|| ApiError::validation("messages: no user message to answer"))?;
+    if let Some(run_id) = seen_run(&state, &conversation.id, client_id).await? {
+        // The same input again (a retry, a client re-sending its history): the run it started.
+        return Ok(stream(&state, &input, conversation.id, run_id, 0, None));
+    }
+    let started =
+        engine.send_message(&caller.0, &conversation.id, SendMessage { content, cancel_on_disconnect: false }).await?;
+    store.record_ag_ui_message(&conversation.id, client_id, &started.message.id).await?;
+    Ok(stream(&state, &input, conversation.id, started.run.id, 0, None))
+}
+
+/// The conversation of `threadId`: a Keel conversation id as it is; any other thread id through its
+/// binding for this user, created on first use (when `create`).
+async fn thread_conversation(
+    state: &AppState,
+    caller: &Caller,
+    input: &RunAgentInput,
+    create: bool,
+) -> ApiResult<Option<Conversation>> {
+    let engine = &state.engine;
+    let store = engine.store();
+    if let Ok(id) = ConversationId::parse(&input.thread_id) {
+        return Ok(Some(engine.conversation(&caller.0, &id).await?));
+    }
+    if let Some(id) = store.ag_ui_thread(&caller.0, &input.thread_id).await? {
+        return Ok(Some(engine.conversation(&caller.0, &id).await?));
+    }
+    if !create {
+        return Ok(None);
+    }
+    let title = match input.last_user_message() {
+        Ok(Some((_, text))) => keel_core::mask::truncate(text.trim(), 80),
+        _ => String::new(),
+    };
+    let created = engine.create_conversation(&caller.0, &title).await?;
+    // Two first requests of one thread race: both create, the first binding wins, the other
+    // conversation stays empty.
+    let bound = store.bind_ag_ui_thread(&caller.0, &input.thread_id, &created.id, engine.now()).await?;
+    Ok(Some(engine.conversation(&caller.0, &bound).await?))
+}
+
+/// The run a user message Keel has already stored started, if `client_id` names one: an id
+/// recorded for this conversation, or a Keel message id (as the snapshots show them).
+async fn seen_run(state: &AppState, conversation: &ConversationId, client_id: &str) -> ApiResult<Option<RunId>> {
+    let store = state.engine.store();
+    let message_id = match store.ag_ui_message(conversation, client_id).await? {
+        Some(id) => id,
+        None => match MessageId::parse(client_id) {
+            Ok(id) => id,
+            Err(_) => return Ok(None),
+        },
+    };
+    let messages = store.list_messages(conversation).await?;
+    Ok(messages.into_iter().find(|m| m.id == message_id).and_then(|m| m.run_id))
+}
+
+async fn snapshot(state: &AppState, conversation: &ConversationId) -> Result<Snapshot, keel_core::store::StoreError> {
+    let store = state.engine.store();
+    let messages = store.list_messages(conversation).await?;
+    let calls = store.list_conversation_tool_calls(conversation).await?;
+    let facts = store.list_facts(conversation).await?;
+    Ok(Snapshot::build(&messages, &calls, &facts))
+}
+
+/// `data: <one line of JSON>`, blank line: AG-UI's framing (no `event:`, no `id:`).
+pub fn frame(event: &Value) -> Bytes {
+    Bytes::from(format!("data: {event}\n\n"))
+}
+
+fn stream(
+    state: &AppState,
+    input: &RunAgentInput,
+    conversation: ConversationId,
+    run_id: RunId,
+    after: i64,
+    opening: Option<Snapshot>,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
+    let mapper = Mapper::new(&input.thread_id, &input.run_id);
+    tokio::spawn(feed(state.clone(), tx, mapper, conversation, run_id, after, opening));
+    sse::sse_response(Body::from_stream(ReceiverStream::new(rx).map(Ok::<_, Infallible>)))
+}
+
+#[derive(Debug)]
+enum End {
+    Finished,
+    Detached,
+    TooSlow,
+}
+
+async fn feed(
+    state: AppState,
+    tx: mpsc::Sender<Bytes>,
+    mut mapper: Mapper,
+    conversation: ConversationId,
+    run_id: RunId,
+    after: i64,
+    opening: Option<Snapshot>,
+) {
+    let engine = state.engine.clone();
+    let timeout = state.config.sse_send_timeout;
+    let send = |frame: Bytes| {
+        let tx = tx.clone();
+        async move {
+            match tx.send_timeout(frame, timeout).await {
+                Ok(()) => None,
+                Err(SendTimeoutError::Closed(_)) => Some(End::Detached),
+                Err(SendTimeoutError::Timeout(_)) => Some(End::TooSlow),
+            }
+        }
+    };
+    let end = async {
+        let now = engine.now().timestamp_millis();
+        let keel = json!({"runId": run_id, "conversationId": conversation});
+        if let Some(end) = send(frame(&mapper.run_started(now, keel))).await {
+            return end;
+        }
+        if let Some(snapshot) = &opening {
+            if let Some(end) = send(frame(&mapper.opening_snapshot(snapshot, now))).await {
+                return end;
+            }
+        }
+        let events = engine.events(&run_id, after, Until::PauseOrTerminal);
+        tokio::pin!(events);
+        let shutdown = state.shutdown.wait();
+        tokio::pin!(shutdown);
+        let heartbeat = state.config.heartbeat.max(Duration::from_millis(1));
+        let mut keep_alive = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+        keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut args: HashMap<CallId, Value> = HashMap::new();
+        loop {
+            let frames = tokio::select! {
+                biased;
+                () = tx.closed() => return End::Detached,
+                () = &mut shutdown => {
+                    let now = engine.now().timestamp_millis();
+                    mapper.fail("SHUTTING_DOWN", "the server is stopping; the run goes on and can be read again", now)
+                }
+                next = events.next() => match next {
+                    None => {
+                        let now = engine.now().timestamp_millis();
+                        mapper.fail("INTERNAL", "the run's events ended early", now)
+                    }
+                    Some(Err(e)) => {
+                        tracing::error!(run_id = %run_id, error = %e, "reading the run's events for AG-UI failed");
+                        mapper.fail("INTERNAL", "internal error", engine.now().timestamp_millis())
+                    }
+                    Some(Ok(event)) => match map(&state, &mut mapper, &conversation, &event, &mut args).await {
+                        Ok(frames) => frames,
+                        Err(e) => {
+                            tracing::error!(run_id = %run_id, error = %e, "reading a snapshot for AG-UI failed");
+                            mapper.fail("INTERNAL", "internal error", engine.now().timestamp_millis())
+                        }
+                    },
+                },
+                _ = keep_alive.tick() => {
+                    if let Some(end) = send(Bytes::from_static(sse::KEEP_ALIVE)).await {
+                        return end;
+                    }
+                    continue;
+                }
+            };
+            if !frames.is_empty() {
+                keep_alive.reset();
+            }
+            for f in &frames {
+                if let Some(end) = send(frame(f)).await {
+                    return end;
+                }
+            }
+            if mapper.is_finished() {
+                return End::Finished;
+            }
+        }
+    }
+    .await;
+    drop(tx);
+    match end {
+        End::Detached => {
+            tracing::debug!(run_id = %run_id, "AG-UI client went away");
+            if let Err(e) = engine.client_detached(&run_id).await {
+                tracing::warn!(run_id = %run_id, error = %e, "handling a detached client failed");
+            }
+        }
+        End::TooSlow => tracing::info!(run_id = %run_id, "AG-UI client too slow to drain its buffer; cut off"),
+        End::Finished => {}
+    }
+}
+
+/// Looks up what the mapper needs for `event` (a call's arguments, the conversation's snapshot),
+/// then maps it.
+async fn map(
+    state: &AppState,
+    mapper: &mut Mapper,
+    conversation: &ConversationId,
+    event: &Event,
+    args: &mut HashMap<CallId, Value>,
+) -> Result<Vec<Value>, keel_core::store::StoreError> {
+    let call_id = match &event.kind {
+        EventKind::ToolStarted { call_id, .. } | EventKind::ToolFinished { call_id, .. } => Some(call_id),
+        _ => None,
+    };
+    if let Some(call_id) = call_id {
+        if !args.contains_key(call_id) {
+            for call in state.engine.store().list_tool_calls(&event.run_id).await? {
+                args.insert(call.id, call.args);
+            }
+        }
+    }
+    let snapshot = if needs_snapshot(event) { Some(snapshot(state, conversation).await?) } else { None };
+    let lookup = Lookup { args: call_id.and_then(|c| args.get(c)), snapshot: snapshot.as_ref() };
+    Ok(mapper.map(event, lookup))
+}

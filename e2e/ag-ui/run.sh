@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# AG-UI conformance in CI, against a real `keel demo` on a free port:
+#   1. ag-ui-validate (PyPI, pinned) on /v1/ag-ui for a plain question (its own default input),
+#   2. the same validator for the human-in-the-loop flow (interrupt, then resume): validate_hitl.py,
+#   3. the real @ag-ui/client HttpAgent running the OpsPilot restart flow: http-agent.mjs.
+# Zero errors and zero warnings are required (docs/ag-ui.md explains the info-level findings).
+# Needs python3 >= 3.11, node >= 20 and npm. The validator goes into a virtualenv under /var/tmp
+# (a cache; KEEL_AGUI_VENV overrides), the npm packages into e2e/ag-ui/node_modules (gitignored).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/keel-target}"
+VALIDATOR_VERSION=0.4.0
+VENV="${KEEL_AGUI_VENV:-/var/tmp/keel-agui-venv-$VALIDATOR_VERSION}"
+
+echo "== ag-ui-validate $VALIDATOR_VERSION (pip, in $VENV)"
+if [ ! -x "$VENV/bin/ag-ui-validate" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "ag-ui-validate[transport]==$VALIDATOR_VERSION"
+fi
+
+echo "== npm ci (e2e/ag-ui/)"
+(cd e2e/ag-ui && npm ci --no-audit --no-fund --loglevel=error)
+
+echo "== cargo build -p keel"
+cargo build -q -p keel --locked
+BIN="$CARGO_TARGET_DIR/debug/keel"
+
+DATA=$(mktemp -d "${TMPDIR:-/tmp}/keel-agui.XXXXXX")
+LOG="$DATA/keel.log"
+"$BIN" demo --listen 127.0.0.1:0 --data-dir "$DATA/data" --demo-delay-ms 5 >"$LOG" 2>&1 &
+PID=$!
+cleanup() {
+  kill "$PID" 2>/dev/null || true
+  wait "$PID" 2>/dev/null || true
+  rm -rf "$DATA"
+}
+trap cleanup EXIT
+
+# The server prints the address it bound (port 0: any free port), then answers /healthz.
+URL=""
+deadline=$((SECONDS + 60))
+until [ -n "$URL" ] && curl -sf "$URL/healthz" >/dev/null; do
+  URL=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$LOG" | head -n 1 || true)
+  kill -0 "$PID" 2>/dev/null || { echo "keel demo exited:"; cat "$LOG"; exit 1; }
+  [ "$SECONDS" -lt "$deadline" ] || { echo "keel demo did not come up within 60 s:"; cat "$LOG"; exit 1; }
+  sleep 0.2
+done
+
+status=0
+echo "== ag-ui-validate $URL/v1/ag-ui (a plain question)"
+"$VENV/bin/ag-ui-validate" "$URL/v1/ag-ui" --no-color --max-warnings 0 --timeout 60 || status=1
+echo "== ag-ui-validate, human in the loop: interrupt, then resume"
+"$VENV/bin/python" e2e/ag-ui/validate_hitl.py "$URL/v1/ag-ui" || status=1
+echo "== @ag-ui/client HttpAgent: the OpsPilot restart flow"
+(cd e2e/ag-ui && KEEL_URL="$URL" node http-agent.mjs) || status=1
+if [ "$status" != 0 ]; then
+  echo "== the server's log (last 80 lines)"
+  tail -n 80 "$LOG"
+fi
+exit "$status"
