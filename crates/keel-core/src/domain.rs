@@ -28,6 +28,7 @@ macro_rules! string_enum {
     ($(#[$doc:meta])* $name:ident { $($variant:ident => $text:literal),+ $(,)? }) => {
         $(#[$doc])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+        #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
         #[serde(rename_all = "snake_case")]
         pub enum $name { $($variant),+ }
 
@@ -220,6 +221,7 @@ string_enum!(
 );
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Conversation {
     pub id: ConversationId,
@@ -227,10 +229,12 @@ pub struct Conversation {
     pub title: String,
     /// Bumps on every message, so a resume notices a conversation that changed while it waited.
     pub version: i64,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Message {
     pub id: MessageId,
@@ -239,6 +243,7 @@ pub struct Message {
     pub role: Role,
     pub content: String,
     pub tool_call_id: Option<CallId>,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
 }
 
@@ -261,6 +266,7 @@ pub struct Summary {
 
 /// The minimal state a run needs to continue, written with every state change.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Checkpoint {
     pub next_step: NextStep,
@@ -325,6 +331,7 @@ impl Run {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Interrupt {
     pub id: InterruptId,
@@ -334,10 +341,13 @@ pub struct Interrupt {
     /// What the human sees; masked (no secrets, no raw tool results).
     pub payload: Value,
     pub call_ids: Vec<CallId>,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub expires_at: Timestamp,
     pub decision: Option<Value>,
     pub resolved_by: Option<String>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub resolved_at: Option<Timestamp>,
 }
 

@@ -208,10 +208,12 @@ pub struct SendMessage {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ConversationView {
     #[serde(flatten)]
     pub conversation: Conversation,
+    #[cfg_attr(feature = "openapi", schema(inline))]
     pub facts: FactMap,
     pub active_run_id: Option<RunId>,
     pub messages: Vec<Message>,
@@ -240,6 +242,7 @@ pub struct ResumeRequest {
 
 /// The answer to an accepted resume, stored under its idempotency key and given again on a retry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResumeAccepted {
     pub run_id: RunId,

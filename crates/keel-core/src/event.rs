@@ -10,12 +10,14 @@ use crate::domain::{FactMap, InterruptKind, Timestamp};
 use crate::ids::{CallId, InterruptId, MessageId, RunId};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Event {
     #[serde(flatten)]
     pub kind: EventKind,
     pub run_id: RunId,
     pub sequence: i64,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub ts: Timestamp,
 }
 
@@ -36,6 +38,7 @@ impl Event {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum ToolOutcomeStatus {
     Success,
@@ -44,12 +47,14 @@ pub enum ToolOutcomeStatus {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct GraphNode {
     pub id: String,
     pub label: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct GraphEdge {
     pub from: String,
     pub to: String,
@@ -58,21 +63,47 @@ pub struct GraphEdge {
 /// The fields of each event type (docs/events.md). `RunStarted::trace_id` is the run's W3C trace
 /// id: its spans, and the log lines written inside them, carry it (`None` for older runs).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", rename_all_fields = "camelCase")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+// `rename_all` on each variant rather than `rename_all_fields` on the enum: the same to serde, and
+// the form utoipa reads, so the OpenAPI schema names the fields as the JSON does.
+#[serde(tag = "type", rename_all = "snake_case")]
 pub enum EventKind {
+    #[serde(rename_all = "camelCase")]
     RunStarted { conversation_id: crate::ids::ConversationId, trace_id: Option<String> },
+    #[serde(rename_all = "camelCase")]
     GraphTopology { nodes: Vec<GraphNode>, edges: Vec<GraphEdge> },
+    #[serde(rename_all = "camelCase")]
     NodeStarted { node: String },
+    #[serde(rename_all = "camelCase")]
     NodeFinished { node: String, duration_ms: u64 },
+    #[serde(rename_all = "camelCase")]
     TextDelta { message_id: MessageId, delta: String },
+    #[serde(rename_all = "camelCase")]
     ToolStarted { call_id: CallId, tool: String, args_summary: String },
+    #[serde(rename_all = "camelCase")]
     ToolFinished { call_id: CallId, tool: String, status: ToolOutcomeStatus, summary: String },
-    FactsUpdated { facts: FactMap },
-    Interrupt { interrupt_id: InterruptId, kind: InterruptKind, payload: Value, expires_at: Timestamp },
+    #[serde(rename_all = "camelCase")]
+    FactsUpdated {
+        #[cfg_attr(feature = "openapi", schema(inline))]
+        facts: FactMap,
+    },
+    #[serde(rename_all = "camelCase")]
+    Interrupt {
+        interrupt_id: InterruptId,
+        kind: InterruptKind,
+        payload: Value,
+        #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+        expires_at: Timestamp,
+    },
+    #[serde(rename_all = "camelCase")]
     Resumed { interrupt_id: InterruptId, decision: Value, human_wait_ms: u64, resolved_by: String },
+    #[serde(rename_all = "camelCase")]
     TextDiscarded { message_id: MessageId, reason: String },
+    #[serde(rename_all = "camelCase")]
     Done { message_id: Option<MessageId> },
+    #[serde(rename_all = "camelCase")]
     Error { code: String, message: String },
+    #[serde(rename_all = "camelCase")]
     Cancelled { reason: String },
 }
 

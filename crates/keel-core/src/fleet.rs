@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::domain::Timestamp;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Instance {
     pub id: String,

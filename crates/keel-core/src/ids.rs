@@ -88,6 +88,21 @@ macro_rules! typed_id {
                 f.write_str(&self.0)
             }
         }
+
+        /// A string with the prefix, the alphabet and the length [`Self::parse`] checks.
+        #[cfg(feature = "openapi")]
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .pattern(Some(concat!("^", $prefix, "[A-Za-z0-9_-]{1,64}$")))
+                    .description(Some(concat!("A ", $kind, " id: `", $prefix, "…`.")))
+                    .into()
+            }
+        }
+
+        #[cfg(feature = "openapi")]
+        impl utoipa::ToSchema for $name {}
     };
 }
 

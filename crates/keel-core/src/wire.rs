@@ -14,6 +14,7 @@ use crate::ids::{CallId, ConversationId, MessageId, RunId};
 
 /// `POST /v1/conversations` (an empty body is fine).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CreateConversation {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -22,6 +23,7 @@ pub struct CreateConversation {
 
 /// `POST /v1/conversations/{id}/messages`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PostMessage {
     pub content: String,
@@ -33,6 +35,7 @@ pub struct PostMessage {
 /// `POST /v1/runs/{id}/resume`. Loosely typed on purpose: the server validates each field itself so
 /// that a bad one gets its own 422 message, not a generic decoding error.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResumeBody {
     pub interrupt_id: String,
@@ -49,6 +52,7 @@ pub struct ResumeBody {
 
 /// `POST /v1/conversations/{id}/messages` → 202.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct MessageAccepted {
     pub message_id: MessageId,
@@ -58,6 +62,7 @@ pub struct MessageAccepted {
 /// `GET /v1/runs/{id}`: what a refreshed page needs, and the run's history of decisions. Never a
 /// tool's full result.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RunBody {
     pub id: RunId,
@@ -78,18 +83,23 @@ pub struct RunBody {
     /// `resolvedAt`: who decided what, when.
     #[serde(default)]
     pub interrupts: Vec<Interrupt>,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub updated_at: Timestamp,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ToolCallBody {
     pub id: CallId,
     pub name: String,
     pub state: ToolCallState,
     pub summary: Option<String>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub started_at: Option<Timestamp>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub finished_at: Option<Timestamp>,
 }
 
@@ -128,6 +138,7 @@ impl From<RunView> for RunBody {
 
 /// `?wait=true`: the turn once its run paused or ended.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct TurnBody {
     pub run: RunBody,
@@ -139,6 +150,7 @@ pub struct TurnBody {
 
 /// `GET /v1/runs`: the caller's runs, newest first.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RunList {
     pub runs: Vec<RunSummary>,
@@ -146,6 +158,7 @@ pub struct RunList {
 
 /// One run of `GET /v1/runs`: its state, without checkpoint, calls or interrupts.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct RunSummary {
     pub id: RunId,
@@ -153,7 +166,9 @@ pub struct RunSummary {
     pub status: RunStatus,
     pub reason: Option<String>,
     pub last_sequence: i64,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
+    #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub updated_at: Timestamp,
 }
 

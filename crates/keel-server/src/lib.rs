@@ -8,6 +8,7 @@ pub mod error;
 pub mod extract;
 pub mod limits;
 pub mod metrics;
+pub mod openapi;
 pub mod page;
 pub mod routes;
 pub mod sse;
@@ -17,42 +18,22 @@ pub mod views;
 use std::future::Future;
 
 use axum::extract::DefaultBodyLimit;
-use axum::routing::{get, post};
 use axum::Router;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 pub use error::{ApiError, ApiResult};
 pub use metrics::ServerMetrics;
 pub use state::{AppState, ServerConfig};
 
 pub fn router(state: AppState) -> Router {
-    use routes::{ag_ui, conversations, demo, health, metrics, runs, ws};
-    let mut v1 = Router::new()
-        .route("/v1/conversations", post(conversations::create).get(conversations::list))
-        .route("/v1/conversations/{id}", get(conversations::get))
-        .route("/v1/conversations/{id}/messages", post(conversations::post_message))
-        .route("/v1/runs", get(runs::list))
-        .route("/v1/runs/{id}", get(runs::get))
-        .route("/v1/runs/{id}/events", get(runs::events))
-        .route("/v1/runs/{id}/resume", post(runs::resume))
-        .route("/v1/runs/{id}/cancel", post(runs::cancel))
-        .route("/v1/runs/{id}/stream-ticket", post(runs::stream_ticket))
-        .route("/v1/demo/instances", get(demo::instances))
-        .route("/v1/ag-ui", post(ag_ui::run))
-        .route("/v1/ag-ui/{agent}", post(ag_ui::run_agent))
-        .route("/v1/ws", get(ws::ws))
-        .route("/v1/ws/ticket", post(ws::ticket));
-    if state.config.demo_mode {
-        v1 = v1.route("/v1/demo/reset", post(demo::reset));
-    }
+    let (public, v1) = api_routes(state.config.demo_mode);
     // `route_layer`: only matched routes authenticate, so an unknown path is a plain 404.
     let v1 = v1.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate));
-    Router::new()
-        .route("/healthz", get(health::healthz))
-        .route("/readyz", get(health::readyz))
-        .route("/metrics", get(metrics::metrics))
-        .merge(v1)
+    let (api, _) = public.merge(v1).split_for_parts();
+    api
         .merge(page::routes())
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
@@ -66,6 +47,37 @@ pub fn router(state: AppState) -> Router {
                 .on_response(DefaultOnResponse::new().level(Level::INFO)),
         )
         .with_state(state)
+}
+
+/// The API's routes, each registered with its OpenAPI operation, so none is served without a spec:
+/// the ones anyone may call, and the `/v1` ones behind authentication ([`router`] adds it).
+/// `/v1/demo/reset` is routed only in demo mode; the spec ([`openapi::spec`]) has it always.
+pub fn api_routes(demo_mode: bool) -> (OpenApiRouter<AppState>, OpenApiRouter<AppState>) {
+    use routes::{ag_ui, conversations, demo, health, metrics, runs, ws};
+    let public = OpenApiRouter::new()
+        .routes(routes!(health::healthz))
+        .routes(routes!(health::readyz))
+        .routes(routes!(metrics::metrics))
+        .routes(routes!(openapi::openapi_json));
+    let mut v1 = OpenApiRouter::new()
+        .routes(routes!(conversations::create, conversations::list))
+        .routes(routes!(conversations::get))
+        .routes(routes!(conversations::post_message))
+        .routes(routes!(runs::list))
+        .routes(routes!(runs::get))
+        .routes(routes!(runs::events))
+        .routes(routes!(runs::resume))
+        .routes(routes!(runs::cancel))
+        .routes(routes!(runs::stream_ticket))
+        .routes(routes!(demo::instances))
+        .routes(routes!(ag_ui::run))
+        .routes(routes!(ag_ui::run_agent))
+        .routes(routes!(ws::ws))
+        .routes(routes!(ws::ticket));
+    if demo_mode {
+        v1 = v1.routes(routes!(demo::reset));
+    }
+    (public, v1)
 }
 
 /// Serves the API on `listener` until `shutdown` resolves; then stops accepting, ends the open

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 
 /// The fields Keel reads; the rest (`state`, `tools`, `context`, `forwardedProps`, …) are accepted
 /// and ignored (docs/ag-ui.md says why).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RunAgentInput {
     pub thread_id: String,
@@ -28,7 +28,7 @@ pub struct RunAgentInput {
     pub forwarded_props: Option<Value>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct InputMessage {
     pub id: String,
     pub role: String,
@@ -36,7 +36,7 @@ pub struct InputMessage {
     pub content: Option<Value>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ResumeEntry {
     pub interrupt_id: String,
@@ -45,7 +45,7 @@ pub struct ResumeEntry {
     pub payload: Option<Value>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum ResumeStatus {
     Resolved,

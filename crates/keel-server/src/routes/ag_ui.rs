@@ -27,10 +27,29 @@ use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, Caller};
 use crate::sse;
 use crate::state::AppState;
+use crate::views::ErrorBody;
 
 /// The one agent this server runs.
 pub const AGENT: &str = "opspilot";
 
+#[utoipa::path(
+    post,
+    path = "/v1/ag-ui",
+    operation_id = "agUiRun",
+    tag = "streams",
+    request_body(content = RunAgentInput, description = "AG-UI's `RunAgentInput`; the fields Keel does not read are accepted and ignored"),
+    responses(
+        (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = String),
+        (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
+        (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
+        (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
+        (status = 404, description = "`NOT_FOUND`: the thread is another user's; an unknown interrupt", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
+        (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
+    )
+)]
 pub async fn run(
     State(state): State<AppState>,
     caller: Caller,
@@ -39,6 +58,26 @@ pub async fn run(
     start(state, caller, input).await
 }
 
+/// The same, for the agent named in the path; only `opspilot` exists.
+#[utoipa::path(
+    post,
+    path = "/v1/ag-ui/{agent}",
+    operation_id = "agUiRunAgent",
+    tag = "streams",
+    params(("agent" = String, Path, description = "`opspilot`")),
+    request_body(content = RunAgentInput, description = "AG-UI's `RunAgentInput`; the fields Keel does not read are accepted and ignored"),
+    responses(
+        (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = String),
+        (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
+        (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
+        (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
+        (status = 404, description = "`NOT_FOUND`: the thread is another user's; an unknown interrupt", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
+        (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
+    )
+)]
 pub async fn run_agent(
     State(state): State<AppState>,
     caller: Caller,

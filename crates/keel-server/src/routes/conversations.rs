@@ -4,16 +4,32 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use keel_core::engine::ConversationView;
 use keel_core::engine::SendMessage;
 use keel_core::stream::Until;
 use keel_core::wire::{CreateConversation, MessageAccepted, PostMessage};
-use serde_json::json;
+use keel_core::{Conversation, ConversationId};
 
 use crate::error::ApiResult;
 use crate::extract::{accepts, ApiJson, Caller, ConversationPath, OptionalJson, Params, EVENT_STREAM};
 use crate::sse;
 use crate::state::AppState;
+use crate::views::{ConversationList, ErrorBody, TurnBody};
 
+#[utoipa::path(
+    post,
+    path = "/v1/conversations",
+    operation_id = "createConversation",
+    tag = "conversations",
+    request_body(content = Option<CreateConversation>, description = "May be empty"),
+    responses(
+        (status = 201, description = "The new conversation", body = Conversation),
+        (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
+        (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
+        (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`", body = ErrorBody),
+    )
+)]
 pub async fn create(
     State(state): State<AppState>,
     caller: Caller,
@@ -23,11 +39,31 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(conversation)).into_response())
 }
 
+/// The caller's conversations.
+#[utoipa::path(
+    get,
+    path = "/v1/conversations",
+    operation_id = "listConversations",
+    tag = "conversations",
+    responses((status = 200, description = "The caller's conversations", body = ConversationList))
+)]
 pub async fn list(State(state): State<AppState>, caller: Caller) -> ApiResult<Response> {
     let conversations = state.engine.list_conversations(&caller.0).await?;
-    Ok(Json(json!({ "conversations": conversations })).into_response())
+    Ok(Json(ConversationList { conversations }).into_response())
 }
 
+/// The conversation with its facts, its active run and its last 100 messages.
+#[utoipa::path(
+    get,
+    path = "/v1/conversations/{id}",
+    operation_id = "getConversation",
+    tag = "conversations",
+    params(("id" = ConversationId, Path, description = "The conversation")),
+    responses(
+        (status = 200, description = "The conversation", body = ConversationView),
+        (status = 404, description = "`CONVERSATION_NOT_FOUND`: no such conversation of the caller's", body = ErrorBody),
+    )
+)]
 pub async fn get(
     State(state): State<AppState>,
     caller: Caller,
@@ -38,6 +74,31 @@ pub async fn get(
 
 /// `202 {messageId, runId}`; with `Accept: text/event-stream` the run's events from the start until
 /// it pauses or ends; with `?wait=true` the turn as JSON once it pauses or ends.
+#[utoipa::path(
+    post,
+    path = "/v1/conversations/{id}/messages",
+    operation_id = "postMessage",
+    tag = "conversations",
+    params(
+        ("id" = ConversationId, Path, description = "The conversation"),
+        ("wait" = Option<bool>, Query, description = "Answer with the turn once the run pauses or ends"),
+    ),
+    request_body = PostMessage,
+    responses(
+        (status = 202, description = "The run started", body = MessageAccepted),
+        (status = 200, description = "`?wait=true`: the turn; `Accept: text/event-stream`: the run's events until it pauses or ends",
+            content(
+                (TurnBody = "application/json"),
+                (String = "text/event-stream"),
+            )),
+        (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`, `INVALID_QUERY`", body = ErrorBody),
+        (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
+        (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
+        (status = 404, description = "`CONVERSATION_NOT_FOUND`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`: the conversation has a run that is not over", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`", body = ErrorBody),
+    )
+)]
 pub async fn post_message(
     State(state): State<AppState>,
     caller: Caller,

@@ -11,6 +11,15 @@ use crate::state::AppState;
 
 pub const TEXT_FORMAT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// Prometheus' text format.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    operation_id = "metrics",
+    tag = "operations",
+    security(()),
+    responses((status = 200, description = "The metrics", content_type = "text/plain; version=0.0.4", body = String))
+)]
 pub async fn metrics(State(state): State<AppState>) -> Response {
     match state.metrics.encode(&state.engine) {
         Ok(text) => {

@@ -8,20 +8,35 @@ use keel_core::engine::ResumeRequest;
 use keel_core::stream::Until;
 use keel_core::wire::{ResumeBody, RunList, RunSummary};
 use keel_core::{InterruptId, RunStatus, TicketScope};
-use serde_json::json;
 
 use crate::auth::issue_ticket;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{accepts, cursor, ApiJson, Caller, Params, RunPath, APPLICATION_JSON, EVENT_STREAM};
 use crate::sse;
 use crate::state::AppState;
-use crate::views::RunBody;
+use crate::views::{ErrorBody, EventPage, ResumedTurn, RunBody, TicketBody};
+use keel_core::engine::ResumeAccepted;
+use keel_core::RunId;
 
 /// `GET /v1/runs`: runs listed without `?limit=`, and the most one page may hold.
 const DEFAULT_RUNS: u32 = 20;
 const MAX_RUNS: u32 = 100;
 
 /// The caller's runs, newest first: `?limit=` (1 to 100, default 20), `?status=` (one run status).
+#[utoipa::path(
+    get,
+    path = "/v1/runs",
+    operation_id = "listRuns",
+    tag = "runs",
+    params(
+        ("limit" = Option<u32>, Query, minimum = 1, maximum = 100, description = "At most this many runs (default 20)"),
+        ("status" = Option<RunStatus>, Query, description = "Only runs in this status"),
+    ),
+    responses(
+        (status = 200, description = "The caller's runs, newest first", body = RunList),
+        (status = 400, description = "`INVALID_QUERY`", body = ErrorBody),
+    )
+)]
 pub async fn list(State(state): State<AppState>, caller: Caller, params: Params) -> ApiResult<Response> {
     let limit = match params.0.get("limit") {
         None => DEFAULT_RUNS,
@@ -46,6 +61,18 @@ pub async fn list(State(state): State<AppState>, caller: Caller, params: Params)
     Ok(Json(RunList { runs: runs.into_iter().map(RunSummary::from).collect() }).into_response())
 }
 
+/// The run's state and its history of decisions; never a tool's full result.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}",
+    operation_id = "getRun",
+    tag = "runs",
+    params(("id" = RunId, Path, description = "The run")),
+    responses(
+        (status = 200, description = "The run", body = RunBody),
+        (status = 404, description = "`RUN_NOT_FOUND`: no such run of the caller's", body = ErrorBody),
+    )
+)]
 pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
     let view = state.engine.run_view(&caller.0, &id).await?;
     Ok(Json(RunBody::from(view)).into_response())
@@ -53,6 +80,31 @@ pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): Run
 
 /// SSE replay-then-live until the run ends; with `Accept: application/json`, one page of the stored
 /// events after the cursor (`?limit=`, at most the configured page size), at once.
+#[utoipa::path(
+    get,
+    path = "/v1/runs/{id}/events",
+    operation_id = "runEvents",
+    tag = "runs",
+    security(("bearer" = []), ("ticket" = [])),
+    params(
+        ("id" = RunId, Path, description = "The run"),
+        ("Last-Event-ID" = Option<String>, Header, pattern = "^[0-9]+$",
+            description = "Events after this sequence; wins over `after`"),
+        ("after" = Option<i64>, Query, minimum = 0, description = "Events after this sequence (default 0)"),
+        ("limit" = Option<u32>, Query, minimum = 1, description = "JSON only: at most this many events (at most the server's page size)"),
+        ("ticket" = Option<String>, Query, description = "A stream ticket instead of an API key"),
+    ),
+    responses(
+        (status = 200, description = "SSE (the default): the stored events, then live ones until the run ends. \
+            With `Accept: application/json`: one page of stored events",
+            content(
+                (String = "text/event-stream"),
+                (EventPage = "application/json"),
+            )),
+        (status = 400, description = "`INVALID_CURSOR`, `CURSOR_OUT_OF_RANGE`, `INVALID_QUERY`", body = ErrorBody),
+        (status = 404, description = "`RUN_NOT_FOUND`", body = ErrorBody),
+    )
+)]
 pub async fn events(
     State(state): State<AppState>,
     caller: Caller,
@@ -73,7 +125,7 @@ pub async fn events(
     if json {
         let events = state.engine.store().list_events(&id, after, limit).await?;
         let last = events.last().map_or(after, |e| e.sequence);
-        return Ok(Json(json!({ "events": events, "hasMore": last < run.last_sequence() })).into_response());
+        return Ok(Json(EventPage { events, has_more: last < run.last_sequence() }).into_response());
     }
     let permit = state.limits.streams.acquire(&caller.0)?;
     Ok(sse::stream_run(&state, permit, id, after, Until::Terminal))
@@ -90,6 +142,17 @@ fn page_limit(params: &Params, max: u32) -> Result<u32, ApiError> {
 
 /// A short-lived, single-use ticket that opens this run's event stream without a key:
 /// `GET /v1/runs/{id}/events?ticket=…`, for an `EventSource`, which can't send headers.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{id}/stream-ticket",
+    operation_id = "createStreamTicket",
+    tag = "runs",
+    params(("id" = RunId, Path, description = "The run")),
+    responses(
+        (status = 201, description = "A ticket for `GET /v1/runs/{id}/events?ticket=…`", body = TicketBody),
+        (status = 404, description = "`RUN_NOT_FOUND`", body = ErrorBody),
+    )
+)]
 pub async fn stream_ticket(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
     state.engine.run(&caller.0, &id).await?;
     let ttl = state.config.stream_ticket_ttl;
@@ -97,16 +160,41 @@ pub async fn stream_ticket(State(state): State<AppState>, caller: Caller, RunPat
     let ticket =
         issue_ticket(engine.store().as_ref(), &caller.0, TicketScope::RunEvents, Some(id.clone()), engine.now(), ttl)
             .await?;
-    let body = json!({
-        "ticket": ticket.secret,
-        "expiresAt": ticket.expires_at,
-        "url": format!("/v1/runs/{id}/events?ticket={}", ticket.secret),
-    });
+    let url = format!("/v1/runs/{id}/events?ticket={}", ticket.secret);
+    let body = TicketBody { ticket: ticket.secret, expires_at: ticket.expires_at, url };
     Ok((StatusCode::CREATED, Json(body)).into_response())
 }
 
 /// The engine's `ResumeAccepted`; with `Accept: text/event-stream` the run's events from `resumed`
 /// until it pauses or ends; with `?wait=true` the turn as JSON once it pauses or ends.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{id}/resume",
+    operation_id = "resumeRun",
+    tag = "runs",
+    params(
+        ("id" = RunId, Path, description = "The run"),
+        ("wait" = Option<bool>, Query, description = "Answer with the turn once the run pauses or ends"),
+        ("Idempotency-Key" = Option<String>, Header, description = "Instead of `idempotencyKey` in the body"),
+    ),
+    request_body = ResumeBody,
+    responses(
+        (status = 200, description = "The resume's answer; `?wait=true`: the turn with it; \
+            `Accept: text/event-stream`: the run's events from `resumed` until it pauses or ends",
+            content(
+                (ResumeOrTurn = "application/json"),
+                (String = "text/event-stream"),
+            )),
+        (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`, `INVALID_QUERY`", body = ErrorBody),
+        (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
+        (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
+        (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
+        (status = 404, description = "`RUN_NOT_FOUND`", body = ErrorBody),
+        (status = 409, description = "`RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`, `IDEMPOTENCY_KEY_IN_FLIGHT`", body = ErrorBody),
+        (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`, `IDEMPOTENCY_KEY_REUSED`", body = ErrorBody),
+    )
+)]
 pub async fn resume(
     State(state): State<AppState>,
     caller: Caller,
@@ -145,16 +233,34 @@ pub async fn resume(
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;
-        let mut body = serde_json::to_value(turn).map_err(|e| ApiError::internal(&e))?;
-        body["resume"] = serde_json::to_value(&accepted).map_err(|e| ApiError::internal(&e))?;
-        return Ok(Json(body).into_response());
+        return Ok(Json(ResumeOrTurn::Turn(ResumedTurn { turn, resume: accepted })).into_response());
     }
-    Ok((StatusCode::OK, Json(accepted)).into_response())
+    Ok((StatusCode::OK, Json(ResumeOrTurn::Accepted(accepted))).into_response())
 }
 
 /// Durable cancel; answers with the run as it is now.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{id}/cancel",
+    operation_id = "cancelRun",
+    tag = "runs",
+    params(("id" = RunId, Path, description = "The run")),
+    responses(
+        (status = 200, description = "The run as it is now", body = RunBody),
+        (status = 404, description = "`RUN_NOT_FOUND`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE` and the like: the run can't be cancelled now", body = ErrorBody),
+    )
+)]
 pub async fn cancel(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
     state.engine.cancel(&caller.0, &id).await?;
     let view = state.engine.run_view(&caller.0, &id).await?;
     Ok(Json(RunBody::from(view)).into_response())
+}
+
+/// What `POST /v1/runs/{id}/resume` answers with as JSON.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[serde(untagged)]
+enum ResumeOrTurn {
+    Accepted(ResumeAccepted),
+    Turn(ResumedTurn),
 }

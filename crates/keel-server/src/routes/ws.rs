@@ -30,8 +30,21 @@ use tokio::task::JoinHandle;
 use crate::error::ApiError;
 use crate::extract::Caller;
 use crate::state::{AppState, WsStats};
-use crate::views::RunBody;
+use crate::views::{ErrorBody, RunBody, TicketBody};
 
+#[utoipa::path(
+    get,
+    path = "/v1/ws",
+    operation_id = "openWebSocket",
+    tag = "streams",
+    description = "A WebSocket upgrade; the messages are in docs/api.md, \"WebSocket\".",
+    security(("bearer" = []), ("ticket" = [])),
+    params(("ticket" = Option<String>, Query, description = "A WebSocket ticket instead of an API key")),
+    responses(
+        (status = 101, description = "Switching protocols: the WebSocket is open"),
+        (status = 426, description = "`UPGRADE_REQUIRED`: not a WebSocket upgrade request", body = ErrorBody),
+    )
+)]
 pub async fn ws(
     State(state): State<AppState>,
     caller: Caller,
@@ -51,6 +64,13 @@ pub async fn ws(
 
 /// `POST /v1/ws/ticket`: a short-lived, single-use ticket for `GET /v1/ws?ticket=…`, for a browser,
 /// whose WebSocket can't send an `Authorization` header.
+#[utoipa::path(
+    post,
+    path = "/v1/ws/ticket",
+    operation_id = "createWebSocketTicket",
+    tag = "streams",
+    responses((status = 201, description = "A ticket for `GET /v1/ws?ticket=…`", body = TicketBody))
+)]
 pub async fn ticket(State(state): State<AppState>, caller: Caller) -> Result<Response, ApiError> {
     let engine = &state.engine;
     let ticket = crate::auth::issue_ticket(
@@ -62,11 +82,8 @@ pub async fn ticket(State(state): State<AppState>, caller: Caller) -> Result<Res
         state.config.stream_ticket_ttl,
     )
     .await?;
-    let body = serde_json::json!({
-        "ticket": ticket.secret,
-        "expiresAt": ticket.expires_at,
-        "url": format!("/v1/ws?ticket={}", ticket.secret),
-    });
+    let url = format!("/v1/ws?ticket={}", ticket.secret);
+    let body = TicketBody { ticket: ticket.secret, expires_at: ticket.expires_at, url };
     Ok((StatusCode::CREATED, axum::Json(body)).into_response())
 }
 
