@@ -17,6 +17,7 @@ use crate::ids::{CallId, ConversationId, MessageId, RunId};
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct CreateConversation {
+    /// At most 200 characters once trimmed; empty or absent is "New conversation".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
 }
@@ -26,6 +27,8 @@ pub struct CreateConversation {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PostMessage {
+    /// Not empty once trimmed; no NUL characters.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 32000))]
     pub content: String,
     /// Cancel the run when the client streaming it goes away.
     #[serde(default)]
@@ -38,6 +41,7 @@ pub struct PostMessage {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct ResumeBody {
+    #[cfg_attr(feature = "openapi", schema(pattern = "^int_[A-Za-z0-9_-]{1,64}$"))]
     pub interrupt_id: String,
     /// `"approve"`, `"reject"`, `{"edit": {callId: args}}`, `{"calls": {…}}`, `{"select": …}`,
     /// `{"provide": …}`.
@@ -45,6 +49,7 @@ pub struct ResumeBody {
     pub decision: Option<Value>,
     /// May come from an `Idempotency-Key` header instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 200))]
     pub idempotency_key: Option<String>,
 }
 

@@ -146,20 +146,21 @@ impl Params {
     }
 }
 
-/// A cursor — "events with sequence > N" — from `Last-Event-ID` or else `?after=N`.
+/// A cursor — "events with sequence > N" — from `Last-Event-ID` or else `?after=N`. Both are checked
+/// when both are sent: a malformed `after` is refused even though the header wins.
 pub fn cursor(headers: &HeaderMap, params: &Params) -> Result<i64, ApiError> {
     let invalid = || ApiError::bad_request("INVALID_CURSOR", "the cursor must be a non-negative integer");
-    let raw = match headers.get("last-event-id") {
-        Some(v) => v.to_str().map_err(|_| invalid())?.to_owned(),
-        None => match params.0.get("after") {
-            Some(v) => v.clone(),
-            None => return Ok(0),
-        },
+    let parse = |raw: &str| {
+        if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(invalid());
+        }
+        raw.parse::<i64>().map_err(|_| invalid())
     };
-    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
-        return Err(invalid());
+    let after = params.0.get("after").map(|raw| parse(raw)).transpose()?;
+    match headers.get("last-event-id") {
+        Some(v) => parse(v.to_str().map_err(|_| invalid())?),
+        None => Ok(after.unwrap_or(0)),
     }
-    raw.parse::<i64>().map_err(|_| invalid())
 }
 
 /// The id segment of a `/v1/conversations/{id}…` path; a malformed one is a conversation that
@@ -212,6 +213,17 @@ mod tests {
             assert_eq!(cursor(&headers, &params).unwrap_err().code, "INVALID_CURSOR", "{bad:?}");
         }
         assert_eq!(cursor(&HeaderMap::new(), &Params::default()).unwrap(), 0);
+    }
+
+    /// Found by scripts/fuzz-api: a valid `Last-Event-ID` used to hide a malformed `?after=`.
+    #[test]
+    fn a_malformed_after_is_refused_beside_a_valid_header() {
+        let mut headers = HeaderMap::new();
+        headers.insert("last-event-id", HeaderValue::from_static("0"));
+        for bad in ["9223372036854775808", "-1", "x", ""] {
+            let params = Params(HashMap::from([("after".to_owned(), bad.to_owned())]));
+            assert_eq!(cursor(&headers, &params).unwrap_err().code, "INVALID_CURSOR", "{bad:?}");
+        }
     }
 
     #[test]

@@ -8,7 +8,9 @@ use std::sync::LazyLock;
 use axum::http::header::CONTENT_TYPE;
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
+use keel_core::EventKind;
 use utoipa::openapi::path::Operation;
+use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
 use utoipa::openapi::security::{ApiKey, ApiKeyValue, HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, HeaderBuilder, OpenApi, Ref, RefOr, ResponseBuilder};
 use utoipa::OpenApi as _;
@@ -118,7 +120,7 @@ fn add_error(operation: &mut Operation, status: &str, description: &str) {
 
 fn add_rate_limited(operation: &mut Operation) {
     let retry_after = HeaderBuilder::new()
-        .schema(utoipa::openapi::ObjectBuilder::new().schema_type(utoipa::openapi::schema::Type::Integer))
+        .schema(ObjectBuilder::new().schema_type(Type::Integer))
         .description(Some("Seconds to wait (with `RATE_LIMITED`)."))
         .build();
     let response = ResponseBuilder::new()
@@ -128,6 +130,54 @@ fn add_rate_limited(operation: &mut Operation) {
         .content("application/json", error_content())
         .header("Retry-After", retry_after);
     operation.responses.responses.insert("429".to_owned(), RefOr::T(response.build()));
+}
+
+/// One event of a run's `text/event-stream`, as OpenAPI 3.2 (and schemathesis) read a stream's
+/// schema: the fields of the frame. `data` is the [`keel_core::Event`] as one line of JSON.
+pub struct RunEventFrame;
+
+impl utoipa::PartialSchema for RunEventFrame {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .description(Some("One SSE event: `id` (the sequence), `event` (the type), `data` (the Event as JSON)"))
+            .property("id", ObjectBuilder::new().schema_type(Type::String).pattern(Some("^[1-9][0-9]*$")))
+            .required("id")
+            .property(
+                "event",
+                ObjectBuilder::new().schema_type(Type::String).enum_values(Some(EventKind::TYPES.to_vec())),
+            )
+            .required("event")
+            .property("data", json_text("An `Event` (components/schemas/Event)"))
+            .required("data")
+            .property("retry", ObjectBuilder::new().schema_type(Type::Integer))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for RunEventFrame {}
+
+/// One event of an AG-UI stream: `data` only, an AG-UI event as JSON (docs/ag-ui.md).
+pub struct AgUiEventFrame;
+
+impl utoipa::PartialSchema for AgUiEventFrame {
+    fn schema() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .description(Some("One SSE event: `data`, an AG-UI event as JSON, with its `type`"))
+            .property("data", json_text("An AG-UI event"))
+            .required("data")
+            .property("retry", ObjectBuilder::new().schema_type(Type::Integer))
+            .into()
+    }
+}
+
+impl utoipa::ToSchema for AgUiEventFrame {}
+
+fn json_text(description: &str) -> ObjectBuilder {
+    ObjectBuilder::new()
+        .schema_type(Type::String)
+        .content_media_type("application/json")
+        .description(Some(description))
+        .pattern(Some("^\\{.*\\}$"))
 }
 
 /// `GET /v1/openapi.json`: no authentication, like `/healthz`.

@@ -13,10 +13,13 @@ use sha2::{Digest, Sha256};
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct RunAgentInput {
+    #[schema(min_length = 1, max_length = 200)]
     pub thread_id: String,
+    #[schema(min_length = 1, max_length = 200)]
     pub run_id: String,
     pub messages: Vec<InputMessage>,
     #[serde(default)]
+    #[schema(max_items = 64)]
     pub resume: Option<Vec<ResumeEntry>>,
     #[serde(default)]
     pub state: Option<Value>,
@@ -30,6 +33,7 @@ pub struct RunAgentInput {
 
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
 pub struct InputMessage {
+    #[schema(min_length = 1, max_length = 200)]
     pub id: String,
     pub role: String,
     #[serde(default)]

@@ -25,6 +25,7 @@ use crate::ag_ui::input::{self, ResumeStatus, RunAgentInput};
 use crate::ag_ui::{needs_snapshot, Lookup, Mapper, Snapshot};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, Caller};
+use crate::openapi::AgUiEventFrame;
 use crate::sse;
 use crate::state::AppState;
 use crate::views::ErrorBody;
@@ -39,7 +40,7 @@ pub const AGENT: &str = "opspilot";
     tag = "streams",
     request_body(content = RunAgentInput, description = "AG-UI's `RunAgentInput`; the fields Keel does not read are accepted and ignored"),
     responses(
-        (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = String),
+        (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = AgUiEventFrame),
         (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
@@ -67,7 +68,7 @@ pub async fn run(
     params(("agent" = String, Path, description = "`opspilot`")),
     request_body(content = RunAgentInput, description = "AG-UI's `RunAgentInput`; the fields Keel does not read are accepted and ignored"),
     responses(
-        (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = String),
+        (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = AgUiEventFrame),
         (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),

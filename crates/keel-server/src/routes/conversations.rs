@@ -12,6 +12,7 @@ use keel_core::{Conversation, ConversationId};
 
 use crate::error::ApiResult;
 use crate::extract::{accepts, ApiJson, Caller, ConversationPath, OptionalJson, Params, EVENT_STREAM};
+use crate::openapi::RunEventFrame;
 use crate::sse;
 use crate::state::AppState;
 use crate::views::{ConversationList, ErrorBody, TurnBody};
@@ -89,7 +90,7 @@ pub async fn get(
         (status = 200, description = "`?wait=true`: the turn; `Accept: text/event-stream`: the run's events until it pauses or ends",
             content(
                 (TurnBody = "application/json"),
-                (String = "text/event-stream"),
+                (RunEventFrame = "text/event-stream"),
             )),
         (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`, `INVALID_QUERY`", body = ErrorBody),
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),

@@ -12,6 +12,7 @@ use keel_core::{InterruptId, RunStatus, TicketScope};
 use crate::auth::issue_ticket;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{accepts, cursor, ApiJson, Caller, Params, RunPath, APPLICATION_JSON, EVENT_STREAM};
+use crate::openapi::RunEventFrame;
 use crate::sse;
 use crate::state::AppState;
 use crate::views::{ErrorBody, EventPage, ResumedTurn, RunBody, TicketBody};
@@ -98,7 +99,7 @@ pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): Run
         (status = 200, description = "SSE (the default): the stored events, then live ones until the run ends. \
             With `Accept: application/json`: one page of stored events",
             content(
-                (String = "text/event-stream"),
+                (RunEventFrame = "text/event-stream"),
                 (EventPage = "application/json"),
             )),
         (status = 400, description = "`INVALID_CURSOR`, `CURSOR_OUT_OF_RANGE`, `INVALID_QUERY`", body = ErrorBody),
@@ -183,7 +184,7 @@ pub async fn stream_ticket(State(state): State<AppState>, caller: Caller, RunPat
             `Accept: text/event-stream`: the run's events from `resumed` until it pauses or ends",
             content(
                 (ResumeOrTurn = "application/json"),
-                (String = "text/event-stream"),
+                (RunEventFrame = "text/event-stream"),
             )),
         (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`, `INVALID_QUERY`", body = ErrorBody),
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
