@@ -46,11 +46,25 @@ pub struct ResumeBody {
     /// `"approve"`, `"reject"`, `{"edit": {callId: args}}`, `{"calls": {…}}`, `{"select": …}`,
     /// `{"provide": …}`.
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(schema_with = decision_schema, required = true))]
     pub decision: Option<Value>,
     /// May come from an `Idempotency-Key` header instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 200))]
     pub idempotency_key: Option<String>,
+}
+
+/// A decision is a string or an object; `null` or a missing one is refused (422).
+#[cfg(feature = "openapi")]
+fn decision_schema() -> utoipa::openapi::schema::Object {
+    use utoipa::openapi::schema::{ObjectBuilder, SchemaType, Type};
+    ObjectBuilder::new()
+        .schema_type(SchemaType::from_iter([Type::String, Type::Object]))
+        .description(Some(
+            "`\"approve\"`, `\"reject\"`, `{\"edit\": {callId: args}}`, `{\"calls\": {…}}`, `{\"select\": …}`, \
+             `{\"provide\": …}` (docs/api.md, \"Decisions\").",
+        ))
+        .build()
 }
 
 // --- responses

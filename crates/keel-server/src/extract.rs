@@ -10,6 +10,7 @@ use axum::http::{HeaderMap, StatusCode};
 use keel_core::engine::EngineError;
 use keel_core::{ConversationId, RunId};
 use serde::de::DeserializeOwned;
+use serde_json::Value;
 
 use crate::error::ApiError;
 use crate::limits::json_depth;
@@ -48,7 +49,8 @@ impl<T: DeserializeOwned> FromRequest<AppState> for ApiJson<T> {
     }
 }
 
-/// Like [`ApiJson`], but an empty body (with or without a content type) means `T::default()`.
+/// Like [`ApiJson`], but an empty body (with or without a content type), or `null`, means
+/// `T::default()`.
 #[derive(Debug)]
 pub struct OptionalJson<T>(pub T);
 
@@ -63,6 +65,9 @@ impl<T: DeserializeOwned + Default> FromRequest<AppState> for OptionalJson<T> {
         }
         if !json_declared {
             return Err(unsupported_media_type());
+        }
+        if body.trim_ascii() == b"null" {
+            return Ok(OptionalJson(T::default()));
         }
         parse_json(&body, state.config.json_max_depth).map(OptionalJson)
     }
@@ -86,6 +91,8 @@ fn unsupported_media_type() -> ApiError {
     )
 }
 
+/// Every JSON body of the API is an object: serde would also read a struct from an array of its
+/// fields (`["hi"]` as `{"content": "hi"}`), so the top level is checked first.
 fn parse_json<T: DeserializeOwned>(body: &[u8], max_depth: usize) -> Result<T, ApiError> {
     if json_depth(body) > max_depth {
         return Err(ApiError::bad_request(
@@ -93,12 +100,12 @@ fn parse_json<T: DeserializeOwned>(body: &[u8], max_depth: usize) -> Result<T, A
             format!("the body nests arrays and objects deeper than {max_depth} levels"),
         ));
     }
-    serde_json::from_slice(body).map_err(|e| match e.classify() {
-        serde_json::error::Category::Data => ApiError::validation(e.to_string()),
-        serde_json::error::Category::Io | serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
-            ApiError::bad_request("MALFORMED_JSON", format!("the body is not valid JSON: {e}"))
-        }
-    })
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request("MALFORMED_JSON", format!("the body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::validation("the body must be a JSON object"));
+    }
+    serde_json::from_value(value).map_err(|e| ApiError::validation(e.to_string()))
 }
 
 /// `application/json` or `application/<anything>+json`, parameters ignored.
