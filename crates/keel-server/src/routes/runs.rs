@@ -235,7 +235,7 @@ pub async fn resume(
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;
-        return Ok(Json(ResumeOrTurn::Turn(ResumedTurn { turn, resume: accepted })).into_response());
+        return Ok(Json(ResumeOrTurn::Turn(Box::new(ResumedTurn { turn, resume: accepted }))).into_response());
     }
     Ok((StatusCode::OK, Json(ResumeOrTurn::Accepted(accepted))).into_response())
 }
@@ -264,5 +264,5 @@ pub async fn cancel(State(state): State<AppState>, caller: Caller, RunPath(id): 
 #[serde(untagged)]
 enum ResumeOrTurn {
     Accepted(ResumeAccepted),
-    Turn(ResumedTurn),
+    Turn(Box<ResumedTurn>),
 }
