@@ -34,6 +34,9 @@ async fn as_user(
     to_json(request.send().await.expect("request")).await
 }
 
+/// A request another user tries: method, path, extra headers, the error code expected.
+type Probe<'a> = (Method, String, Vec<(&'a str, &'a str)>, &'a str);
+
 /// Alice's conversation, run, interrupt: for bob, each is a 404 through every endpoint and way of
 /// asking, exactly like ids that were never made; alice's run is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,7 +57,7 @@ async fn another_users_objects_are_404_on_every_endpoint() {
     let guessed_run = RunId::new().to_string();
     let resume_body = json!({"interruptId": interrupt, "decision": "approve", "idempotencyKey": "bob-1"});
     for (conv, run, what) in [(conv.as_str(), run.as_str(), "alice's"), (&guessed_conv, &guessed_run, "guessed")] {
-        let cases: Vec<(Method, String, Vec<(&str, &str)>, &str)> = vec![
+        let cases: Vec<Probe> = vec![
             (Method::GET, format!("/v1/conversations/{conv}"), vec![], "CONVERSATION_NOT_FOUND"),
             (Method::POST, format!("/v1/conversations/{conv}/messages"), vec![], "CONVERSATION_NOT_FOUND"),
             (
