@@ -302,6 +302,19 @@ async fn open_streams_are_capped_per_user() {
     assert_error(s, &b, 429, "TOO_MANY_STREAMS");
     let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
     assert_eq!(view["messages"], json!([]), "the refused stream started no run: {view}");
+    // The other transports count against the same cap.
+    let agui = json!({"threadId": conversation, "runId": "r1", "state": {}, "tools": [], "context": [],
+        "forwardedProps": {}, "messages": [{"id": "m1", "role": "user", "content": "Look at the recent errors of payment-api"}]});
+    let (s, b) = app.post("/v1/ag-ui", &agui).await;
+    assert_error(s, &b, 429, "TOO_MANY_STREAMS");
+    let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(view["messages"], json!([]), "the refused AG-UI stream started no run: {view}");
+    let tcp = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    match tokio_tungstenite::client_async(app.ws_request(None), tcp).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => assert_eq!(response.status(), 429),
+        Ok(_) => panic!("a WebSocket past the cap was accepted"),
+        Err(e) => panic!("{e}"),
+    }
 
     // Bob has slots of his own.
     let response = app
