@@ -18,9 +18,10 @@ struct Cli {
     /// The server's base URL.
     #[arg(long, default_value = "http://127.0.0.1:8090", global = true)]
     url: String,
-    /// The caller (`X-Keel-User`); must be allowed to approve restarts (`demo` is an operator).
-    #[arg(long, default_value = "demo", global = true)]
-    user: String,
+    /// An API key of an operator (`keel users add bench --role operator`); none for a server
+    /// without keys, whose local `demo` user is an operator. Read from the environment only.
+    #[arg(skip = std::env::var("KEEL_API_KEY").ok())]
+    api_key: Option<String>,
     /// Also write the results as JSON to this file.
     #[arg(long, global = true)]
     json: Option<String>,
@@ -98,7 +99,7 @@ enum Scenario {
 #[tokio::main]
 async fn main() -> Result<()> {
     let cli = Cli::parse();
-    let client = Client::new(&cli.url, &cli.user, cli.fresh_connections)?;
+    let client = Client::new(&cli.url, cli.api_key.as_deref(), cli.fresh_connections)?;
     let mut reps = Vec::new();
     for rep in 0..cli.repeat.max(1) {
         if cli.repeat > 1 {
@@ -137,25 +138,34 @@ async fn main() -> Result<()> {
 struct Client {
     http: reqwest::Client,
     base: String,
-    user: String,
+    /// `Bearer <key>`, when there is a key.
+    authorization: Option<String>,
 }
 
 impl Client {
-    fn new(base: &str, user: &str, fresh_connections: bool) -> Result<Self> {
+    fn new(base: &str, api_key: Option<&str>, fresh_connections: bool) -> Result<Self> {
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(if fresh_connections { 0 } else { 1024 })
             .tcp_nodelay(true)
             .timeout(Duration::from_secs(600))
             .build()?;
-        Ok(Self { http, base: base.trim_end_matches('/').to_owned(), user: user.to_owned() })
+        let authorization = api_key.map(|k| format!("Bearer {}", k.trim()));
+        Ok(Self { http, base: base.trim_end_matches('/').to_owned(), authorization })
     }
 
     fn post(&self, path: &str) -> reqwest::RequestBuilder {
-        self.http.post(format!("{}{}", self.base, path)).header("X-Keel-User", &self.user)
+        self.authorize(self.http.post(format!("{}{}", self.base, path)))
     }
 
     fn get(&self, path: &str) -> reqwest::RequestBuilder {
-        self.http.get(format!("{}{}", self.base, path)).header("X-Keel-User", &self.user)
+        self.authorize(self.http.get(format!("{}{}", self.base, path)))
+    }
+
+    fn authorize(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.authorization {
+            Some(value) => request.header(reqwest::header::AUTHORIZATION, value),
+            None => request,
+        }
     }
 
     async fn json(req: reqwest::RequestBuilder) -> Result<Value> {

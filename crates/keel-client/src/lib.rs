@@ -54,9 +54,6 @@ pub use keel_core::wire::{
 pub use resume::{ReconnectPolicy, Resumer, Step};
 pub use sse::{SseFrame, SseParser};
 
-/// The development identity header (until authentication lands).
-pub const USER_HEADER: &str = "X-Keel-User";
-
 /// Everything a client call can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -159,7 +156,7 @@ pub struct ListRuns {
 pub struct KeelClient {
     http: reqwest::Client,
     base: String,
-    /// `Authorization` and `X-Keel-User`, sent with every request (the key marked sensitive).
+    /// `Authorization`, sent with every request (the key marked sensitive).
     identity: HeaderMap,
     reconnect: ReconnectPolicy,
 }
@@ -190,15 +187,6 @@ impl KeelClient {
         value.set_sensitive(true);
         self.identity.insert(AUTHORIZATION, value);
         Ok(self)
-    }
-
-    /// Acts as `name`: sends `X-Keel-User: name` with every request (the development identity,
-    /// until authentication lands). A name that can't be a header value is not sent.
-    pub fn user(mut self, name: impl Into<String>) -> Self {
-        if let Ok(value) = HeaderValue::from_str(&name.into()) {
-            self.identity.insert(USER_HEADER, value);
-        }
-        self
     }
 
     /// How [`KeelClient::events`] streams reconnect, and how often [`KeelClient::resume`] retries.

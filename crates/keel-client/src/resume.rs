@@ -124,7 +124,7 @@ type Body = Pin<Box<dyn Stream<Item = Result<Bytes, reqwest::Error>> + Send>>;
 pub(crate) struct EventStream {
     http: reqwest::Client,
     url: String,
-    /// Who is asking (`Authorization`, `X-Keel-User`), sent on every reconnect.
+    /// Who is asking (`Authorization`), sent on every reconnect.
     identity: reqwest::header::HeaderMap,
     run_id: RunId,
     policy: ReconnectPolicy,

@@ -218,7 +218,8 @@ async fn events_reconnect_with_last_event_id_and_never_repeat() {
         sse(&format!("{}{}{}", frame(4, "text_delta"), frame(5, "text_delta"), frame(6, "done")).replace('\n', "\r\n")),
     ])
     .await;
-    let client = KeelClient::new(format!("{}/", server.base)).user("alice").reconnect_policy(fast());
+    let client =
+        KeelClient::new(format!("{}/", server.base)).with_api_key("keel_alice").unwrap().reconnect_policy(fast());
     let items = collect(&client, 0).await;
     assert_eq!(sequences(&items), vec![1, 2, 3, 4, 5, 6]);
     let last = items.last().unwrap().as_ref().unwrap();
@@ -231,7 +232,7 @@ async fn events_reconnect_with_last_event_id_and_never_repeat() {
     for r in server.requests() {
         assert_eq!(r.method, "GET");
         assert_eq!(r.path, "/v1/runs/run_1/events");
-        assert_eq!(r.header("x-keel-user"), Some("alice"));
+        assert_eq!(r.header("authorization"), Some("Bearer keel_alice"));
         assert_eq!(r.header("accept"), Some("text/event-stream"));
     }
 }
@@ -249,7 +250,7 @@ async fn events_start_after_the_cursor() {
     let items = collect(&client, 3).await;
     assert_eq!(sequences(&items), vec![4, 5], "sequence 3 is at or before the cursor");
     assert_eq!(server.last_event_ids(), vec!["3"]);
-    assert_eq!(server.requests()[0].header("x-keel-user"), None);
+    assert_eq!(server.requests()[0].header("authorization"), None);
 }
 
 #[tokio::test]
@@ -430,7 +431,7 @@ async fn http_methods_send_the_contract_shapes() {
         ),
     ])
     .await;
-    let client = KeelClient::new(&server.base).user("alice");
+    let client = KeelClient::new(&server.base).with_api_key("keel_alice").unwrap();
 
     let conv = client.create_conversation("troubleshoot payment-api").await.unwrap();
     assert_eq!(conv.id.as_str(), "conv_1");
@@ -485,8 +486,7 @@ async fn http_methods_send_the_contract_shapes() {
         json!({ "interruptId": "int_1", "decision": "approve", "idempotencyKey": "resume_int_1_1" })
     );
     for r in &reqs {
-        assert_eq!(r.header("x-keel-user"), Some("alice"), "{} {}", r.method, r.path);
-        assert_eq!(r.header("authorization"), None);
+        assert_eq!(r.header("authorization"), Some("Bearer keel_alice"), "{} {}", r.method, r.path);
     }
 }
 
@@ -502,7 +502,6 @@ async fn an_api_key_is_sent_as_a_bearer_token_everywhere_and_never_shown() {
     assert_eq!(sequences(&collect(&client, 0).await), vec![1, 2]);
     for r in server.requests() {
         assert_eq!(r.header("authorization"), Some("Bearer keel_secret_123"), "{} {}", r.method, r.path);
-        assert_eq!(r.header("x-keel-user"), None);
     }
     let shown = format!("{client:?}");
     assert!(!shown.contains("keel_secret_123"), "{shown}");

@@ -65,6 +65,8 @@ pub struct EngineConfig {
     /// died): until then a retry is told `IDEMPOTENCY_KEY_IN_FLIGHT`, after it the retry proceeds.
     pub idempotency_in_flight_ttl: Duration,
     pub context: ContextConfig,
+    /// The longest user message accepted, in characters.
+    pub max_message_chars: usize,
     /// Where the engine's measurements go (the server's Prometheus registry); nowhere by default.
     pub metrics: Metrics,
     /// Links each `run` span to the run's trace (an OpenTelemetry exporter); none by default.
@@ -88,6 +90,7 @@ impl Default for EngineConfig {
             default_role: None,
             idempotency_in_flight_ttl: Duration::from_secs(30),
             context: ContextConfig::default(),
+            max_message_chars: 32_000,
             metrics: Metrics::default(),
             run_span_hook: None,
         }
@@ -470,8 +473,9 @@ impl Engine {
         if content.contains('\0') {
             return Err(EngineError::Invalid("content: must not contain NUL characters".into()));
         }
-        if content.chars().count() > 32_000 {
-            return Err(EngineError::Invalid("content: must be at most 32000 characters".into()));
+        let max = self.inner.config.max_message_chars;
+        if content.chars().count() > max {
+            return Err(EngineError::Invalid(format!("content: must be at most {max} characters")));
         }
         self.conversation(user_id, conversation_id).await?;
         // A key or password pasted into the chat is masked before it is stored, streamed or shown to

@@ -27,7 +27,8 @@ pub struct CreateConversation {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct PostMessage {
-    /// Not empty once trimmed; no NUL characters.
+    /// Not empty once trimmed; no NUL characters; at most 32,000 characters unless the server is
+    /// configured otherwise (`--max-message-chars`).
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 32000))]
     pub content: String,
     /// Cancel the run when the client streaming it goes away.

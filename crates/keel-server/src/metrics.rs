@@ -30,6 +30,7 @@ const WAIT_BUCKETS: &[f64] =
 /// The transport label of the SSE encoder.
 pub const SSE: &str = "sse";
 pub const WEBSOCKET: &str = "websocket";
+pub const AG_UI: &str = "ag_ui";
 
 /// The server's metric families. Cheap to clone (one registry behind an `Arc`).
 #[derive(Clone)]

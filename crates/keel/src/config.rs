@@ -105,6 +105,18 @@ pub struct Options {
     /// How long a stream ticket can be used [default: 60s].
     #[arg(long, global = true, env = "KEEL_STREAM_TICKET_TTL", value_name = "DURATION")]
     pub stream_ticket_ttl: Option<String>,
+    /// The largest request body, in bytes [default: 1048576].
+    #[arg(long, global = true, env = "KEEL_BODY_LIMIT", value_name = "BYTES")]
+    pub body_limit: Option<usize>,
+    /// The deepest nesting of arrays and objects in a JSON body [default: 32].
+    #[arg(long, global = true, env = "KEEL_JSON_MAX_DEPTH", value_name = "N")]
+    pub json_max_depth: Option<usize>,
+    /// The longest user message, in characters [default: 32000].
+    #[arg(long, global = true, env = "KEEL_MAX_MESSAGE_CHARS", value_name = "N")]
+    pub max_message_chars: Option<usize>,
+    /// The most events one JSON replay page holds [default: 1000].
+    #[arg(long, global = true, env = "KEEL_REPLAY_PAGE_MAX", value_name = "N")]
+    pub replay_page_max: Option<u32>,
 }
 
 /// A secret read from the environment or the file; `***` in `Debug`.
@@ -154,6 +166,10 @@ pub struct FileConfig {
     pub rate_burst: Option<u32>,
     pub max_streams_per_user: Option<usize>,
     pub stream_ticket_ttl: Option<String>,
+    pub body_limit: Option<usize>,
+    pub json_max_depth: Option<usize>,
+    pub max_message_chars: Option<usize>,
+    pub replay_page_max: Option<u32>,
     /// API keys by their SHA-256 (`[[api_keys]] user = "…", role = "operator", sha256 = "…"`).
     #[serde(default)]
     pub api_keys: Vec<ConfiguredKey>,
@@ -221,6 +237,10 @@ pub struct Settings {
     pub rate_burst: u32,
     pub max_streams_per_user: usize,
     pub stream_ticket_ttl: Duration,
+    pub body_limit: usize,
+    pub json_max_depth: usize,
+    pub max_message_chars: usize,
+    pub replay_page_max: u32,
     /// Where traces go over OTLP/HTTP, the full `…/v1/traces` URL; none: traces are only logs.
     pub otlp_endpoint: Option<OtlpEndpoint>,
 }
@@ -352,6 +372,16 @@ impl Settings {
                 pick(&cli.stream_ticket_ttl, &file.stream_ticket_ttl),
                 "60s",
             )?,
+            body_limit: at_least_one("--body-limit", cli.body_limit.or(file.body_limit).unwrap_or(1024 * 1024))?,
+            json_max_depth: at_least_one("--json-max-depth", cli.json_max_depth.or(file.json_max_depth).unwrap_or(32))?,
+            max_message_chars: at_least_one(
+                "--max-message-chars",
+                cli.max_message_chars.or(file.max_message_chars).unwrap_or(32_000),
+            )?,
+            replay_page_max: at_least_one(
+                "--replay-page-max",
+                cli.replay_page_max.or(file.replay_page_max).unwrap_or(1000) as usize,
+            )? as u32,
         })
     }
 }
@@ -399,6 +429,13 @@ fn openai_config(cli: &Options, file: &FileConfig) -> anyhow::Result<keel_models
         config.include_usage = !matches!(v.as_str(), "0" | "false" | "no");
     }
     Ok(config)
+}
+
+fn at_least_one(name: &str, n: usize) -> anyhow::Result<usize> {
+    if n == 0 {
+        bail!("{name} must be at least 1");
+    }
+    Ok(n)
 }
 
 fn positive_duration(name: &str, value: Option<String>, default: &str) -> anyhow::Result<Duration> {
@@ -632,6 +669,16 @@ mod tests {
         assert_eq!((s.rate_limit, s.max_streams_per_user), (0.0, 0));
         let bad = Options { rate_limit: Some(-1.0), ..Default::default() };
         assert!(Settings::resolve(&bad, &FileConfig::default()).is_err());
+        let s = Settings::resolve(&Options::default(), &FileConfig::default()).unwrap();
+        assert_eq!(
+            (s.body_limit, s.json_max_depth, s.max_message_chars, s.replay_page_max),
+            (1 << 20, 32, 32_000, 1000)
+        );
+        let file: FileConfig = toml::from_str("json_max_depth = 8\nreplay_page_max = 50").unwrap();
+        let s = Settings::resolve(&Options { body_limit: Some(4096), ..Default::default() }, &file).unwrap();
+        assert_eq!((s.body_limit, s.json_max_depth, s.replay_page_max), (4096, 8, 50));
+        let zero = Options { json_max_depth: Some(0), ..Default::default() };
+        assert!(Settings::resolve(&zero, &FileConfig::default()).unwrap_err().to_string().contains("at least 1"));
     }
 
     #[test]

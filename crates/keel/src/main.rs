@@ -267,6 +267,7 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
         EngineConfig {
             steal_leases_on_start: opened.single_process(),
             interrupt_ttl: settings.interrupt_ttl,
+            max_message_chars: settings.max_message_chars,
             lease_ttl: settings.lease_ttl,
             // How often an idle reader re-reads the store: its only news source for runs written by
             // another instance without a shared bus, a safety net otherwise.
@@ -307,6 +308,9 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
         rate_limit_per_second: settings.rate_limit,
         rate_limit_burst: settings.rate_burst,
         max_streams_per_user: settings.max_streams_per_user,
+        body_limit: settings.body_limit,
+        json_max_depth: settings.json_max_depth,
+        replay_page_max: settings.replay_page_max,
         stream_ticket_ttl: settings.stream_ticket_ttl,
         ..ServerConfig::default()
     };

@@ -7,6 +7,8 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
+mod support;
+
 const KEEL: &str = env!("CARGO_BIN_EXE_keel");
 
 fn keel(dir: &std::path::Path) -> Command {
@@ -105,25 +107,11 @@ fn demo_serves_with_layered_settings_and_stops_on_a_signal() {
     assert!(status.success(), "{status:?}");
 }
 
-/// Starts `keel serve` in `dir` with `args`; returns the child and its address.
-fn serve(dir: &std::path::Path, args: &[&str]) -> (std::process::Child, String) {
-    let mut child = keel(dir)
-        .args(["serve", "--listen", "127.0.0.1:0", "--demo-delay-ms", "0"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut stdout = BufReader::new(child.stdout.take().unwrap());
-    let mut banner = String::new();
-    stdout.read_line(&mut banner).unwrap();
-    let addr = banner
-        .trim()
-        .strip_prefix("Keel listening on http://")
-        .and_then(|rest| rest.strip_suffix('/'))
-        .unwrap_or_else(|| panic!("unexpected banner {banner:?}"))
-        .to_owned();
-    (child, addr)
+/// `keel serve` over `dir`'s `keel-data` (where `keel users` writes without `--data-dir`).
+fn serve(dir: &std::path::Path, flags: &[&str]) -> (support::Server, String) {
+    let server = support::Server::start_with(&dir.join("keel-data"), 0, flags);
+    let addr = server.addr.clone();
+    (server, addr)
 }
 
 fn users(dir: &std::path::Path, args: &[&str]) -> std::process::Output {
@@ -151,7 +139,7 @@ fn users_and_keys_from_the_command_line() {
     let bad = keel(dir.path()).args(["users", "add", "not a name"]).output().unwrap();
     assert_eq!(bad.status.code(), Some(1));
 
-    let (mut child, addr) = serve(dir.path(), &[]);
+    let (server, addr) = serve(dir.path(), &[]);
     let anonymous = http_get(&addr, "/v1/conversations");
     assert!(anonymous.starts_with("HTTP/1.1 401"), "{anonymous}");
     assert!(anonymous.contains("UNAUTHENTICATED"), "{anonymous}");
@@ -169,8 +157,7 @@ fn users_and_keys_from_the_command_line() {
     users(dir.path(), &["revoke", "alice"]);
     let revoked = http_get_with(&addr, "/v1/conversations", &bearer);
     assert!(revoked.starts_with("HTTP/1.1 401"), "{revoked}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    server.kill();
 }
 
 /// Without keys: loopback serves the local demo user; any other address refuses to start unless
@@ -178,13 +165,12 @@ fn users_and_keys_from_the_command_line() {
 #[test]
 fn no_keys_means_loopback_only() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, addr) = serve(dir.path(), &[]);
+    let (server, addr) = serve(dir.path(), &[]);
     let ok = http_get(&addr, "/v1/conversations");
     assert!(ok.starts_with("HTTP/1.1 200"), "the local demo user: {ok}");
     let wrong = http_get_with(&addr, "/v1/conversations", "Authorization: Bearer keel_guess\r\n");
     assert!(wrong.starts_with("HTTP/1.1 401"), "a key that is sent is checked: {wrong}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    server.kill();
 
     let refused = keel(dir.path()).args(["serve", "--listen", "0.0.0.0:0"]).output().unwrap();
     assert_eq!(refused.status.code(), Some(1));
@@ -215,10 +201,10 @@ fn keys_from_the_file_by_hash() {
          sha256 = \"ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad\"\n",
     )
     .unwrap();
-    let (mut child, addr) = serve(dir.path(), &[]);
+    let config = dir.path().join("keel.toml");
+    let (server, addr) = serve(dir.path(), &["--config", config.to_str().unwrap()]);
     assert!(http_get(&addr, "/v1/conversations").starts_with("HTTP/1.1 401"));
     let ok = http_get_with(&addr, "/v1/conversations", "Authorization: Bearer abc\r\n");
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    server.kill();
 }

@@ -328,9 +328,17 @@ async fn retry_resume(http: &reqwest::Client, base: &str, run: &str, body: &Valu
     }
 }
 
+/// Every stored event of the run, page by page.
 async fn events_of(http: &reqwest::Client, base: &str, run: &str) -> Vec<Event> {
-    let body = get(http, format!("{base}/v1/runs/{run}/events")).await;
-    serde_json::from_value(body["events"].clone()).unwrap()
+    let mut events: Vec<Event> = Vec::new();
+    loop {
+        let after = events.last().map_or(0, |e| e.sequence);
+        let body = get(http, format!("{base}/v1/runs/{run}/events?after={after}")).await;
+        events.extend(serde_json::from_value::<Vec<Event>>(body["events"].clone()).unwrap());
+        if body["hasMore"] != true {
+            return events;
+        }
+    }
 }
 
 /// Waits for the run to end; an interrupted one is approved (once per interrupt) to finish it.

@@ -25,6 +25,7 @@ use crate::ag_ui::input::{self, ResumeStatus, RunAgentInput};
 use crate::ag_ui::{needs_snapshot, Lookup, Mapper, Snapshot};
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{ApiJson, Caller};
+use crate::limits::StreamPermit;
 use crate::openapi::AgUiEventFrame;
 use crate::sse;
 use crate::state::AppState;
@@ -93,6 +94,8 @@ pub async fn run_agent(
 
 async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResult<Response> {
     input.validate().map_err(ApiError::validation)?;
+    // A stream's slot is taken before anything happens, so a refused stream starts nothing.
+    let permit = state.limits.streams.acquire(&caller.0)?;
     let engine = state.engine.clone();
     let store = engine.store().clone();
     let resume = input.resume.as_deref().unwrap_or_default();
@@ -126,13 +129,13 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
                 // its run: the answer is that run's end, and the thread is free for a new turn.
                 let run = engine.run(&caller.0, &run.id).await?;
                 let after = (run.last_sequence() - 1).max(0);
-                return Ok(stream(&state, &input, conversation.id, run.id, after, None));
+                return Ok(stream(&state, permit, &input, conversation.id, run.id, after, None));
             }
             Err(e) => return Err(e.into()),
         };
         let snapshot = snapshot(&state, &conversation.id).await?;
         let after = (accepted.resumed_sequence - 1).max(0);
-        return Ok(stream(&state, &input, conversation.id, run.id, after, Some(snapshot)));
+        return Ok(stream(&state, permit, &input, conversation.id, run.id, after, Some(snapshot)));
     }
 
     let conversation = thread_conversation(&state, &caller, &input, true).await?.ok_or_else(ApiError::not_found)?;
@@ -142,12 +145,12 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
         .ok_or_else(|| ApiError::validation("messages: no user message to answer"))?;
     if let Some(run_id) = seen_run(&state, &conversation.id, client_id).await? {
         // The same input again (a retry, a client re-sending its history): the run it started.
-        return Ok(stream(&state, &input, conversation.id, run_id, 0, None));
+        return Ok(stream(&state, permit, &input, conversation.id, run_id, 0, None));
     }
     let started =
         engine.send_message(&caller.0, &conversation.id, SendMessage { content, cancel_on_disconnect: false }).await?;
     store.record_ag_ui_message(&conversation.id, client_id, &started.message.id).await?;
-    Ok(stream(&state, &input, conversation.id, started.run.id, 0, None))
+    Ok(stream(&state, permit, &input, conversation.id, started.run.id, 0, None))
 }
 
 /// The conversation of `threadId`: a Keel conversation id as it is; any other thread id through its
@@ -210,6 +213,7 @@ pub fn frame(event: &Value) -> Bytes {
 
 fn stream(
     state: &AppState,
+    permit: StreamPermit,
     input: &RunAgentInput,
     conversation: ConversationId,
     run_id: RunId,
@@ -218,8 +222,18 @@ fn stream(
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
     let mapper = Mapper::new(&input.thread_id, &input.run_id);
-    tokio::spawn(feed(state.clone(), tx, mapper, conversation, run_id, after, opening));
-    sse::sse_response(Body::from_stream(ReceiverStream::new(rx).map(Ok::<_, Infallible>)))
+    let state = state.clone();
+    // Counted open on /metrics for as long as the body lives.
+    let open = state.metrics.connection_opened(crate::metrics::AG_UI);
+    tokio::spawn(async move {
+        feed(state, tx, mapper, conversation, run_id, after, opening).await;
+        drop(permit);
+    });
+    let body = ReceiverStream::new(rx).map(move |frame| {
+        let _open = &open;
+        Ok::<_, Infallible>(frame)
+    });
+    sse::sse_response(Body::from_stream(body))
 }
 
 #[derive(Debug)]

@@ -93,7 +93,7 @@ pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): Run
             description = "Events after this sequence; wins over `after`"),
         ("after" = Option<i64>, Query, minimum = 0, description = "Events after this sequence (default 0)"),
         ("limit" = Option<u32>, Query, minimum = 1, maximum = 1000,
-            description = "JSON only: at most this many events; at most the server's page size, 1,000 unless configured"),
+            description = "JSON only: at most this many events; at most the server's page size, 1,000 unless configured (`--replay-page-max`)"),
         ("ticket" = Option<String>, Query, description = "A stream ticket instead of an API key"),
     ),
     responses(

@@ -236,6 +236,7 @@ async fn connection(state: AppState, caller: Caller, socket: WebSocket) {
     let why = *outbox.closing.borrow();
     if why == Closing::TooSlow {
         stats.cut_off.fetch_add(1, Ordering::Relaxed);
+        state.metrics.subscriber_dropped(crate::metrics::WEBSOCKET);
         tracing::info!(user = %caller.0, "WebSocket client too slow to drain its queue; cut off (it may resubscribe)");
     }
     for (run_id, task) in subscriptions {
@@ -425,6 +426,8 @@ async fn subscription(state: AppState, outbox: Outbox, run_id: RunId, after: i64
                     if !outbox.json(&value).await {
                         return;
                     }
+                    // Queued for the socket's writer: as "delivered" as an SSE frame handed to hyper.
+                    state.metrics.event_delivered(crate::metrics::WEBSOCKET);
                 }
                 Err(e) => {
                     tracing::error!(run_id = %run_id, error = %e, "encoding an event failed");

@@ -34,6 +34,9 @@ async fn as_user(
     to_json(request.send().await.expect("request")).await
 }
 
+/// A request another user tries: method, path, extra headers, the error code expected.
+type Probe<'a> = (Method, String, Vec<(&'a str, &'a str)>, &'a str);
+
 /// Alice's conversation, run, interrupt: for bob, each is a 404 through every endpoint and way of
 /// asking, exactly like ids that were never made; alice's run is untouched.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -54,7 +57,7 @@ async fn another_users_objects_are_404_on_every_endpoint() {
     let guessed_run = RunId::new().to_string();
     let resume_body = json!({"interruptId": interrupt, "decision": "approve", "idempotencyKey": "bob-1"});
     for (conv, run, what) in [(conv.as_str(), run.as_str(), "alice's"), (&guessed_conv, &guessed_run, "guessed")] {
-        let cases: Vec<(Method, String, Vec<(&str, &str)>, &str)> = vec![
+        let cases: Vec<Probe> = vec![
             (Method::GET, format!("/v1/conversations/{conv}"), vec![], "CONVERSATION_NOT_FOUND"),
             (Method::POST, format!("/v1/conversations/{conv}/messages"), vec![], "CONVERSATION_NOT_FOUND"),
             (
@@ -299,6 +302,19 @@ async fn open_streams_are_capped_per_user() {
     assert_error(s, &b, 429, "TOO_MANY_STREAMS");
     let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
     assert_eq!(view["messages"], json!([]), "the refused stream started no run: {view}");
+    // The other transports count against the same cap.
+    let agui = json!({"threadId": conversation, "runId": "r1", "state": {}, "tools": [], "context": [],
+        "forwardedProps": {}, "messages": [{"id": "m1", "role": "user", "content": "Look at the recent errors of payment-api"}]});
+    let (s, b) = app.post("/v1/ag-ui", &agui).await;
+    assert_error(s, &b, 429, "TOO_MANY_STREAMS");
+    let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(view["messages"], json!([]), "the refused AG-UI stream started no run: {view}");
+    let tcp = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    match tokio_tungstenite::client_async(app.ws_request(None), tcp).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(response)) => assert_eq!(response.status(), 429),
+        Ok(_) => panic!("a WebSocket past the cap was accepted"),
+        Err(e) => panic!("{e}"),
+    }
 
     // Bob has slots of his own.
     let response = app

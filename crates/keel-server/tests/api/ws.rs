@@ -239,10 +239,54 @@ async fn bad_requests_get_error_replies() {
     }
 
     // Another user's run is not found over the socket either.
-    let mut mallory = Ws::connect(&app, Some("mallory"), None).await;
-    mallory.send(json!({"type": "subscribe", "requestId": "m", "runId": run})).await;
-    assert_eq!(mallory.reply("m").await["error"]["code"], "RUN_NOT_FOUND");
-    mallory.send(json!({"type": "cancel", "requestId": "c", "runId": run})).await;
-    assert_eq!(mallory.reply("c").await["error"]["code"], "RUN_NOT_FOUND");
+    let mut bob = Ws::connect(&app, Some("bob"), None).await;
+    bob.send(json!({"type": "subscribe", "requestId": "m", "runId": run, "after": 0})).await;
+    assert_eq!(bob.reply("m").await["error"]["code"], "RUN_NOT_FOUND");
+    bob.send(json!({"type": "cancel", "requestId": "c", "runId": run})).await;
+    assert_eq!(bob.reply("c").await["error"]["code"], "RUN_NOT_FOUND");
+    let interrupt = app.run(&run).await["pendingInterrupt"]["id"].as_str().unwrap().to_owned();
+    bob.send(json!({"type": "resume", "requestId": "r", "runId": run, "interruptId": interrupt,
+        "decision": "approve", "idempotencyKey": "bob-1"}))
+        .await;
+    assert_eq!(bob.reply("r").await["error"]["code"], "RUN_NOT_FOUND");
     assert_eq!(app.run(&run).await["status"], "interrupted");
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+}
+
+/// A browser's WebSocket can't send headers: a ticket from `POST /v1/ws/ticket` opens one
+/// connection, once; without a key or ticket the upgrade is refused.
+#[tokio::test]
+async fn a_ticket_opens_one_socket_once() {
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Error as WsError;
+    let app = TestApp::spawn().await;
+    let (_, run, _) = app.interrupted_run().await;
+    let open = |query: String| {
+        let url = format!("ws://{}/v1/ws{query}", app.addr);
+        let addr = app.addr;
+        async move {
+            let stream = TcpStream::connect(addr).await.expect("connect");
+            tokio_tungstenite::client_async(url.into_client_request().unwrap(), stream).await
+        }
+    };
+    let refused = |result: Result<_, WsError>| match result {
+        Err(WsError::Http(response)) => response.status().as_u16(),
+        Ok(_) => panic!("the upgrade was accepted"),
+        Err(other) => panic!("{other}"),
+    };
+    assert_eq!(refused(open(String::new()).await), 401, "no key, no ticket");
+
+    let (status, body) = app.post("/v1/ws/ticket", &json!({})).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let ticket = body["ticket"].as_str().unwrap().to_owned();
+    assert_eq!(body["url"], format!("/v1/ws?ticket={ticket}"));
+    let (socket, _) = open(format!("?ticket={ticket}")).await.expect("the ticket opens the socket");
+    let mut ws = Ws { socket, events: Vec::new() };
+    ws.send(json!({"type": "subscribe", "requestId": "s", "runId": run, "after": 0})).await;
+    assert!(ws.reply("s").await["error"].is_null(), "the socket acts as the ticket's user");
+    assert_eq!(refused(open(format!("?ticket={ticket}")).await), 401, "used once");
+
+    // A run-events ticket does not open a socket.
+    let (_, body) = app.post(&format!("/v1/runs/{run}/stream-ticket"), &json!({})).await;
+    assert_eq!(refused(open(format!("?ticket={}", body["ticket"].as_str().unwrap())).await), 401);
 }

@@ -80,7 +80,7 @@ pub struct TestApp {
     pub client: reqwest::Client,
     pub engine: Arc<Engine>,
     pub store: Arc<dyn Store>,
-    /// API keys by user: `demo`, `alice` and `bob` are operators, `vera` a viewer. `client` sends
+    /// API keys by user: `demo`, `alice`, `bob` and `mallory` are operators, `vera` a viewer. `client` sends
     /// demo's with every request unless the request names another.
     pub keys: HashMap<String, String>,
     /// The registry `GET /metrics` serves (the engine records into it).
@@ -115,6 +115,7 @@ impl TestApp {
             ("demo", UserRole::Operator),
             ("alice", UserRole::Operator),
             ("bob", UserRole::Operator),
+            ("mallory", UserRole::Operator),
             ("vera", UserRole::Viewer),
         ] {
             let issued = issue_api_key(store.as_ref(), user, role, chrono::Utc::now()).await.expect("an api key");

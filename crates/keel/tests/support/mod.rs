@@ -36,10 +36,16 @@ impl Server {
     /// `keel serve` on 127.0.0.1:0 with the demo model pausing `demo_delay_ms` before each word.
     /// Returns once it listens (its banner is printed after the bind).
     pub fn start(data_dir: &Path, demo_delay_ms: u64) -> Self {
+        Self::start_with(data_dir, demo_delay_ms, &[])
+    }
+
+    /// [`Server::start`] with more flags.
+    pub fn start_with(data_dir: &Path, demo_delay_ms: u64, flags: &[&str]) -> Self {
         let mut child = keel()
             .args(["serve", "--listen", "127.0.0.1:0", "--demo-delay-ms", &demo_delay_ms.to_string()])
             .arg("--data-dir")
             .arg(data_dir)
+            .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
