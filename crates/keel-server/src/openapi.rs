@@ -97,7 +97,11 @@ fn add_common_responses(openapi: &mut OpenApi) {
         ];
         for operation in operations.into_iter().flatten() {
             if authenticated {
-                add_error(operation, "401", "`UNAUTHENTICATED`: no, an unknown or a revoked API key; `INVALID_TICKET`");
+                add_error(
+                    operation,
+                    "401",
+                    "`UNAUTHENTICATED`: a missing, unknown or revoked API key; `INVALID_TICKET`: a bad stream ticket",
+                );
                 add_rate_limited(operation);
                 add_error(operation, "503", "`SHUTTING_DOWN`: the server is stopping; retry on another instance");
             }
