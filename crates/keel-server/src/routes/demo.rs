@@ -3,12 +3,11 @@
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::fleet::FleetSeed;
+use keel_core::fleet::{FleetSeed, Instance};
 
 use crate::error::ApiResult;
 use crate::state::AppState;
 use crate::views::DemoReset;
-use keel_core::fleet::Instance;
 
 #[utoipa::path(
     get,

@@ -4,10 +4,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::engine::ResumeRequest;
+use keel_core::engine::{ResumeAccepted, ResumeRequest};
 use keel_core::stream::Until;
 use keel_core::wire::{ResumeBody, RunList, RunSummary};
-use keel_core::{InterruptId, RunStatus, TicketScope};
+use keel_core::{InterruptId, RunId, RunStatus, TicketScope};
 
 use crate::auth::issue_ticket;
 use crate::error::{ApiError, ApiResult};
@@ -16,8 +16,6 @@ use crate::openapi::RunEventFrame;
 use crate::sse;
 use crate::state::AppState;
 use crate::views::{ErrorBody, EventPage, ResumedTurn, RunBody, TicketBody};
-use keel_core::engine::ResumeAccepted;
-use keel_core::RunId;
 
 /// `GET /v1/runs`: runs listed without `?limit=`, and the most one page may hold.
 const DEFAULT_RUNS: u32 = 20;
