@@ -17,6 +17,7 @@ pub enum LogFormat {
 
 /// The flags every subcommand takes; each may also come from the environment or the file.
 #[derive(Debug, Clone, Default, Args)]
+#[command(next_help_heading = "Server options (serve, demo, migrate, users)")]
 pub struct Options {
     /// A TOML settings file [default: ./keel.toml, if present].
     #[arg(long, global = true, env = "KEEL_CONFIG", value_name = "PATH")]
@@ -30,7 +31,7 @@ pub struct Options {
     /// The database URL: `sqlite://PATH` or `postgres://…` [default: sqlite://<data-dir>/keel.db].
     #[arg(long, global = true, env = "KEEL_DB", value_name = "URL")]
     pub db: Option<String>,
-    /// The model; only `demo` (offline, rule-based) for now [default: demo].
+    /// The model: `demo` (offline, rule-based) or `openai` (an OpenAI-compatible API) [default: demo].
     #[arg(long, global = true, env = "KEEL_MODEL")]
     pub model: Option<String>,
     /// The demo model's delay between streamed tokens, in milliseconds [default: 15].
