@@ -513,6 +513,15 @@ pub async fn sequences_are_contiguous_across_commits(store: SharedStore) {
     let page = store.list_events(&run.id, 5, 3).await.expect("page");
     assert_eq!(page.iter().map(|e| e.sequence).collect::<Vec<_>>(), vec![6, 7, 8]);
     assert!(store.list_events(&run.id, n, 10).await.expect("tail").is_empty());
+
+    // one commit of many events (a backend may write them in several statements)
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(200)), at(100));
+    for d in 0..150 {
+        c.events.push(EventKind::TextDelta { message_id: MessageId::new(), delta: format!("many.{d}") });
+    }
+    let committed = commit_ok(&store, c).await;
+    assert_eq!(committed.events.iter().map(|e| e.sequence).collect::<Vec<_>>(), (n + 1..=n + 150).collect::<Vec<_>>());
+    assert_eq!(store.list_events(&run.id, n, 1_000).await.expect("the big commit"), committed.events);
 }
 
 pub async fn a_fenced_out_commit_writes_nothing(store: SharedStore) {

@@ -44,6 +44,7 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/sqlite");
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 const READERS: u32 = 4;
+const STATEMENT_CACHE: usize = 256;
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 const ACTIVE: &str = "('queued', 'running', 'interrupted')";
 
@@ -105,7 +106,10 @@ impl SqliteStore {
             .create_if_missing(true)
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
-            .busy_timeout(BUSY_TIMEOUT);
+            .busy_timeout(BUSY_TIMEOUT)
+            // room for every statement shape, the multi-row event inserts included, so none is
+            // prepared again
+            .statement_cache_capacity(STATEMENT_CACHE);
         if !in_memory {
             options = options.journal_mode(SqliteJournalMode::Wal);
         }
@@ -477,6 +481,10 @@ async fn insert_message(conn: &mut SqliteConnection, m: &Message) -> StoreResult
     Ok(())
 }
 
+/// Events per `INSERT` statement: every statement is a round trip to the connection's thread, so a
+/// commit's events go in a few multi-row statements (5 parameters a row, far under SQLite's limit).
+const EVENTS_PER_INSERT: usize = 64;
+
 async fn insert_events(
     conn: &mut SqliteConnection,
     run_id: &RunId,
@@ -486,17 +494,21 @@ async fn insert_events(
 ) -> StoreResult<Vec<Event>> {
     let created_at = ts(now);
     let mut events = Vec::with_capacity(kinds.len());
-    for (sequence, kind) in (first_sequence..).zip(kinds) {
-        sqlx::query("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES (?, ?, ?, ?, ?)")
-            .bind(run_id.as_str())
-            .bind(sequence)
-            .bind(kind.type_name())
-            .bind(json("event data", &kind.to_data())?)
-            .bind(&created_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(insert("event"))?;
-        events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: *now });
+    for (chunk_index, chunk) in kinds.chunks(EVENTS_PER_INSERT).enumerate() {
+        let rows = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
+        let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
+        let mut query = sqlx::query(&sql);
+        let first = first_sequence + (chunk_index * EVENTS_PER_INSERT) as i64;
+        for (sequence, kind) in (first..).zip(chunk) {
+            query = query
+                .bind(run_id.as_str())
+                .bind(sequence)
+                .bind(kind.type_name())
+                .bind(json("event data", &kind.to_data())?)
+                .bind(&created_at);
+            events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: *now });
+        }
+        query.execute(&mut *conn).await.map_err(insert("event"))?;
     }
     Ok(events)
 }
