@@ -56,8 +56,12 @@ enum Scenario {
         #[arg(long, default_value_t = 1000)]
         runs: usize,
         /// The message sent; the demo model answers it without a dangerous tool.
-        #[arg(long, default_value = "Look at the recent errors of payment-api")]
+        #[arg(long, default_value = "Look at the recent errors of payment-api", conflicts_with = "words")]
         content: String,
+        /// Ask the demo model for one long answer of this many words instead ("benchmark: stream N
+        /// words", one `text_delta` per word, at most 100,000; docs/models.md): one long stream.
+        #[arg(long)]
+        words: Option<usize>,
     },
     /// Reconnect with `Last-Event-ID: 0` to finished runs and read all their events.
     Replay {
@@ -107,7 +111,13 @@ async fn main() -> Result<()> {
         }
         let out = match &cli.scenario {
             Scenario::Hitl { concurrency, runs } => hitl(&client, concurrency, *runs).await?,
-            Scenario::Stream { concurrency, runs, content } => stream(&client, concurrency, *runs, content).await?,
+            Scenario::Stream { concurrency, runs, content, words } => {
+                let content = match words {
+                    Some(n) => format!("benchmark: stream {n} words"),
+                    None => content.clone(),
+                };
+                stream(&client, concurrency, *runs, &content, *words).await?
+            }
             Scenario::Replay { concurrency, runs, from } => {
                 replay(&client, concurrency, *runs, from.as_deref()).await?
             }
@@ -489,9 +499,22 @@ struct StreamSample {
     total: Duration,
     /// first event → terminal event
     streaming: Duration,
+    /// Per event: its `ts` (the time its commit was made) → received here.
+    commit_to_client: Dist,
 }
 
-async fn stream_run(client: &Client, content: &str) -> Result<StreamSample> {
+/// The commit time of an event (its `ts`, the envelope's last field, docs/events.md) → now, read
+/// without parsing the whole event: at a hundred thousand events a second the load generator must
+/// stay cheap.
+fn since_commit(data: &str) -> Result<Duration> {
+    let start = data.rfind("\"ts\":\"").ok_or_else(|| anyhow!("an event without ts: {data}"))? + 6;
+    let end = data[start..].find('"').ok_or_else(|| anyhow!("an event with a cut ts: {data}"))? + start;
+    let ts = chrono::DateTime::parse_from_rfc3339(&data[start..end]).context("an event's ts")?;
+    // Client and server share the machine's clock; a negative gap would be clock trouble, shown as 0.
+    Ok((chrono::Utc::now() - ts.with_timezone(&chrono::Utc)).to_std().unwrap_or_default())
+}
+
+async fn stream_run(client: &Client, content: &str, words: Option<usize>) -> Result<StreamSample> {
     let conv = client.conversation().await?;
     let t0 = Instant::now();
     let mut s =
@@ -499,27 +522,35 @@ async fn stream_run(client: &Client, content: &str) -> Result<StreamSample> {
             .await?;
     let mut ev = s.expect_next().await?;
     let t1 = Instant::now();
+    let mut commit_to_client = Dist::default();
+    commit_to_client.push(since_commit(&ev.data)?);
     let (mut events, mut deltas) = (1, 0);
     while !ev.terminal() {
         if ev.ty == "interrupt" {
             bail!("the run paused for approval: use a message the demo model answers without one");
         }
         ev = s.expect_next().await?;
+        commit_to_client.push(since_commit(&ev.data)?);
         events += 1;
         if ev.ty == "text_delta" {
             deltas += 1;
         }
     }
-    Ok(StreamSample { events, deltas, total: t0.elapsed(), streaming: t1.elapsed() })
+    if let Some(words) = words {
+        if deltas != words as u64 {
+            bail!("asked for {words} words, got {deltas} text_delta events (a server with another model?)");
+        }
+    }
+    Ok(StreamSample { events, deltas, total: t0.elapsed(), streaming: t1.elapsed(), commit_to_client })
 }
 
-async fn stream(client: &Client, levels: &[usize], runs: usize, content: &str) -> Result<Value> {
+async fn stream(client: &Client, levels: &[usize], runs: usize, content: &str, words: Option<usize>) -> Result<Value> {
     let mut rows = Vec::new();
     let mut out = Vec::new();
     for &c in levels {
         let one = |_| {
             let client = client.clone();
-            async move { stream_run(&client, content).await }
+            async move { stream_run(&client, content, words).await }
         };
         let _ = split_errors(drive(c, c, one).await);
         let start = Instant::now();
@@ -531,6 +562,8 @@ async fn stream(client: &Client, levels: &[usize], runs: usize, content: &str) -
             ok.iter().map(|s| s.events.saturating_sub(1) as f64 / s.streaming.as_secs_f64().max(1e-9)).collect();
         let mut total = Dist::default();
         ok.iter().for_each(|s| total.push(s.total));
+        let mut lag = Dist::default();
+        ok.iter().for_each(|s| lag.0.extend_from_slice(&s.commit_to_client.0));
         let agg = events as f64 / wall.as_secs_f64();
         let epr = events as f64 / ok.len().max(1) as f64;
         rows.push(vec![
@@ -540,6 +573,8 @@ async fn stream(client: &Client, levels: &[usize], runs: usize, content: &str) -
             f1(epr),
             f1(agg),
             f1(percentile(&per_stream, 50.0)),
+            f2(lag.pct(50.0)),
+            f2(lag.pct(99.0)),
             f2(total.pct(50.0)),
             f2(total.pct(99.0)),
         ]);
@@ -547,14 +582,29 @@ async fn stream(client: &Client, levels: &[usize], runs: usize, content: &str) -
             "concurrency": c, "completed": ok.len(), "failed": errors.len(), "wallSecs": wall.as_secs_f64(),
             "eventsPerRun": epr, "textDeltasPerRun": deltas as f64 / ok.len().max(1) as f64,
             "aggregateEventsPerSec": agg, "perStreamEventsPerSecP50": percentile(&per_stream, 50.0),
+            "perStreamEventsPerSec": per_stream, "commitToClient": lag.json(),
             "runLatency": total.json(), "firstErrors": errors.iter().take(3).collect::<Vec<_>>(),
         }));
     }
     table(
-        &["conc", "ok", "failed", "events/run", "events/s (all)", "events/s (1 stream, p50)", "run p50", "run p99"],
+        &[
+            "conc",
+            "ok",
+            "failed",
+            "events/run",
+            "events/s (all)",
+            "events/s (1 stream, p50)",
+            "commit→client p50",
+            "commit→client p99",
+            "run p50",
+            "run p99",
+        ],
         &rows,
     );
-    println!("(events/s (1 stream): one run's events after its first ÷ first → last event; times in ms)");
+    println!(
+        "(events/s (1 stream): one run's events after its first ÷ first → last event; commit→client: an \
+         event's ts → received, over every event; times in ms)"
+    );
     Ok(json!({"scenario": "stream", "content": content, "levels": out}))
 }
 

@@ -14,6 +14,9 @@ use serde_json::{json, Value};
 
 const SERVICES: &[&str] = &["payment-api", "order-api", "inventory-api"];
 
+/// The most words a bench answer ("benchmark: stream N words") streams.
+pub const MAX_BENCH_WORDS: usize = 100_000;
+
 #[derive(Debug, Clone)]
 pub struct DemoModel {
     /// Pause before each streamed word.
@@ -113,6 +116,9 @@ pub fn plan(request: &ModelRequest) -> Plan {
     let Some(idx) = last_user else { return Plan::say(help()) };
     let ModelMessage::User { content } = &request.messages[idx] else { return Plan::say(help()) };
     let text = content.to_lowercase();
+    if let Some(words) = bench_words(&text) {
+        return Plan::say(bench_answer(words));
+    }
 
     // Tool calls of this turn, with their results.
     let mut seen: Vec<Seen<'_>> = Vec::new();
@@ -334,6 +340,28 @@ fn describe_abnormal(service: &str, env: &str, result: &Value) -> String {
     }
 }
 
+/// A bench aid: "benchmark: stream N words" asks for a long answer of N numbered words (at most
+/// [`MAX_BENCH_WORDS`]), one `text_delta` each, to measure one long stream (`keel-bench stream
+/// --words N`). The whole message must be that request, so no ordinary question is taken for it.
+fn bench_words(text: &str) -> Option<usize> {
+    let n = text.trim().strip_prefix("benchmark: stream ")?.strip_suffix(" words")?;
+    let n: usize = n.parse().ok()?;
+    Some(n.min(MAX_BENCH_WORDS))
+}
+
+/// `w1 w2 … wN`: deterministic, and a client can check that no word is missing or out of order.
+fn bench_answer(words: usize) -> String {
+    let mut text = String::with_capacity(words * 8);
+    for i in 1..=words {
+        if i > 1 {
+            text.push(' ');
+        }
+        text.push('w');
+        text.push_str(&i.to_string());
+    }
+    text
+}
+
 fn which_service() -> String {
     "Which service do you mean? I know payment-api, order-api and inventory-api.".to_owned()
 }
@@ -412,6 +440,19 @@ mod tests {
         let p = plan(&req(vec![user("what's the weather?")], &[]));
         assert!(p.calls.is_empty());
         assert!(p.text.contains("OpsPilot"));
+    }
+
+    #[test]
+    fn a_bench_request_streams_that_many_numbered_words_capped() {
+        let p = plan(&req(vec![user("benchmark: stream 5 words")], &[]));
+        assert!(p.calls.is_empty());
+        assert_eq!(split_words(&p.text), ["w1 ", "w2 ", "w3 ", "w4 ", "w5"]);
+        let p = plan(&req(vec![user("Benchmark: stream 999999999 words")], &[]));
+        assert_eq!(split_words(&p.text).len(), MAX_BENCH_WORDS);
+        assert!(p.text.ends_with(&format!(" w{MAX_BENCH_WORDS}")));
+        // only the whole message is a bench request
+        let p = plan(&req(vec![user("benchmark: stream 5 words, then restart pay-prod-2")], &[]));
+        assert_eq!(p.calls[0].name, "restart_instance");
     }
 
     #[test]

@@ -48,6 +48,7 @@ macro_rules! conformance_tests {
             concurrent_starts_create_one_run,
             sequences_are_contiguous_across_commits,
             a_fenced_out_commit_writes_nothing,
+            concurrent_commits_each_get_their_own_answer,
             acquire_wins_exactly_once_under_contention,
             run_changes_follow_the_state_machine,
             expired_interrupt_cannot_be_resolved,
@@ -512,6 +513,15 @@ pub async fn sequences_are_contiguous_across_commits(store: SharedStore) {
     let page = store.list_events(&run.id, 5, 3).await.expect("page");
     assert_eq!(page.iter().map(|e| e.sequence).collect::<Vec<_>>(), vec![6, 7, 8]);
     assert!(store.list_events(&run.id, n, 10).await.expect("tail").is_empty());
+
+    // one commit of many events (a backend may write them in several statements)
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(200)), at(100));
+    for d in 0..150 {
+        c.events.push(EventKind::TextDelta { message_id: MessageId::new(), delta: format!("many.{d}") });
+    }
+    let committed = commit_ok(&store, c).await;
+    assert_eq!(committed.events.iter().map(|e| e.sequence).collect::<Vec<_>>(), (n + 1..=n + 150).collect::<Vec<_>>());
+    assert_eq!(store.list_events(&run.id, n, 1_000).await.expect("the big commit"), committed.events);
 }
 
 pub async fn a_fenced_out_commit_writes_nothing(store: SharedStore) {
@@ -552,6 +562,101 @@ pub async fn a_fenced_out_commit_writes_nothing(store: SharedStore) {
     assert!(after.pending_interrupt.is_some());
     let restarted = store.get_instance("pay-prod-2").await.expect("get").expect("exists");
     assert_eq!((restarted.status.as_str(), restarted.restart_count), ("healthy", 1));
+}
+
+/// Many commits at once, to different runs, some of them refused (fenced out, or with an effect
+/// that no longer applies): each caller gets its own answer, the refused ones write nothing and the
+/// others all of theirs. A store that groups concurrent commits into one transaction (SQLite's
+/// writer) must keep them apart.
+pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
+    const RUNS: usize = 48;
+    store.seed_fleet(FleetSeed { extra_abnormal: RUNS as u32 }, at(0)).await.expect("seed");
+    let mut runs = Vec::new();
+    for _ in 0..RUNS {
+        let (conversation, run) = running(&store, "w1").await;
+        let mut before = snapshot(&store, &conversation.id, &run.id).await;
+        before.instances.clear();
+        runs.push((conversation, run, before, MessageId::new()));
+    }
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Kind {
+        FencedOut,
+        EffectRefused,
+        Accepted,
+    }
+    let kind = |i: usize| match i % 3 {
+        0 => Kind::FencedOut,
+        1 => Kind::EffectRefused,
+        _ => Kind::Accepted,
+    };
+    const ROUNDS: i64 = 3;
+    for round in 0..ROUNDS {
+        let start = Arc::new(tokio::sync::Barrier::new(RUNS));
+        let tasks: Vec<_> = runs
+            .iter()
+            .enumerate()
+            .map(|(i, (_, run, _, message_id))| {
+                let owner = if kind(i) == Kind::FencedOut { "w2" } else { "w1" };
+                let mut c = Commit::new(run.id.clone(), lease(owner, at(120)), at(10 + round));
+                c.text.push(TextAppend { message_id: message_id.clone(), text: format!("r{round} ") });
+                c.facts.push(fact("round", &round.to_string(), FactSource::ToolResult, at(10 + round)));
+                let deltas = 1 + (i + round as usize) % 4;
+                for d in 0..deltas {
+                    c.events.push(EventKind::TextDelta { message_id: message_id.clone(), delta: format!("{d}") });
+                }
+                // the extra abnormal instance of payment-api for this run, once
+                if round == 0 {
+                    c.effects.push(Effect::RestartInstance { instance_id: format!("pay-prod-a{}", i + 1) });
+                }
+                if kind(i) == Kind::EffectRefused {
+                    // healthy: refusing it must undo the restart before it too
+                    c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-1".into() });
+                }
+                let store = store.clone();
+                let start = start.clone();
+                tokio::spawn(async move {
+                    start.wait().await;
+                    (store.commit(c).await, deltas)
+                })
+            })
+            .collect();
+        for (i, task) in tasks.into_iter().enumerate() {
+            let (answer, deltas) = task.await.expect("task");
+            let run = &runs[i].1;
+            match (kind(i), answer) {
+                (Kind::FencedOut, Err(StoreError::Conflict(_)))
+                | (Kind::EffectRefused, Err(StoreError::EffectRefused(_))) => {}
+                (Kind::Accepted, Ok(committed)) => {
+                    let stored = events(&store, &run.id).await;
+                    let first = stored.len() as i64 - deltas as i64 + 1;
+                    let seqs: Vec<_> = committed.events.iter().map(|e| e.sequence).collect();
+                    assert_eq!(seqs, (first..first + deltas as i64).collect::<Vec<_>>(), "run {i}, round {round}");
+                    assert_eq!(stored[stored.len() - deltas..], committed.events[..]);
+                }
+                (k, answer) => panic!("run {i} ({k:?}), round {round}: unexpected answer {answer:?}"),
+            }
+        }
+    }
+    for (i, (conversation, run, before, message_id)) in runs.iter().enumerate() {
+        let mut after = snapshot(&store, &conversation.id, &run.id).await;
+        after.instances.clear();
+        let restarted = store.get_instance(&format!("pay-prod-a{}", i + 1)).await.expect("get").expect("exists");
+        if kind(i) != Kind::Accepted {
+            assert_eq!(&after, before, "refused run {i} left a trace");
+            assert_eq!(restarted.restart_count, 0, "run {i}: its refused restart was undone");
+            continue;
+        }
+        assert_eq!(restarted.restart_count, 1, "run {i}");
+        let n = after.run.last_sequence();
+        assert_eq!(sequences(&store, &run.id).await, (1..=n).collect::<Vec<_>>(), "run {i}");
+        let written: usize = (0..ROUNDS).map(|round| 1 + (i + round as usize) % 4).sum();
+        assert_eq!(after.events.len(), before.events.len() + written, "run {i}");
+        let text = after.messages.iter().find(|m| &m.id == message_id).expect("the run's text");
+        assert_eq!(text.content, "r0 r1 r2 ", "run {i}");
+        assert_eq!(after.facts.iter().find(|f| f.key == "round").map(|f| f.value.as_str()), Some("2"));
+    }
+    let healthy = store.get_instance("pay-prod-1").await.expect("get").expect("exists");
+    assert_eq!(healthy.restart_count, 0, "no refused effect was applied");
 }
 
 pub async fn acquire_wins_exactly_once_under_contention(store: SharedStore) {

@@ -4,6 +4,14 @@
 //! never has to upgrade a read lock and never meets `SQLITE_BUSY` half-way) and a pool of readers
 //! (WAL mode lets them read while the writer writes). Timestamps are stored as fixed-width RFC 3339
 //! text (see the migration), so SQL compares them correctly.
+//!
+//! **Group commit.** [`Store::commit`] calls are queued to one writer task, which runs the commits
+//! waiting at that moment (at most [`MAX_GROUP`]) in one transaction, each inside its own
+//! `SAVEPOINT`: a refused commit rolls back to its savepoint and nothing of it is written, the others
+//! go on. Every caller gets its answer only after the shared `COMMIT`; if that fails, every commit
+//! of the group is answered with the error and none was written. Commits of one run never share a
+//! group out of order: a run's worker waits for each answer before it writes again. A caller that
+//! stops waiting does not withdraw its commit (as before, when the `COMMIT` could already be sent).
 
 use std::path::Path;
 use std::str::FromStr;
@@ -28,6 +36,7 @@ use serde_json::Value;
 use sqlx::migrate::Migrator;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous};
 use sqlx::{Row, Sqlite, SqliteConnection, SqlitePool, Transaction};
+use tokio::sync::{mpsc, oneshot};
 
 use crate::seed;
 
@@ -35,14 +44,27 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/sqlite");
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 const READERS: u32 = 4;
+const STATEMENT_CACHE: usize = 256;
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 const ACTIVE: &str = "('queued', 'running', 'interrupted')";
 
-/// The SQLite store. Cloning shares the pools.
+/// The most commits one group transaction takes. Bounded so that one group's transaction, and the
+/// wait of its first caller, stay short.
+pub const MAX_GROUP: usize = 64;
+
+/// The SQLite store. Cloning shares the pools and the writer task.
 #[derive(Debug, Clone)]
 pub struct SqliteStore {
     writer: SqlitePool,
     reader: SqlitePool,
+    commits: mpsc::UnboundedSender<QueuedCommit>,
+}
+
+/// A commit waiting for the writer task, and where its answer goes.
+#[derive(Debug)]
+struct QueuedCommit {
+    commit: Commit,
+    answer: oneshot::Sender<StoreResult<Committed>>,
 }
 
 impl SqliteStore {
@@ -84,7 +106,10 @@ impl SqliteStore {
             .create_if_missing(true)
             .synchronous(SqliteSynchronous::Normal)
             .foreign_keys(true)
-            .busy_timeout(BUSY_TIMEOUT);
+            .busy_timeout(BUSY_TIMEOUT)
+            // room for every statement shape, the multi-row event inserts included, so none is
+            // prepared again
+            .statement_cache_capacity(STATEMENT_CACHE);
         if !in_memory {
             options = options.journal_mode(SqliteJournalMode::Wal);
         }
@@ -107,7 +132,10 @@ impl SqliteStore {
                 .await
                 .map_err(db("open the database"))?
         };
-        Ok(Self { writer, reader })
+        let (commits, queue) = mpsc::unbounded_channel();
+        // Ends when the last clone of the store (the last sender) is dropped.
+        tokio::spawn(group_commits(writer.clone(), queue));
+        Ok(Self { writer, reader, commits })
     }
 
     async fn migrate(&self) -> StoreResult<()> {
@@ -453,6 +481,10 @@ async fn insert_message(conn: &mut SqliteConnection, m: &Message) -> StoreResult
     Ok(())
 }
 
+/// Events per `INSERT` statement: every statement is a round trip to the connection's thread, so a
+/// commit's events go in a few multi-row statements (5 parameters a row, far under SQLite's limit).
+const EVENTS_PER_INSERT: usize = 64;
+
 async fn insert_events(
     conn: &mut SqliteConnection,
     run_id: &RunId,
@@ -462,17 +494,21 @@ async fn insert_events(
 ) -> StoreResult<Vec<Event>> {
     let created_at = ts(now);
     let mut events = Vec::with_capacity(kinds.len());
-    for (sequence, kind) in (first_sequence..).zip(kinds) {
-        sqlx::query("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES (?, ?, ?, ?, ?)")
-            .bind(run_id.as_str())
-            .bind(sequence)
-            .bind(kind.type_name())
-            .bind(json("event data", &kind.to_data())?)
-            .bind(&created_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(insert("event"))?;
-        events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: *now });
+    for (chunk_index, chunk) in kinds.chunks(EVENTS_PER_INSERT).enumerate() {
+        let rows = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
+        let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
+        let mut query = sqlx::query(&sql);
+        let first = first_sequence + (chunk_index * EVENTS_PER_INSERT) as i64;
+        for (sequence, kind) in (first..).zip(chunk) {
+            query = query
+                .bind(run_id.as_str())
+                .bind(sequence)
+                .bind(kind.type_name())
+                .bind(json("event data", &kind.to_data())?)
+                .bind(&created_at);
+            events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: *now });
+        }
+        query.execute(&mut *conn).await.map_err(insert("event"))?;
     }
     Ok(events)
 }
@@ -919,6 +955,86 @@ async fn apply_commit(conn: &mut SqliteConnection, c: &Commit) -> StoreResult<Co
     Ok(Committed { events, cancel_requested: run.cancel_requested })
 }
 
+/// One commit: [`apply_commit`] and the answer stored under its idempotency key.
+async fn apply_answered_commit(conn: &mut SqliteConnection, c: &Commit) -> StoreResult<Committed> {
+    let committed = apply_commit(conn, c).await?;
+    if let Some(answer) = &c.idempotency {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET state = 'done', status = ?, response = ?, expires_at = ? \
+             WHERE user_id = ? AND key = ? AND state = 'in_flight'",
+        )
+        .bind(i64::from(answer.status))
+        .bind(json("idempotent response", &answer.response)?)
+        .bind(ts(&answer.expires_at))
+        .bind(&answer.user_id)
+        .bind(&answer.key)
+        .execute(&mut *conn)
+        .await
+        .map_err(db("store the answer under its idempotency key"))?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
+        }
+    }
+    Ok(committed)
+}
+
+/// The writer task: takes the commits queued at that moment, runs them as one group, answers them.
+async fn group_commits(writer: SqlitePool, mut queue: mpsc::UnboundedReceiver<QueuedCommit>) {
+    let mut group = Vec::with_capacity(MAX_GROUP);
+    while queue.recv_many(&mut group, MAX_GROUP).await > 0 {
+        let commits: Vec<&Commit> = group.iter().map(|q| &q.commit).collect();
+        let answers = commit_group(&writer, &commits).await;
+        for (queued, answer) in group.drain(..).zip(answers) {
+            // a caller that stopped waiting has nobody to tell
+            let _ = queued.answer.send(answer);
+        }
+    }
+}
+
+/// Runs `commits` in one transaction, each in its own savepoint; one answer per commit, in order.
+async fn commit_group(writer: &SqlitePool, commits: &[&Commit]) -> Vec<StoreResult<Committed>> {
+    match try_commit_group(writer, commits).await {
+        Ok(answers) => answers,
+        // The transaction failed as a whole (rolled back when dropped): nothing of it was written.
+        Err(e) => {
+            let why = match e {
+                StoreError::Backend(why) => why,
+                other => other.to_string(),
+            };
+            commits.iter().map(|_| Err(StoreError::Backend(why.clone()))).collect()
+        }
+    }
+}
+
+async fn try_commit_group(writer: &SqlitePool, commits: &[&Commit]) -> StoreResult<Vec<StoreResult<Committed>>> {
+    let mut tx = writer.begin_with("BEGIN IMMEDIATE").await.map_err(db("begin a transaction"))?;
+    if let [c] = commits {
+        // Alone, a commit needs no savepoint: refused, its whole transaction is rolled back (dropped).
+        let answer = apply_answered_commit(&mut tx, c).await;
+        if answer.is_ok() {
+            tx.commit().await.map_err(db("commit"))?;
+        }
+        return Ok(vec![answer]);
+    }
+    let mut answers = Vec::with_capacity(commits.len());
+    for c in commits {
+        sqlx::query("SAVEPOINT one_commit").execute(&mut *tx).await.map_err(db("begin a commit of the group"))?;
+        let answer = apply_answered_commit(&mut tx, c).await;
+        if answer.is_err() {
+            // SQLite may have rolled back the whole transaction on some errors (a full disk, I/O):
+            // then the savepoint is gone, this fails, and the group fails with it.
+            sqlx::query("ROLLBACK TO one_commit")
+                .execute(&mut *tx)
+                .await
+                .map_err(db("roll back a refused commit of the group"))?;
+        }
+        sqlx::query("RELEASE one_commit").execute(&mut *tx).await.map_err(db("end a commit of the group"))?;
+        answers.push(answer);
+    }
+    tx.commit().await.map_err(db("commit"))?;
+    Ok(answers)
+}
+
 async fn insert_run(conn: &mut SqliteConnection, run: &Run) -> StoreResult<()> {
     let result = sqlx::query(
         "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, reason, cancel_on_disconnect, \
@@ -1177,28 +1293,10 @@ impl Store for SqliteStore {
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
-        let mut tx = self.begin().await?;
-        // On an error the transaction is dropped, which rolls it back.
-        let committed = apply_commit(&mut tx, &commit).await?;
-        if let Some(answer) = &commit.idempotency {
-            let done = sqlx::query(
-                "UPDATE idempotency_keys SET state = 'done', status = ?, response = ?, expires_at = ? \
-                 WHERE user_id = ? AND key = ? AND state = 'in_flight'",
-            )
-            .bind(i64::from(answer.status))
-            .bind(json("idempotent response", &answer.response)?)
-            .bind(ts(&answer.expires_at))
-            .bind(&answer.user_id)
-            .bind(&answer.key)
-            .execute(&mut *tx)
-            .await
-            .map_err(db("store the answer under its idempotency key"))?;
-            if done.rows_affected() == 0 {
-                return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
-            }
-        }
-        tx.commit().await.map_err(db("commit"))?;
-        Ok(committed)
+        let (answer, answered) = oneshot::channel();
+        let stopped = || StoreError::Backend("commit: the writer task has stopped".into());
+        self.commits.send(QueuedCommit { commit, answer }).map_err(|_| stopped())?;
+        answered.await.map_err(|_| stopped())?
     }
 
     async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
