@@ -700,11 +700,13 @@ fn slow_read(addr: &str, run: &str, stop: &std::sync::atomic::AtomicBool) -> usi
 /// `READERS × stream` of memory.
 const READERS: usize = 24;
 
-/// About how many events the long run writes (one per abnormal instance, plus a few).
-const LONG_RUN_EVENTS: usize = 2000;
+/// About how many events the long run writes (one per abnormal instance, plus a few). Long enough
+/// that holding the stream for every reader (the bound below is a fraction of that) stands well
+/// above the allocator's noise on a loaded machine (~4 MiB seen at 2,000 events).
+const LONG_RUN_EVENTS: usize = 6000;
 
 /// Readers taking about one event a second while the run writes hundreds a second (the demo model
-/// at `--demo-delay-ms 1`, one `text_delta` per word of a 2,000-word answer) neither slow the run down
+/// at `--demo-delay-ms 1`, one `text_delta` per word of a 6,000-word answer) neither slow the run down
 /// nor make the server hold the run for them: the run completes in about the time it takes
 /// unobserved, and the server's RSS (`VmRSS`) stays near what it is without them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
