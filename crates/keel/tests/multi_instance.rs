@@ -33,7 +33,8 @@ impl Instance {
             }
         }
         cmd.args(["serve", "--listen", "127.0.0.1:0", "--db", db, "--lease-ttl", "2s", "--instance-id", name])
-            .args(["--demo-delay-ms", "40", "--data-dir"])
+            // One user drives everything here; the per-user limits are tested in keel-server.
+            .args(["--demo-delay-ms", "40", "--rate-limit", "0", "--max-streams-per-user", "0", "--data-dir"])
             .arg(dir.join(name))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())
