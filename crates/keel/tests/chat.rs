@@ -225,3 +225,40 @@ fn runs_commands_refuse_bad_input_with_a_message() {
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--server: expected an http:// or https:// URL"));
 }
+
+/// The API key comes from `KEEL_API_KEY` and goes out as a Bearer token (checked on a one-request
+/// HTTP server that records what it is sent).
+#[test]
+fn the_api_key_comes_from_the_environment_as_a_bearer_token() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            socket.read_exact(&mut byte).unwrap();
+            head.push(byte[0]);
+        }
+        let body = r#"{"runs": []}"#;
+        write!(
+            socket,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        String::from_utf8(head).unwrap().to_ascii_lowercase()
+    });
+    let output = keel()
+        .args(["runs", "list", "--server", &url])
+        .env("KEEL_API_KEY", "keel_test_key_42")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "No runs.\n");
+    let head = server.join().unwrap();
+    assert!(head.starts_with("get /v1/runs?limit=20 http/1.1\r\n"), "{head}");
+    assert!(head.contains("\r\nauthorization: bearer keel_test_key_42\r\n"), "{head}");
+}
