@@ -126,6 +126,13 @@ fn chat_asks_before_the_restart_and_restarts_once_after_y() {
         "{shown}"
     );
 
+    // a replay shows the old question and its answer, and asks nothing
+    let (code, watched) = runs(&server, &["watch", run_id.as_str()]);
+    assert_eq!(code, 0, "{watched}");
+    assert!(watched.contains("⏸ Restart pay-prod-2?\n"), "{watched}");
+    assert!(watched.contains("↳ approved by demo after "), "{watched}");
+    assert!(!watched.contains("[y/N/e(dit)]"), "{watched}");
+
     let (code, listed) = runs(&server, &["list", "--status", "completed"]);
     assert_eq!(code, 0);
     assert!(listed.lines().nth(1).unwrap().starts_with(&format!("{run_id} ")), "{listed}");
@@ -162,6 +169,32 @@ fn edit_resumes_with_the_edited_arguments() {
     let run = rt.block_on(keel.get_run(&rt.block_on(only_run(&keel)))).unwrap();
     assert!(run.interrupts[0].decision.as_ref().unwrap().get("edit").is_some(), "{:?}", run.interrupts);
     assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 1);
+}
+
+#[test]
+fn runs_watch_reattaches_to_a_waiting_run_and_asks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), 1);
+    let rt = runtime();
+    let api = KeelClient::new(server.url());
+    let conversation = rt.block_on(api.create_conversation("paused elsewhere")).unwrap();
+    let sent = rt.block_on(api.send_message(&conversation.id, "Restart the abnormal instance of payment-api")).unwrap();
+    rt.block_on(eventually("the run to wait for approval", || async {
+        (api.get_run(&sent.run_id).await.unwrap().status == RunStatus::Interrupted).then_some(())
+    }));
+
+    let mut cmd = keel();
+    cmd.args(["runs", "watch", sent.run_id.as_str(), "--server", &server.url()]);
+    let mut watch = Chat(rexpect::session::spawn_command(cmd, Some(DEADLINE.as_millis() as u64)).unwrap());
+    watch.expect(&format!("Run {} (interrupted), from its first event:", sent.run_id));
+    watch.expect("✓ find_abnormal_instances: pay-prod-2 is abnormal");
+    watch.expect("Restart pay-prod-2? [y/N/e(dit)] ");
+    watch.type_line("");
+    watch.expect("↳ rejected by demo");
+    watch.expect("⊘ restart_instance");
+    watch.expect(&format!("Run {} completed.", sent.run_id));
+    assert_eq!(watch.exit_code(), 0);
+    assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 0, "rejected: no restart");
 }
 
 #[test]
