@@ -126,6 +126,13 @@ fn chat_asks_before_the_restart_and_restarts_once_after_y() {
         "{shown}"
     );
 
+    // a replay shows the old question and its answer, and asks nothing
+    let (code, watched) = runs(&server, &["watch", run_id.as_str()]);
+    assert_eq!(code, 0, "{watched}");
+    assert!(watched.contains("⏸ Restart pay-prod-2?\n"), "{watched}");
+    assert!(watched.contains("↳ approved by demo after "), "{watched}");
+    assert!(!watched.contains("[y/N/e(dit)]"), "{watched}");
+
     let (code, listed) = runs(&server, &["list", "--status", "completed"]);
     assert_eq!(code, 0);
     assert!(listed.lines().nth(1).unwrap().starts_with(&format!("{run_id} ")), "{listed}");
@@ -162,6 +169,32 @@ fn edit_resumes_with_the_edited_arguments() {
     let run = rt.block_on(keel.get_run(&rt.block_on(only_run(&keel)))).unwrap();
     assert!(run.interrupts[0].decision.as_ref().unwrap().get("edit").is_some(), "{:?}", run.interrupts);
     assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 1);
+}
+
+#[test]
+fn runs_watch_reattaches_to_a_waiting_run_and_asks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), 1);
+    let rt = runtime();
+    let api = KeelClient::new(server.url());
+    let conversation = rt.block_on(api.create_conversation("paused elsewhere")).unwrap();
+    let sent = rt.block_on(api.send_message(&conversation.id, "Restart the abnormal instance of payment-api")).unwrap();
+    rt.block_on(eventually("the run to wait for approval", || async {
+        (api.get_run(&sent.run_id).await.unwrap().status == RunStatus::Interrupted).then_some(())
+    }));
+
+    let mut cmd = keel();
+    cmd.args(["runs", "watch", sent.run_id.as_str(), "--server", &server.url()]);
+    let mut watch = Chat(rexpect::session::spawn_command(cmd, Some(DEADLINE.as_millis() as u64)).unwrap());
+    watch.expect(&format!("Run {} (interrupted), from its first event:", sent.run_id));
+    watch.expect("✓ find_abnormal_instances: pay-prod-2 is abnormal");
+    watch.expect("Restart pay-prod-2? [y/N/e(dit)] ");
+    watch.type_line("");
+    watch.expect("↳ rejected by demo");
+    watch.expect("⊘ restart_instance");
+    watch.expect(&format!("Run {} completed.", sent.run_id));
+    assert_eq!(watch.exit_code(), 0);
+    assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 0, "rejected: no restart");
 }
 
 #[test]
@@ -224,4 +257,41 @@ fn runs_commands_refuse_bad_input_with_a_message() {
     let output = Command::new(support::KEEL).args(["chat", "--server", "localhost:1"]).output().unwrap();
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stderr).contains("--server: expected an http:// or https:// URL"));
+}
+
+/// The API key comes from `KEEL_API_KEY` and goes out as a Bearer token (checked on a one-request
+/// HTTP server that records what it is sent).
+#[test]
+fn the_api_key_comes_from_the_environment_as_a_bearer_token() {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let server = std::thread::spawn(move || {
+        let (mut socket, _) = listener.accept().unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            socket.read_exact(&mut byte).unwrap();
+            head.push(byte[0]);
+        }
+        let body = r#"{"runs": []}"#;
+        write!(
+            socket,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        String::from_utf8(head).unwrap().to_ascii_lowercase()
+    });
+    let output = keel()
+        .args(["runs", "list", "--server", &url])
+        .env("KEEL_API_KEY", "keel_test_key_42")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert_eq!(String::from_utf8_lossy(&output.stdout), "No runs.\n");
+    let head = server.join().unwrap();
+    assert!(head.starts_with("get /v1/runs?limit=20 http/1.1\r\n"), "{head}");
+    assert!(head.contains("\r\nauthorization: bearer keel_test_key_42\r\n"), "{head}");
 }

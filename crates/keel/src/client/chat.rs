@@ -14,7 +14,11 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<Exit> {
     let conversation = match &args.conversation {
         Some(raw) => {
             let id = ConversationId::parse(raw).map_err(|_| anyhow::anyhow!("`{raw}` is not a conversation id"))?;
-            keel.get_conversation(&id).await.with_context(|| format!("opening {id}"))?.conversation.id
+            let view = keel.get_conversation(&id).await.with_context(|| format!("opening {id}"))?;
+            if let Some(active) = &view.active_run_id {
+                out.line(&format!("Run {active} is still going here; see it with: keel runs watch {active}"));
+            }
+            view.conversation.id
         }
         None => {
             keel.create_conversation("keel chat").await.with_context(|| format!("reaching {}", args.server.server))?.id

@@ -209,7 +209,10 @@ async fn ask(
         }
     };
     if let Err(e) = keel.resume(run_id, interrupt_id, decision).await {
+        // Someone else decided, or it expired: the events that follow say what happened. Refused
+        // (a role that may not approve): the run keeps waiting for someone who may.
         out.line(&format!("  the decision was not taken: {e}"));
+        out.line("  (the run's events follow; Ctrl-C detaches)");
     }
     Ok(Asked::Answered)
 }
