@@ -246,3 +246,24 @@ async fn metrics_is_outside_v1_and_refuses_other_methods() {
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(body["error"]["code"].is_string(), "{body}");
 }
+
+#[tokio::test]
+async fn a_client_that_goes_away_is_no_longer_an_open_connection() {
+    let app = TestApp::spawn().await;
+    let (_, run, _) = app.interrupted_run().await;
+    // Two pages watch the paused run; one closes its tab.
+    let first = app.events_stream(&run, None).await;
+    let mut second = app.events_stream(&run, None).await;
+    assert_eq!(second.next_event().await.map(|e| e.sequence), Some(1));
+    scrape_until(&app, "two open streams", |s| s.get("keel_active_connections", &[("transport", "sse")]) == 2.0).await;
+    first.disconnect();
+    scrape_until(&app, "one open stream", |s| s.get("keel_active_connections", &[("transport", "sse")]) == 1.0).await;
+    second.disconnect();
+    let s = scrape_until(&app, "no open stream", |s| s.get("keel_active_connections", &[("transport", "sse")]) == 0.0)
+        .await;
+    assert_eq!(
+        s.get("keel_slow_subscribers_dropped_total", &[("transport", "sse")]),
+        0.0,
+        "they left; nobody was cut off"
+    );
+}
