@@ -136,6 +136,24 @@ pub async fn issue_ticket(
     Ok(IssuedTicket { secret, expires_at })
 }
 
+/// Mints a ticket of `scope` for the caller and answers `201 {ticket, expiresAt, url}`, where `url`
+/// is `path` with the ticket in its query.
+pub(crate) async fn ticket_created(
+    state: &AppState,
+    caller: &Caller,
+    scope: TicketScope,
+    run_id: Option<RunId>,
+    path: &str,
+) -> Result<Response, ApiError> {
+    let engine = &state.engine;
+    let ticket =
+        issue_ticket(engine.store().as_ref(), &caller.0, scope, run_id, engine.now(), state.config.stream_ticket_ttl)
+            .await?;
+    let url = format!("{path}?ticket={}", ticket.secret);
+    let body = crate::views::TicketBody { ticket: ticket.secret, expires_at: ticket.expires_at, url };
+    Ok((StatusCode::CREATED, axum::Json(body)).into_response())
+}
+
 fn unauthenticated(message: &str) -> Response {
     let mut response = ApiError::new(StatusCode::UNAUTHORIZED, "UNAUTHENTICATED", message).into_response();
     response.headers_mut().insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"keel\""));

@@ -44,6 +44,19 @@ pub fn event_frame(event: &Event) -> Result<Bytes, serde_json::Error> {
 
 /// The response streaming `run_id`'s events with `sequence > after` until `until`. The caller has
 /// checked that the run is the caller's.
+/// One of the caller's stream slots when the request asks for a stream (`Accept:
+/// text/event-stream`), taken before anything happens, so a refused stream starts nothing.
+pub fn permit_if_streaming(
+    state: &AppState,
+    caller: &crate::extract::Caller,
+    headers: &axum::http::HeaderMap,
+) -> Result<Option<StreamPermit>, crate::error::ApiError> {
+    if !crate::extract::accepts(headers, crate::extract::EVENT_STREAM) {
+        return Ok(None);
+    }
+    state.limits.streams.acquire(&caller.0).map(Some)
+}
+
 /// `permit` holds the caller's stream slot for as long as the stream is fed.
 pub fn stream_run(state: &AppState, permit: StreamPermit, run_id: RunId, after: i64, until: Until) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));

@@ -298,7 +298,8 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     let addr = listener.local_addr().context("reading the bound address")?;
     let auth = auth_mode(active_keys, addr, settings.insecure_no_auth)?;
     if matches!(auth, AuthMode::SingleUser(_)) {
-        set_up_demo_user(engine.store().as_ref()).await?;
+        // The local user of a server without keys is an operator, so the demo can approve restarts.
+        engine.store().set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")?;
     }
     let server_config = ServerConfig {
         heartbeat: settings.heartbeat,
@@ -352,11 +353,6 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     opened.close().await;
     tracing::info!(still_running, "stopped");
     Ok(())
-}
-
-/// The local user of a server without keys is an operator, so the demo can approve restarts.
-async fn set_up_demo_user(store: &dyn Store) -> anyhow::Result<()> {
-    store.set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")
 }
 
 /// SIGINT (Ctrl-C) or, on Unix, SIGTERM.

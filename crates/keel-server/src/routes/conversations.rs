@@ -10,7 +10,7 @@ use keel_core::wire::{CreateConversation, MessageAccepted, PostMessage};
 use keel_core::{Conversation, ConversationId};
 
 use crate::error::ApiResult;
-use crate::extract::{accepts, ApiJson, Caller, ConversationPath, OptionalJson, Params, EVENT_STREAM};
+use crate::extract::{ApiJson, Caller, ConversationPath, OptionalJson, Params};
 use crate::openapi::RunEventFrame;
 use crate::sse;
 use crate::state::AppState;
@@ -110,7 +110,7 @@ pub async fn post_message(
     let wait = params.flag("wait")?;
     let message = SendMessage { content: body.content, cancel_on_disconnect: body.cancel_on_disconnect };
     // A stream's slot is taken before the run starts, so a refused stream starts nothing.
-    let permit = if accepts(&headers, EVENT_STREAM) { Some(state.limits.streams.acquire(&caller.0)?) } else { None };
+    let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
     let started = state.engine.send_message(&caller.0, &id, message).await?;
     let run_id = started.run.id;
     if let Some(permit) = permit {

@@ -9,7 +9,7 @@ use keel_core::stream::Until;
 use keel_core::wire::{ResumeBody, RunList, RunSummary};
 use keel_core::{InterruptId, RunId, RunStatus, TicketScope};
 
-use crate::auth::issue_ticket;
+use crate::auth::ticket_created;
 use crate::error::{ApiError, ApiResult};
 use crate::extract::{accepts, cursor, ApiJson, Caller, Params, RunPath, APPLICATION_JSON, EVENT_STREAM};
 use crate::openapi::RunEventFrame;
@@ -155,14 +155,8 @@ fn page_limit(params: &Params, max: u32) -> Result<u32, ApiError> {
 )]
 pub async fn stream_ticket(State(state): State<AppState>, caller: Caller, RunPath(id): RunPath) -> ApiResult<Response> {
     state.engine.run(&caller.0, &id).await?;
-    let ttl = state.config.stream_ticket_ttl;
-    let engine = &state.engine;
-    let ticket =
-        issue_ticket(engine.store().as_ref(), &caller.0, TicketScope::RunEvents, Some(id.clone()), engine.now(), ttl)
-            .await?;
-    let url = format!("/v1/runs/{id}/events?ticket={}", ticket.secret);
-    let body = TicketBody { ticket: ticket.secret, expires_at: ticket.expires_at, url };
-    Ok((StatusCode::CREATED, Json(body)).into_response())
+    let path = format!("/v1/runs/{id}/events");
+    ticket_created(&state, &caller, TicketScope::RunEvents, Some(id), &path).await
 }
 
 /// The engine's `ResumeAccepted`; with `Accept: text/event-stream` the run's events from `resumed`
@@ -225,7 +219,7 @@ pub async fn resume(
     };
     let request = ResumeRequest { interrupt_id, decision, idempotency_key };
     // A stream's slot is taken before the resume, so a refused stream resumes nothing.
-    let permit = if accepts(&headers, EVENT_STREAM) { Some(state.limits.streams.acquire(&caller.0)?) } else { None };
+    let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
     let accepted = state.engine.resume(&caller.0, &id, request).await?;
     let after = (accepted.resumed_sequence - 1).max(0);
     if let Some(permit) = permit {

@@ -17,7 +17,7 @@ use axum::extract::ws::rejection::WebSocketUpgradeRejection;
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 use keel_core::engine::{EngineError, ResumeRequest, SendMessage};
 use keel_core::stream::Until;
@@ -72,19 +72,7 @@ pub async fn ws(
     responses((status = 201, description = "A ticket for `GET /v1/ws?ticket=…`", body = TicketBody))
 )]
 pub async fn ticket(State(state): State<AppState>, caller: Caller) -> Result<Response, ApiError> {
-    let engine = &state.engine;
-    let ticket = crate::auth::issue_ticket(
-        engine.store().as_ref(),
-        &caller.0,
-        keel_core::TicketScope::WebSocket,
-        None,
-        engine.now(),
-        state.config.stream_ticket_ttl,
-    )
-    .await?;
-    let url = format!("/v1/ws?ticket={}", ticket.secret);
-    let body = TicketBody { ticket: ticket.secret, expires_at: ticket.expires_at, url };
-    Ok((StatusCode::CREATED, axum::Json(body)).into_response())
+    crate::auth::ticket_created(&state, &caller, keel_core::TicketScope::WebSocket, None, "/v1/ws").await
 }
 
 /// A client message, after its `type` and `requestId` were read.
