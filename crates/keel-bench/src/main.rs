@@ -98,6 +98,18 @@ enum Scenario {
         #[arg(long)]
         dir: Option<String>,
     },
+    /// Storage floor: the same batched inserts into PostgreSQL, through the driver the server uses
+    /// (a throwaway table in the given database, dropped afterwards).
+    FloorPostgres {
+        /// The database, e.g. postgres://postgres@127.0.0.1:5432/test.
+        #[arg(long)]
+        db: String,
+        #[arg(long, default_value_t = 100_000)]
+        rows: usize,
+        /// Rows per transaction, comma-separated.
+        #[arg(long, default_value = "1,32", value_delimiter = ',')]
+        batch: Vec<usize>,
+    },
 }
 
 #[tokio::main]
@@ -124,7 +136,8 @@ async fn main() -> Result<()> {
             Scenario::Idle { streams, server_pid, settle_secs } => {
                 idle(&client, *streams, *server_pid, *settle_secs).await?
             }
-            Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref()).await?,
+            Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref())?,
+            Scenario::FloorPostgres { db, rows, batch } => floor_postgres(db, *rows, batch).await?,
         };
         reps.push(out);
     }
@@ -835,72 +848,156 @@ async fn idle(client: &Client, streams: usize, pid: Option<u32>, settle: u64) ->
 // ---------------------------------------------------------------------------------------------
 // floor-sqlite
 
-async fn floor_sqlite(rows: usize, batches: &[usize], dir: Option<&str>) -> Result<Value> {
-    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-    let dir = dir.map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
-    // A text_delta-sized event, as the server stores it.
-    let data = json!({"type": "text_delta", "messageId": "msg_0193a1b2c3d4e5f60718293a4b5c6d7e",
+/// A text_delta-sized event, as the server stores it.
+fn floor_row() -> String {
+    json!({"type": "text_delta", "messageId": "msg_0193a1b2c3d4e5f60718293a4b5c6d7e",
         "delta": "restart ", "runId": "run_0193a1b2c3d4e5f60718293a4b5c6d7e", "sequence": 12,
         "ts": "2026-12-01T10:00:00.123456Z"})
-    .to_string();
-    let mut table_rows = Vec::new();
-    let mut out = Vec::new();
+    .to_string()
+}
+
+/// Rows per multi-row `INSERT`, as the server writes a commit's events.
+const FLOOR_ROWS_PER_INSERT: usize = 64;
+
+/// The (run id, sequence) of the `n`th floor row: 30 events per run, like a HITL run.
+fn floor_key(n: usize) -> (String, i64) {
+    (format!("run_{:032}", n / 30), (n % 30 + 1) as i64)
+}
+
+struct FloorLevel {
+    batch: usize,
+    rows: usize,
+    secs: f64,
+    transactions: usize,
+}
+
+fn floor_report(name: &str, setup: String, row_bytes: usize, levels: &[FloorLevel]) -> Value {
+    let table_rows: Vec<Vec<String>> = levels
+        .iter()
+        .map(|l| {
+            vec![
+                l.batch.to_string(),
+                l.rows.to_string(),
+                f2(l.secs),
+                f1(l.rows as f64 / l.secs),
+                f1(l.transactions as f64 / l.secs),
+            ]
+        })
+        .collect();
+    table(&["rows/tx", "rows", "secs", "rows/s", "tx/s"], &table_rows);
+    println!("({setup}, {row_bytes}-byte JSON rows, multi-row INSERTs of up to {FLOOR_ROWS_PER_INSERT} rows)");
+    let out: Vec<Value> = levels
+        .iter()
+        .map(|l| {
+            json!({"rowsPerTx": l.batch, "rows": l.rows, "secs": l.secs, "rowsPerSec": l.rows as f64 / l.secs,
+                   "txPerSec": l.transactions as f64 / l.secs, "rowBytes": row_bytes})
+        })
+        .collect();
+    json!({"scenario": name, "setup": setup, "levels": out})
+}
+
+/// The server's SQLite setup (WAL, synchronous=NORMAL, one writing connection, the `run_events`
+/// table as the migration makes it), driven directly on this thread: what SQLite itself allows.
+fn floor_sqlite(rows: usize, batches: &[usize], dir: Option<&str>) -> Result<Value> {
+    let dir = dir.map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let data = floor_row();
+    let mut levels = Vec::new();
     for &batch in batches {
         let batch = batch.max(1);
         let path = dir.join(format!("keel-bench-floor-{}-{batch}.db", std::process::id()));
         let _ = std::fs::remove_file(&path);
-        let options = SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal);
-        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(options).await?;
-        sqlx::query(
-            "CREATE TABLE run_events (run_id TEXT NOT NULL, sequence INTEGER NOT NULL CHECK (sequence >= 1), \
+        let conn = rusqlite::Connection::open(&path)?;
+        let _: String = conn.query_row("PRAGMA journal_mode = WAL", [], |r| r.get(0))?;
+        conn.execute_batch(
+            "PRAGMA synchronous = NORMAL; \
+             CREATE TABLE run_events (run_id TEXT NOT NULL, sequence INTEGER NOT NULL CHECK (sequence >= 1), \
              type TEXT NOT NULL, data TEXT NOT NULL CHECK (json_valid(data)), created_at TEXT NOT NULL, \
              PRIMARY KEY (run_id, sequence)) WITHOUT ROWID",
-        )
-        .execute(&pool)
-        .await?;
+        )?;
         let start = Instant::now();
-        let mut written = 0;
-        let mut tx_count = 0;
+        let (mut written, mut transactions) = (0, 0);
         while written < rows {
-            let mut tx = pool.begin().await?;
-            for _ in 0..batch.min(rows - written) {
-                // 30 events per run, like a HITL run
-                let run = format!("run_{:032}", written / 30);
-                sqlx::query("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES (?, ?, ?, ?, ?)")
-                    .bind(run)
-                    .bind((written % 30 + 1) as i64)
-                    .bind("text_delta")
-                    .bind(&data)
-                    .bind("2026-12-01T10:00:00.123456Z")
-                    .execute(&mut *tx)
-                    .await?;
-                written += 1;
+            conn.execute_batch("BEGIN IMMEDIATE")?;
+            let mut left = batch.min(rows - written);
+            while left > 0 {
+                let n = left.min(FLOOR_ROWS_PER_INSERT);
+                let sql = format!(
+                    "INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {}",
+                    vec!["(?, ?, 'text_delta', ?, '2026-12-01T10:00:00.123456000Z')"; n].join(", ")
+                );
+                let keys: Vec<(String, i64)> = (written..written + n).map(floor_key).collect();
+                let mut values: Vec<&dyn rusqlite::ToSql> = Vec::with_capacity(n * 3);
+                for (run, sequence) in &keys {
+                    values.extend([run as &dyn rusqlite::ToSql, sequence, &data]);
+                }
+                conn.prepare_cached(&sql)?.execute(values.as_slice())?;
+                written += n;
+                left -= n;
             }
-            tx.commit().await?;
-            tx_count += 1;
+            conn.execute_batch("COMMIT")?;
+            transactions += 1;
         }
-        let secs = start.elapsed().as_secs_f64();
-        pool.close().await;
+        levels.push(FloorLevel { batch, rows, secs: start.elapsed().as_secs_f64(), transactions });
+        drop(conn);
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
         }
-        table_rows.push(vec![
-            batch.to_string(),
-            rows.to_string(),
-            f2(secs),
-            f1(rows as f64 / secs),
-            f1(tx_count as f64 / secs),
-        ]);
-        out.push(json!({"rowsPerTx": batch, "rows": rows, "secs": secs, "rowsPerSec": rows as f64 / secs,
-                        "txPerSec": tx_count as f64 / secs, "rowBytes": data.len()}));
     }
-    table(&["rows/tx", "rows", "secs", "rows/s", "tx/s"], &table_rows);
-    println!("(SQLite WAL, synchronous=NORMAL, one connection, {}-byte JSON rows, in {})", data.len(), dir.display());
-    Ok(json!({"scenario": "floor-sqlite", "dir": dir.display().to_string(), "levels": out}))
+    let setup = format!("SQLite {} WAL, synchronous=NORMAL, one connection, in {}", rusqlite::version(), dir.display());
+    Ok(floor_report("floor-sqlite", setup, data.len(), &levels))
+}
+
+/// The same inserts into PostgreSQL over one sqlx connection (the server's driver), in a throwaway
+/// table shaped like `run_events`.
+async fn floor_postgres(url: &str, rows: usize, batches: &[usize]) -> Result<Value> {
+    use sqlx::Connection;
+    let data = floor_row();
+    let mut conn = sqlx::PgConnection::connect(url).await?;
+    let table = format!("keel_bench_floor_{}", std::process::id());
+    let mut levels = Vec::new();
+    for &batch in batches {
+        let batch = batch.max(1);
+        sqlx::query(&format!("DROP TABLE IF EXISTS {table}")).execute(&mut conn).await?;
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (run_id TEXT NOT NULL, sequence BIGINT NOT NULL CHECK (sequence >= 1), \
+             type TEXT NOT NULL, data JSONB NOT NULL, created_at TIMESTAMPTZ NOT NULL, \
+             PRIMARY KEY (run_id, sequence))"
+        ))
+        .execute(&mut conn)
+        .await?;
+        let start = Instant::now();
+        let (mut written, mut transactions) = (0, 0);
+        while written < rows {
+            let mut tx = conn.begin().await?;
+            let mut left = batch.min(rows - written);
+            while left > 0 {
+                let n = left.min(FLOOR_ROWS_PER_INSERT);
+                let values: Vec<String> = (0..n)
+                    .map(|i| format!("(${}, ${}, 'text_delta', ${}::jsonb, now())", 3 * i + 1, 3 * i + 2, 3 * i + 3))
+                    .collect();
+                let sql = format!(
+                    "INSERT INTO {table} (run_id, sequence, type, data, created_at) VALUES {}",
+                    values.join(", ")
+                );
+                let mut query = sqlx::query(&sql);
+                for (run, sequence) in (written..written + n).map(floor_key) {
+                    query = query.bind(run).bind(sequence).bind(&data);
+                }
+                query.execute(&mut *tx).await?;
+                written += n;
+                left -= n;
+            }
+            tx.commit().await?;
+            transactions += 1;
+        }
+        levels.push(FloorLevel { batch, rows, secs: start.elapsed().as_secs_f64(), transactions });
+    }
+    sqlx::query(&format!("DROP TABLE IF EXISTS {table}")).execute(&mut conn).await?;
+    let version: String = sqlx::query_scalar("SHOW server_version").fetch_one(&mut conn).await?;
+    let commit: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(&mut conn).await?;
+    conn.close().await?;
+    let setup = format!("PostgreSQL {version}, synchronous_commit={commit}, one sqlx connection");
+    Ok(floor_report("floor-postgres", setup, data.len(), &levels))
 }
 
 #[cfg(test)]

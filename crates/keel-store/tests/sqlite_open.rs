@@ -1,12 +1,8 @@
 //! Opening SQLite databases: files, urls, memory, re-opening, and rows the store cannot read.
 
-use std::str::FromStr;
-
 use chrono::{DateTime, Utc};
 use keel_core::store::{NewRun, Store, StoreError};
 use keel_store::SqliteStore;
-use sqlx::sqlite::SqliteConnectOptions;
-use sqlx::{ConnectOptions, Connection};
 use tempfile::TempDir;
 
 fn now() -> DateTime<Utc> {
@@ -64,18 +60,14 @@ async fn an_unreadable_row_is_a_backend_error() {
         .expect("start");
 
     // someone else wrote rows this version cannot read
-    let mut raw = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
-        .expect("options")
-        .connect()
-        .await
-        .expect("raw connection");
-    sqlx::query("UPDATE runs SET checkpoint = '{\"nextStep\": \"secret-token-123\"}' WHERE id = ?")
-        .bind(started.run.id.as_str())
-        .execute(&mut raw)
-        .await
-        .expect("corrupt the checkpoint");
-    sqlx::query("UPDATE messages SET created_at = 'yesterday'").execute(&mut raw).await.expect("corrupt a message");
-    raw.close().await.expect("close");
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    raw.execute(
+        "UPDATE runs SET checkpoint = '{\"nextStep\": \"secret-token-123\"}' WHERE id = ?",
+        [started.run.id.as_str()],
+    )
+    .expect("corrupt the checkpoint");
+    raw.execute("UPDATE messages SET created_at = 'yesterday'", []).expect("corrupt a message");
+    drop(raw);
 
     match store.get_run(&started.run.id).await {
         Err(StoreError::Backend(message)) => {
@@ -88,4 +80,63 @@ async fn an_unreadable_row_is_a_backend_error() {
         Err(StoreError::Backend(message)) => assert!(message.contains("messages.created_at"), "{message}"),
         other => panic!("expected a backend error, got {other:?}"),
     }
+}
+
+/// The migrations are recorded as the migrator of earlier versions recorded them (same table, same
+/// SHA-384 checksums), so a database those versions made opens as it is.
+#[tokio::test]
+async fn migrations_are_recorded_with_their_checksums() {
+    use sha2::{Digest, Sha384};
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    SqliteStore::migrate_only(&path).await.expect("migrate");
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    let mut st =
+        raw.prepare("SELECT version, success, checksum FROM _sqlx_migrations ORDER BY version").expect("query");
+    let rows: Vec<(i64, bool, Vec<u8>)> = st
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    let files = [
+        include_str!("../migrations/sqlite/0001_init.sql"),
+        include_str!("../migrations/sqlite/0002_credentials.sql"),
+        include_str!("../migrations/sqlite/0003_ag_ui.sql"),
+        include_str!("../migrations/sqlite/0004_runs_by_user.sql"),
+    ];
+    assert_eq!(rows.len(), files.len());
+    for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {
+        assert_eq!(*version, i as i64 + 1);
+        assert!(success);
+        assert_eq!(checksum.as_slice(), Sha384::digest(sql.as_bytes()).as_slice(), "migration {version}");
+    }
+}
+
+#[tokio::test]
+async fn a_database_with_unknown_or_changed_or_failed_migrations_is_refused() {
+    let cases = [
+        ("INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)           VALUES (99, 'future', 1, x'00', 0)", "newer"),
+        ("UPDATE _sqlx_migrations SET checksum = x'00' WHERE version = 2", "differs"),
+        ("UPDATE _sqlx_migrations SET success = 0 WHERE version = 4", "failed part-way"),
+    ];
+    for (tamper, expected) in cases {
+        let dir = TempDir::new().expect("temp dir");
+        let path = dir.path().join("keel.db");
+        SqliteStore::migrate_only(&path).await.expect("migrate");
+        rusqlite::Connection::open(&path).expect("raw").execute(tamper, []).expect("tamper");
+        match SqliteStore::open(&path).await {
+            Err(StoreError::Backend(message)) => assert!(message.contains(expected), "{expected}: {message}"),
+            other => panic!("{expected}: expected a refusal, got {:?}", other.map(|_| ())),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_closed_store_answers_with_errors() {
+    let dir = TempDir::new().expect("temp dir");
+    let store = SqliteStore::open(&dir.path().join("keel.db")).await.expect("open");
+    let clone = store.clone();
+    store.close().await;
+    assert!(matches!(clone.create_conversation("alice", "t", now()).await, Err(StoreError::Backend(_))));
+    assert!(matches!(clone.list_conversations("alice", 10).await, Err(StoreError::Backend(_))));
 }

@@ -1,0 +1,590 @@
+//! The writes of [`Store::commit`](keel_core::store::Store::commit) and [`Store::start_run`], run on
+//! the writer thread inside its transaction. Each function either does all of its part or returns an
+//! error, and the writer rolls the whole commit back.
+
+use chrono::SecondsFormat;
+use keel_core::domain::{Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary, Timestamp};
+use keel_core::event::{Event, EventKind};
+use keel_core::fleet::Effect;
+use keel_core::ids::{ConversationId, MessageId, RunId};
+use keel_core::store::{
+    Commit, Committed, Fence, InterruptChange, RunChange, StoreError, StoreResult, TextAppend, ToolCallChange,
+};
+use rusqlite::{params, Connection, ToSql};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::db::{db, insert, is_unique_violation};
+use super::rows::{exec, one, Cols};
+
+/// The statuses of a run that holds its conversation (`RunStatus::is_active`).
+pub const ACTIVE: &str = "('queued', 'running', 'interrupted')";
+
+/// Fixed width, UTC, nanoseconds: sorts as text, round-trips exactly.
+pub fn ts(t: &Timestamp) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Nanos, true)
+}
+
+pub fn opt_ts(t: &Option<Timestamp>) -> Option<String> {
+    t.as_ref().map(ts)
+}
+
+pub fn json<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult<String> {
+    serde_json::to_string(value).map_err(|e| StoreError::Backend(format!("encode {what}: {e}")))
+}
+
+pub fn opt_json(what: &'static str, value: &Option<Value>) -> StoreResult<Option<String>> {
+    value.as_ref().map(|v| json(what, v)).transpose()
+}
+
+fn in_list(statuses: &[RunStatus]) -> String {
+    let marks = vec!["?"; statuses.len()].join(", ");
+    format!("({marks})")
+}
+
+fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
+    statuses.iter().map(|s| s.as_str()).collect()
+}
+
+fn status_list(statuses: &[RunStatus]) -> String {
+    statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" or ")
+}
+
+pub fn active_run_id(conn: &Connection, conversation_id: &ConversationId) -> StoreResult<Option<RunId>> {
+    one(
+        conn,
+        "find the active run",
+        &format!("SELECT id FROM runs WHERE conversation_id = ? AND status IN {ACTIVE} LIMIT 1"),
+        [conversation_id.as_str()],
+        |r| Cols::new(r, "runs").id("id"),
+    )
+}
+
+pub fn insert_message(conn: &Connection, m: &Message) -> StoreResult<()> {
+    conn.prepare_cached(
+        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+         VALUES (?, ?, ?, ?, ?, ?, ?)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            m.id.as_str(),
+            m.conversation_id.as_str(),
+            m.run_id.as_ref().map(|r| r.as_str()),
+            m.role.as_str(),
+            m.content,
+            m.tool_call_id.as_ref().map(|c| c.as_str()),
+            ts(&m.created_at),
+        ])
+    })
+    .map_err(insert("message"))?;
+    Ok(())
+}
+
+/// Events per `INSERT` statement: a commit's events go in a few multi-row statements (5 parameters a
+/// row, far under SQLite's limit), each prepared once per shape.
+const EVENTS_PER_INSERT: usize = 64;
+
+/// Inserts `kinds` as the run's events from `first_sequence` on; the events as written.
+pub fn insert_events(
+    conn: &Connection,
+    run_id: &RunId,
+    first_sequence: i64,
+    kinds: Vec<EventKind>,
+    now: &Timestamp,
+) -> StoreResult<Vec<Event>> {
+    let created_at = ts(now);
+    let mut events = Vec::with_capacity(kinds.len());
+    let mut kinds = kinds.into_iter().peekable();
+    let mut sequence = first_sequence;
+    while kinds.peek().is_some() {
+        let chunk: Vec<EventKind> = kinds.by_ref().take(EVENTS_PER_INSERT).collect();
+        let mut data = Vec::with_capacity(chunk.len());
+        for kind in &chunk {
+            data.push(json("event data", &kind.to_data())?);
+        }
+        let sequences: Vec<i64> = (sequence..).take(chunk.len()).collect();
+        let types: Vec<&str> = chunk.iter().map(EventKind::type_name).collect();
+        let run = run_id.as_str();
+        let mut values: Vec<&dyn ToSql> = Vec::with_capacity(chunk.len() * 5);
+        for ((type_name, data), sequence) in types.iter().zip(&data).zip(&sequences) {
+            values.extend([&run as &dyn ToSql, sequence, type_name, data, &created_at]);
+        }
+        let rows = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
+        let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
+        conn.prepare_cached(&sql).and_then(|mut s| s.execute(values.as_slice())).map_err(insert("event"))?;
+        drop(values);
+        for (kind, sequence) in chunk.into_iter().zip(sequences) {
+            events.push(Event { kind, run_id: run_id.clone(), sequence, ts: *now });
+        }
+        sequence += i64::try_from(data.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    }
+    Ok(events)
+}
+
+/// What the fence read of the run row, before the commit changes it.
+struct Fenced {
+    status: RunStatus,
+    conversation_id: ConversationId,
+    /// The sequence of the commit's first event.
+    first_sequence: i64,
+    cancel_requested: bool,
+}
+
+/// The fence: one conditional update of the run row that checks the writer's right to write,
+/// renews or takes the lease and reserves the commit's event sequences.
+fn fence(conn: &Connection, c: &Commit) -> StoreResult<Fenced> {
+    let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let now = ts(&c.now);
+    const RETURNING: &str = "RETURNING status, conversation_id, next_sequence, cancel_requested";
+    let read = |r: &rusqlite::Row<'_>| {
+        let cols = Cols::new(r, "runs");
+        let next_sequence: i64 = cols.get("next_sequence")?;
+        Ok(Fenced {
+            status: cols.parse("status", RunStatus::parse)?,
+            conversation_id: cols.id("conversation_id")?,
+            first_sequence: next_sequence - n,
+            cancel_requested: cols.get("cancel_requested")?,
+        })
+    };
+    let row = match &c.fence {
+        Fence::Lease { owner, lease_until } => {
+            let sql = format!(
+                "UPDATE runs SET lease_expires_at = ?, next_sequence = next_sequence + ?, updated_at = ? \
+                 WHERE id = ? AND lease_owner = ? AND status IN {ACTIVE} {RETURNING}"
+            );
+            one(conn, "fence the run", &sql, params![ts(lease_until), n, now, c.run_id.as_str(), owner], read)?
+        }
+        Fence::Acquire { owner, from, lease_until } => {
+            let sql = format!(
+                "UPDATE runs SET lease_owner = ?, lease_expires_at = ?, next_sequence = next_sequence + ?, \
+                 updated_at = ? WHERE id = ? AND status IN {} {RETURNING}",
+                in_list(from)
+            );
+            let (lease_until, run, from) = (ts(lease_until), c.run_id.as_str(), statuses(from));
+            let mut values: Vec<&dyn ToSql> = vec![owner, &lease_until, &n, &now, &run];
+            values.extend(from.iter().map(|s| s as &dyn ToSql));
+            one(conn, "fence the run", &sql, values.as_slice(), read)?
+        }
+        Fence::Unowned { from } => {
+            let sql = format!(
+                "UPDATE runs SET next_sequence = next_sequence + ?, updated_at = ? WHERE id = ? AND status IN {} \
+                 {RETURNING}",
+                in_list(from)
+            );
+            let (run, from) = (c.run_id.as_str(), statuses(from));
+            let mut values: Vec<&dyn ToSql> = vec![&n, &now, &run];
+            values.extend(from.iter().map(|s| s as &dyn ToSql));
+            one(conn, "fence the run", &sql, values.as_slice(), read)?
+        }
+    };
+    match row {
+        Some(fenced) => Ok(fenced),
+        None => Err(fence_refusal(conn, c)),
+    }
+}
+
+/// Why the fence matched nothing: the run is missing, or it is not in the state the writer expects.
+fn fence_refusal(conn: &Connection, c: &Commit) -> StoreError {
+    let status = one(conn, "fence the run", "SELECT status FROM runs WHERE id = ?", [c.run_id.as_str()], |r| {
+        Cols::new(r, "runs").get::<String>("status")
+    });
+    let status = match status {
+        Ok(Some(status)) => status,
+        Ok(None) => return StoreError::NotFound("run"),
+        Err(e) => return e,
+    };
+    StoreError::Conflict(match &c.fence {
+        Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
+        Fence::Acquire { from, .. } | Fence::Unowned { from } => {
+            format!("run {} is {status}, not {}", c.run_id, status_list(from))
+        }
+    })
+}
+
+fn change_status(conn: &Connection, c: &Commit, from: RunStatus, change: &RunChange) -> StoreResult<()> {
+    if !from.can_transition_to(change.to) {
+        return Err(StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to)));
+    }
+    // A paused or finished run has no worker.
+    let release = change.to == RunStatus::Interrupted || change.to.is_terminal();
+    conn.prepare_cached(
+        "UPDATE runs SET status = ?, reason = ?, \
+         lease_owner = CASE WHEN ? THEN NULL ELSE lease_owner END, \
+         lease_expires_at = CASE WHEN ? THEN NULL ELSE lease_expires_at END \
+         WHERE id = ?",
+    )
+    .and_then(|mut s| s.execute(params![change.to.as_str(), change.reason, release, release, c.run_id.as_str()]))
+    .map_err(|e| {
+        if is_unique_violation(&e) {
+            // only a move back to an active status can collide with another active run
+            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
+        } else {
+            db("change the run status")(e)
+        }
+    })?;
+    Ok(())
+}
+
+fn append_text(conn: &Connection, c: &Commit, conversation_id: &ConversationId, t: &TextAppend) -> StoreResult<()> {
+    let done = exec(
+        conn,
+        "append text",
+        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+         VALUES (?, ?, ?, 'assistant', ?, NULL, ?) \
+         ON CONFLICT (id) DO UPDATE SET content = content || excluded.content \
+         WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'",
+        params![t.message_id.as_str(), conversation_id.as_str(), c.run_id.as_str(), t.text, ts(&c.now)],
+    )?;
+    if done == 0 {
+        return Err(StoreError::Conflict(format!(
+            "message {} is not an assistant message of run {}",
+            t.message_id, c.run_id
+        )));
+    }
+    Ok(())
+}
+
+fn discard_message(conn: &Connection, c: &Commit, id: &MessageId) -> StoreResult<()> {
+    // A message that never got its first text was never created: nothing to delete is fine.
+    exec(
+        conn,
+        "discard a message",
+        "DELETE FROM messages WHERE id = ? AND run_id = ? AND role = 'assistant'",
+        [id.as_str(), c.run_id.as_str()],
+    )?;
+    Ok(())
+}
+
+/// A record handed to a commit must belong to the commit's run.
+fn check_owner<T: PartialEq + std::fmt::Display>(
+    what: std::fmt::Arguments<'_>,
+    of: &T,
+    expected: &T,
+) -> StoreResult<()> {
+    if of == expected {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("{what} belongs to {of}, not {expected}")))
+    }
+}
+
+fn apply_tool_call(
+    conn: &Connection,
+    c: &Commit,
+    conversation_id: &ConversationId,
+    change: &ToolCallChange,
+) -> StoreResult<()> {
+    match change {
+        ToolCallChange::Insert(call) => {
+            check_owner(format_args!("tool call {}", call.id), &call.run_id, &c.run_id)?;
+            let args = json("tool call args", &call.args)?;
+            let result = opt_json("tool call result", &call.result)?;
+            conn.prepare_cached(
+                "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
+                 started_at, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            )
+            .and_then(|mut s| {
+                s.execute(params![
+                    call.id.as_str(),
+                    call.run_id.as_str(),
+                    conversation_id.as_str(),
+                    call.name,
+                    args,
+                    call.state.as_str(),
+                    result,
+                    call.summary,
+                    opt_ts(&call.started_at),
+                    opt_ts(&call.finished_at),
+                ])
+            })
+            .map_err(insert("tool call"))?;
+        }
+        ToolCallChange::Update { id, from, to, args, result, summary, started_at, finished_at } => {
+            if !from.can_transition_to(*to) {
+                return Err(StoreError::Conflict(format!("tool call {id}: {from} -> {to} is not allowed")));
+            }
+            let done = exec(
+                conn,
+                "update a tool call",
+                "UPDATE tool_calls SET state = ?, args = COALESCE(?, args), result = COALESCE(?, result), \
+                 summary = COALESCE(?, summary), started_at = COALESCE(?, started_at), \
+                 finished_at = COALESCE(?, finished_at) \
+                 WHERE id = ? AND run_id = ? AND state = ?",
+                params![
+                    to.as_str(),
+                    args.as_ref().map(|a| json("tool call args", a)).transpose()?,
+                    opt_json("tool call result", result)?,
+                    summary,
+                    opt_ts(started_at),
+                    opt_ts(finished_at),
+                    id.as_str(),
+                    c.run_id.as_str(),
+                    from.as_str(),
+                ],
+            )?;
+            if done == 0 {
+                let state = one(
+                    conn,
+                    "update a tool call",
+                    "SELECT state FROM tool_calls WHERE id = ? AND run_id = ?",
+                    [id.as_str(), c.run_id.as_str()],
+                    |r| Cols::new(r, "tool_calls").get::<String>("state"),
+                )?;
+                return Err(StoreError::Conflict(match state {
+                    Some(state) => format!("tool call {id} is {state}, not {from}"),
+                    None => format!("tool call {id} is not a call of run {}", c.run_id),
+                }));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn insert_interrupt(conn: &Connection, c: &Commit, i: &Interrupt) -> StoreResult<()> {
+    check_owner(format_args!("interrupt {}", i.id), &i.run_id, &c.run_id)?;
+    let payload = json("interrupt payload", &i.payload)?;
+    let call_ids = json("interrupt call ids", &i.call_ids)?;
+    let decision = opt_json("interrupt decision", &i.decision)?;
+    conn.prepare_cached(
+        "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
+         resolved_by, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            i.id.as_str(),
+            i.run_id.as_str(),
+            i.kind.as_str(),
+            i.status.as_str(),
+            payload,
+            call_ids,
+            ts(&i.created_at),
+            ts(&i.expires_at),
+            decision,
+            i.resolved_by,
+            opt_ts(&i.resolved_at),
+        ])
+    })
+    .map_err(insert("interrupt"))?;
+    Ok(())
+}
+
+fn change_interrupt(conn: &Connection, c: &Commit, change: &InterruptChange) -> StoreResult<()> {
+    let id = &change.id;
+    if !InterruptStatus::Pending.can_transition_to(change.to) {
+        return Err(StoreError::Conflict(format!("interrupt {id}: pending -> {} is not allowed", change.to)));
+    }
+    let now = ts(&c.now);
+    // An interrupt past its expiry may still expire or be cancelled, never be resolved.
+    let resolving = change.to == InterruptStatus::Resolved;
+    let done = exec(
+        conn,
+        "change an interrupt",
+        "UPDATE interrupts SET status = ?, decision = COALESCE(?, decision), \
+         resolved_by = COALESCE(?, resolved_by), resolved_at = ? \
+         WHERE id = ? AND run_id = ? AND status = 'pending' AND (NOT ? OR expires_at > ?)",
+        params![
+            change.to.as_str(),
+            opt_json("interrupt decision", &change.decision)?,
+            change.resolved_by,
+            now,
+            id.as_str(),
+            c.run_id.as_str(),
+            resolving,
+            now,
+        ],
+    )?;
+    if done > 0 {
+        return Ok(());
+    }
+    let status = one(
+        conn,
+        "change an interrupt",
+        "SELECT status FROM interrupts WHERE id = ? AND run_id = ?",
+        [id.as_str(), c.run_id.as_str()],
+        |r| Cols::new(r, "interrupts").parse("status", InterruptStatus::parse),
+    )?;
+    Err(StoreError::Conflict(match status {
+        None => format!("interrupt {id} is not an interrupt of run {}", c.run_id),
+        Some(InterruptStatus::Pending) => format!("interrupt {id} has expired"),
+        Some(status) => format!("interrupt {id} is already {status}"),
+    }))
+}
+
+fn upsert_fact(conn: &Connection, conversation_id: &ConversationId, f: &Fact) -> StoreResult<()> {
+    exec(
+        conn,
+        "upsert a fact",
+        "INSERT INTO facts (conversation_id, key, value, source, updated_at) VALUES (?, ?, ?, ?, ?) \
+         ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
+         updated_at = excluded.updated_at",
+        params![conversation_id.as_str(), f.key, f.value, f.source.as_str(), ts(&f.updated_at)],
+    )?;
+    Ok(())
+}
+
+fn upsert_summary(conn: &Connection, conversation_id: &ConversationId, s: &Summary) -> StoreResult<()> {
+    check_owner(format_args!("the summary"), &s.conversation_id, conversation_id)?;
+    exec(
+        conn,
+        "upsert the summary",
+        "INSERT INTO summaries (conversation_id, through_message_id, text) VALUES (?, ?, ?) \
+         ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
+         text = excluded.text",
+        params![conversation_id.as_str(), s.through_message_id.as_str(), s.text],
+    )?;
+    Ok(())
+}
+
+fn apply_effect(conn: &Connection, effect: &Effect) -> StoreResult<()> {
+    match effect {
+        Effect::RestartInstance { instance_id } => {
+            let done = exec(
+                conn,
+                "restart an instance",
+                "UPDATE instances SET status = 'healthy', restart_count = restart_count + 1 \
+                 WHERE id = ? AND status = 'abnormal'",
+                [instance_id],
+            )?;
+            if done == 0 {
+                return Err(StoreError::EffectRefused(format!("instance {instance_id} is not abnormal")));
+            }
+        }
+        Effect::RollbackRelease { service, env, from_release } => {
+            let counts = one(
+                conn,
+                "roll back a release",
+                "SELECT COUNT(*) AS total, \
+                 COALESCE(SUM(release = ? AND previous_release IS NOT NULL), 0) AS ready \
+                 FROM instances WHERE service = ? AND env = ?",
+                [from_release, service, env],
+                |r| {
+                    let cols = Cols::new(r, "instances");
+                    Ok((cols.get::<i64>("total")?, cols.get::<i64>("ready")?))
+                },
+            )?;
+            let (total, ready) = counts.unwrap_or((0, 0));
+            if total == 0 {
+                return Err(StoreError::EffectRefused(format!("{service} has no instances in {env}")));
+            }
+            if ready != total {
+                return Err(StoreError::EffectRefused(format!(
+                    "not every instance of {service} in {env} is on {from_release} with a release to go back to"
+                )));
+            }
+            exec(
+                conn,
+                "roll back a release",
+                "UPDATE instances SET release = previous_release, previous_release = ?, status = 'healthy' \
+                 WHERE service = ? AND env = ?",
+                [from_release, service, env],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Everything of one commit, and the answer stored under its idempotency key, in the writer's
+/// transaction.
+pub fn apply_commit(conn: &Connection, mut c: Commit) -> StoreResult<Committed> {
+    let run = fence(conn, &c)?;
+    if let Some(change) = &c.run {
+        change_status(conn, &c, run.status, change)?;
+    }
+    if let Some(checkpoint) = &c.checkpoint {
+        exec(
+            conn,
+            "write the checkpoint",
+            "UPDATE runs SET checkpoint = ? WHERE id = ?",
+            [json("checkpoint", checkpoint)?, c.run_id.to_string()],
+        )?;
+    }
+    for t in &c.text {
+        append_text(conn, &c, &run.conversation_id, t)?;
+    }
+    for m in &c.messages {
+        check_owner(format_args!("message {}", m.id), &m.conversation_id, &run.conversation_id)?;
+        if let Some(run_id) = &m.run_id {
+            check_owner(format_args!("message {}", m.id), run_id, &c.run_id)?;
+        }
+        insert_message(conn, m)?;
+    }
+    for id in &c.discard_messages {
+        discard_message(conn, &c, id)?;
+    }
+    for change in &c.tool_calls {
+        apply_tool_call(conn, &c, &run.conversation_id, change)?;
+    }
+    for i in &c.new_interrupts {
+        insert_interrupt(conn, &c, i)?;
+    }
+    for change in &c.interrupt_changes {
+        change_interrupt(conn, &c, change)?;
+    }
+    for f in &c.facts {
+        upsert_fact(conn, &run.conversation_id, f)?;
+    }
+    if let Some(s) = &c.summary {
+        upsert_summary(conn, &run.conversation_id, s)?;
+    }
+    for effect in &c.effects {
+        apply_effect(conn, effect)?;
+    }
+    if let Some(answer) = &c.idempotency {
+        let done = exec(
+            conn,
+            "store the answer under its idempotency key",
+            "UPDATE idempotency_keys SET state = 'done', status = ?, response = ?, expires_at = ? \
+             WHERE user_id = ? AND key = ? AND state = 'in_flight'",
+            params![
+                i64::from(answer.status),
+                json("idempotent response", &answer.response)?,
+                ts(&answer.expires_at),
+                answer.user_id,
+                answer.key,
+            ],
+        )?;
+        if done == 0 {
+            return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
+        }
+    }
+    let kinds = std::mem::take(&mut c.events);
+    let events = insert_events(conn, &c.run_id, run.first_sequence, kinds, &c.now)?;
+    Ok(Committed { events, cancel_requested: run.cancel_requested })
+}
+
+pub fn insert_run(conn: &Connection, run: &Run) -> StoreResult<()> {
+    let checkpoint = json("checkpoint", &run.checkpoint)?;
+    let result = conn
+        .prepare_cached(
+            "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, reason, cancel_on_disconnect, \
+             cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, created_at, updated_at) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                run.id.as_str(),
+                run.conversation_id.as_str(),
+                run.user_message_id.as_str(),
+                run.user_id,
+                run.status.as_str(),
+                run.reason,
+                run.cancel_on_disconnect,
+                run.cancel_requested,
+                run.next_sequence,
+                run.lease_owner,
+                opt_ts(&run.lease_expires_at),
+                checkpoint,
+                ts(&run.created_at),
+                ts(&run.updated_at),
+            ])
+        });
+    match result {
+        Ok(_) => Ok(()),
+        // the partial unique index: another active run got in first
+        Err(e) if is_unique_violation(&e) => match active_run_id(conn, &run.conversation_id)? {
+            Some(active) => Err(StoreError::RunActive(active)),
+            None => Err(StoreError::Duplicate("run id already exists".into())),
+        },
+        Err(e) => Err(db("insert the run")(e)),
+    }
+}

@@ -1,0 +1,859 @@
+//! The embedded SQLite backend.
+//!
+//! One writer thread owns the writing connection; every write is a closure it runs, and the writes
+//! queued at one moment share one `BEGIN IMMEDIATE … COMMIT`, each inside its own `SAVEPOINT` (group
+//! commit: a refused write rolls back to its savepoint and nothing of it is written, the others go
+//! on; every caller is answered after the shared `COMMIT`, and if that fails, with its error, and
+//! none of the group was written). Commits of one run never share a group out of order: a run's
+//! worker waits for each answer before it writes again. Reads run in place on a pool of read-only
+//! connections (WAL mode lets them read while the writer writes). [`db`] says why.
+//!
+//! Timestamps are stored as fixed-width RFC 3339 text (see the migration), so SQL compares them
+//! correctly.
+
+mod commit;
+mod db;
+mod rows;
+
+use std::path::Path;
+
+use async_trait::async_trait;
+use keel_core::domain::{
+    ApiKey, Checkpoint, Conversation, Fact, Interrupt, Message, Role, Run, RunStatus, StreamTicket, Summary, Timestamp,
+    ToolCall, User, UserRole,
+};
+use keel_core::event::Event;
+use keel_core::fleet::{ErrorLogEntry, FleetSeed, Instance};
+use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
+use keel_core::store::{Commit, Committed, IdempotencyBegin, NewRun, StartedRun, Store, StoreError, StoreResult};
+use rusqlite::params;
+use serde_json::Value;
+
+use self::commit::{active_run_id, apply_commit, insert_events, insert_message, insert_run, json, opt_ts, ts, ACTIVE};
+use self::db::{insert, is_foreign_key_violation, Database, Location};
+use self::rows::{
+    conversation_from, error_log_from, event_from, exec, fact_from, instance_from, interrupt_from, many, message_from,
+    one, run_from, stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
+};
+use crate::seed;
+
+/// The SQLite store. Cloning shares the connections and the writer thread.
+#[derive(Debug, Clone)]
+pub struct SqliteStore {
+    db: Database,
+}
+
+impl SqliteStore {
+    /// Opens (creating it and its directory if needed) the database file at `path` and migrates it.
+    pub async fn open(path: &Path) -> StoreResult<Self> {
+        Self::open_at(Location::File(path.to_owned())).await
+    }
+
+    /// Opens `sqlite://path/to/file.db` (or `sqlite::memory:`) and migrates it.
+    pub async fn open_url(url: &str) -> StoreResult<Self> {
+        Self::open_at(Location::parse_url(url)?).await
+    }
+
+    async fn open_at(location: Location) -> StoreResult<Self> {
+        // opening and migrating block on the disk: not on a runtime thread
+        let db = tokio::task::spawn_blocking(move || Database::open(location))
+            .await
+            .map_err(|e| StoreError::Backend(format!("open the database: {e}")))??;
+        Ok(Self { db })
+    }
+
+    /// Creates or upgrades the schema of the database at `path`, then closes it (`keel migrate`).
+    pub async fn migrate_only(path: &Path) -> StoreResult<()> {
+        Self::open(path).await?.close().await;
+        Ok(())
+    }
+
+    /// [`SqliteStore::migrate_only`] for a `sqlite://` url.
+    pub async fn migrate_only_url(url: &str) -> StoreResult<()> {
+        Self::open_url(url).await?.close().await;
+        Ok(())
+    }
+
+    /// Closes the readers, and the writer once the writes queued before this call are done. Every
+    /// later call on any clone of the store is an error.
+    pub async fn close(&self) {
+        self.db.close().await;
+    }
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn ping(&self) -> StoreResult<()> {
+        self.db.read(|c| one(c, "ping", "SELECT 1", [], |_| Ok(())))?;
+        // the writer thread answers too
+        self.db.write(|_| Ok(())).await
+    }
+
+    /// An embedded database runs on this machine: its clock is this process's.
+    async fn db_now(&self) -> StoreResult<Timestamp> {
+        Ok(chrono::Utc::now())
+    }
+
+    async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation> {
+        let conversation = Conversation {
+            id: ConversationId::new(),
+            user_id: user_id.to_owned(),
+            title: title.to_owned(),
+            version: 0,
+            created_at: now,
+        };
+        self.db
+            .write(move |c| {
+                c.prepare_cached(
+                    "INSERT INTO conversations (id, user_id, title, version, created_at) VALUES (?, ?, ?, ?, ?)",
+                )
+                .and_then(|mut s| {
+                    s.execute(params![
+                        conversation.id.as_str(),
+                        conversation.user_id,
+                        conversation.title,
+                        conversation.version,
+                        ts(&conversation.created_at),
+                    ])
+                })
+                .map_err(insert("conversation"))?;
+                Ok(conversation)
+            })
+            .await
+    }
+
+    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
+        self.db.read(|c| {
+            one(c, "get a conversation", "SELECT * FROM conversations WHERE id = ?", [id.as_str()], conversation_from)
+        })
+    }
+
+    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list conversations",
+                "SELECT * FROM conversations WHERE user_id = ? ORDER BY created_at DESC, id DESC LIMIT ?",
+                params![user_id, i64::from(limit)],
+                conversation_from,
+            )
+        })
+    }
+
+    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list messages",
+                "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq",
+                [conversation_id.as_str()],
+                message_from,
+            )
+        })
+    }
+
+    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list facts",
+                "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
+                [conversation_id.as_str()],
+                fact_from,
+            )
+        })
+    }
+
+    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
+        self.db.read(|c| {
+            one(
+                c,
+                "get the summary",
+                "SELECT * FROM summaries WHERE conversation_id = ?",
+                [conversation_id.as_str()],
+                summary_from,
+            )
+        })
+    }
+
+    async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
+        self.db
+            .write(move |c| {
+                let version = one(
+                    c,
+                    "start a run",
+                    "UPDATE conversations SET version = version + 1 WHERE id = ? RETURNING version",
+                    [new.conversation_id.as_str()],
+                    |r| Cols::new(r, "conversations").get::<i64>("version"),
+                )?
+                .ok_or(StoreError::NotFound("conversation"))?;
+                if let Some(active) = active_run_id(c, &new.conversation_id)? {
+                    return Err(StoreError::RunActive(active));
+                }
+                let events_len =
+                    i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+                let run = Run {
+                    id: RunId::new(),
+                    conversation_id: new.conversation_id.clone(),
+                    user_message_id: MessageId::new(),
+                    user_id: new.user_id,
+                    status: RunStatus::Queued,
+                    reason: None,
+                    cancel_on_disconnect: new.cancel_on_disconnect,
+                    cancel_requested: false,
+                    next_sequence: 1 + events_len,
+                    lease_owner: None,
+                    lease_expires_at: None,
+                    checkpoint: Checkpoint::start(version),
+                    created_at: new.now,
+                    updated_at: new.now,
+                };
+                let message = Message {
+                    id: run.user_message_id.clone(),
+                    conversation_id: new.conversation_id,
+                    run_id: Some(run.id.clone()),
+                    role: Role::User,
+                    content: new.content,
+                    tool_call_id: None,
+                    created_at: new.now,
+                };
+                // the run first: the message refers to it
+                insert_run(c, &run)?;
+                insert_message(c, &message)?;
+                let events = insert_events(c, &run.id, 1, new.events, &new.now)?;
+                Ok(StartedRun { message, run, events })
+            })
+            .await
+    }
+
+    async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>> {
+        self.db.read(|c| one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from))
+    }
+
+    async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
+        self.db.read(|c| {
+            one(
+                c,
+                "get the active run",
+                &format!("SELECT * FROM runs WHERE conversation_id = ? AND status IN {ACTIVE} LIMIT 1"),
+                [conversation_id.as_str()],
+                run_from,
+            )
+        })
+    }
+
+    async fn claim_runs(
+        &self,
+        owner: &str,
+        now: Timestamp,
+        lease_until: Timestamp,
+        steal: bool,
+        limit: u32,
+    ) -> StoreResult<Vec<Run>> {
+        let owner = owner.to_owned();
+        let mut runs = self
+            .db
+            .write(move |c| {
+                many(
+                    c,
+                    "claim runs",
+                    "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3 \
+                     WHERE id IN (SELECT id FROM runs \
+                         WHERE status = 'queued' \
+                            OR (status = 'running' AND (lease_owner IS NULL OR lease_expires_at IS NULL \
+                                OR lease_expires_at <= ?3 OR ?4)) \
+                         ORDER BY created_at, id LIMIT ?5) \
+                     RETURNING *",
+                    params![owner, ts(&lease_until), ts(&now), steal, i64::from(limit)],
+                    run_from,
+                )
+            })
+            .await?;
+        runs.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        Ok(runs)
+    }
+
+    async fn renew_lease(&self, run_id: &RunId, owner: &str, lease_until: Timestamp) -> StoreResult<bool> {
+        let (run_id, owner) = (run_id.to_string(), owner.to_owned());
+        let done = self
+            .db
+            .write(move |c| {
+                exec(
+                    c,
+                    "renew a lease",
+                    &format!(
+                        "UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ? AND status IN {ACTIVE}"
+                    ),
+                    [ts(&lease_until), run_id, owner],
+                )
+            })
+            .await?;
+        Ok(done > 0)
+    }
+
+    async fn release_lease(&self, run_id: &RunId, owner: &str) -> StoreResult<()> {
+        let (run_id, owner) = (run_id.to_string(), owner.to_owned());
+        self.db
+            .write(move |c| {
+                exec(
+                    c,
+                    "release a lease",
+                    "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = ? AND lease_owner = ?",
+                    [run_id, owner],
+                )
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
+        let run_id = run_id.to_string();
+        self.db
+            .write(move |c| {
+                let updated = one(
+                    c,
+                    "request a cancel",
+                    &format!(
+                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? AND status IN {ACTIVE} \
+                         RETURNING *"
+                    ),
+                    [ts(&now), run_id.clone()],
+                    run_from,
+                )?;
+                match updated {
+                    Some(run) => Ok(run),
+                    // a finished run stays as it is
+                    None => one(c, "request a cancel", "SELECT * FROM runs WHERE id = ?", [run_id], run_from)?
+                        .ok_or(StoreError::NotFound("run")),
+                }
+            })
+            .await
+    }
+
+    async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
+        self.db.write(move |c| apply_commit(c, commit)).await
+    }
+
+    async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list events",
+                "SELECT sequence, type, data, created_at FROM run_events WHERE run_id = ? AND sequence > ? \
+                 ORDER BY sequence LIMIT ?",
+                params![run_id.as_str(), after, i64::from(limit)],
+                |r| event_from(run_id, r),
+            )
+        })
+    }
+
+    async fn get_interrupt(&self, id: &InterruptId) -> StoreResult<Option<Interrupt>> {
+        self.db.read(|c| {
+            one(c, "get an interrupt", "SELECT * FROM interrupts WHERE id = ?", [id.as_str()], interrupt_from)
+        })
+    }
+
+    async fn pending_interrupt(&self, run_id: &RunId) -> StoreResult<Option<Interrupt>> {
+        self.db.read(|c| {
+            one(
+                c,
+                "get the pending interrupt",
+                "SELECT * FROM interrupts WHERE run_id = ? AND status = 'pending' \
+                 ORDER BY created_at DESC, id DESC LIMIT 1",
+                [run_id.as_str()],
+                interrupt_from,
+            )
+        })
+    }
+
+    async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list due interrupts",
+                "SELECT * FROM interrupts WHERE status = 'pending' AND expires_at <= ? ORDER BY expires_at, id LIMIT ?",
+                params![ts(&now), i64::from(limit)],
+                interrupt_from,
+            )
+        })
+    }
+
+    async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list tool calls",
+                "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
+                [run_id.as_str()],
+                tool_call_from,
+            )
+        })
+    }
+
+    async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list tool calls",
+                "SELECT * FROM tool_calls WHERE conversation_id = ? ORDER BY seq",
+                [conversation_id.as_str()],
+                tool_call_from,
+            )
+        })
+    }
+
+    async fn instances_awaiting_restart(&self) -> StoreResult<Vec<String>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list instances awaiting a restart",
+                "SELECT DISTINCT json_extract(args, '$.instanceId') AS instance_id FROM tool_calls \
+                 WHERE name = 'restart_instance' AND state = 'asking' \
+                   AND json_type(args, '$.instanceId') = 'text' \
+                 ORDER BY instance_id",
+                [],
+                |r| Cols::new(r, "tool_calls").get("instance_id"),
+            )
+        })
+    }
+
+    async fn idempotency_begin(
+        &self,
+        user_id: &str,
+        key: &str,
+        request_hash: &str,
+        now: Timestamp,
+        expires_at: Timestamp,
+    ) -> StoreResult<IdempotencyBegin> {
+        let (user_id, key, request_hash) = (user_id.to_owned(), key.to_owned(), request_hash.to_owned());
+        self.db
+            .write(move |c| {
+                let stored = one(
+                    c,
+                    "begin an idempotent request",
+                    "SELECT * FROM idempotency_keys WHERE user_id = ? AND key = ? AND expires_at > ?",
+                    [&user_id, &key, &ts(&now)],
+                    |r| {
+                        let cols = Cols::new(r, "idempotency_keys");
+                        let stored_hash: String = cols.get("request_hash")?;
+                        if stored_hash != request_hash {
+                            return Ok(IdempotencyBegin::Mismatch);
+                        }
+                        let state: String = cols.get("state")?;
+                        match state.as_str() {
+                            "in_flight" => Ok(IdempotencyBegin::InFlight),
+                            "done" => {
+                                let status: i64 = cols.get("status")?;
+                                let status = u16::try_from(status).map_err(|e| cols.bad("status", e))?;
+                                Ok(IdempotencyBegin::Done { status, response: cols.json("response")? })
+                            }
+                            _ => Err(cols.bad("state", "unknown value")),
+                        }
+                    },
+                )?;
+                if let Some(stored) = stored {
+                    return Ok(stored);
+                }
+                // new, or expired: this request starts it (again)
+                exec(
+                    c,
+                    "begin an idempotent request",
+                    "INSERT INTO idempotency_keys (user_id, key, request_hash, state, status, response, expires_at) \
+                     VALUES (?, ?, ?, 'in_flight', NULL, NULL, ?) \
+                     ON CONFLICT (user_id, key) DO UPDATE SET request_hash = excluded.request_hash, \
+                     state = 'in_flight', status = NULL, response = NULL, expires_at = excluded.expires_at",
+                    [&user_id, &key, &request_hash, &ts(&expires_at)],
+                )?;
+                Ok(IdempotencyBegin::Started)
+            })
+            .await
+    }
+
+    async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()> {
+        let (user_id, key, response) = (user_id.to_owned(), key.to_owned(), json("idempotent response", response)?);
+        let done = self
+            .db
+            .write(move |c| {
+                exec(
+                    c,
+                    "complete an idempotent request",
+                    "UPDATE idempotency_keys SET state = 'done', status = ?, response = ? WHERE user_id = ? AND key = ?",
+                    params![i64::from(status), response, user_id, key],
+                )
+            })
+            .await?;
+        if done == 0 {
+            return Err(StoreError::NotFound("idempotency key"));
+        }
+        Ok(())
+    }
+
+    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64> {
+        let done = self
+            .db
+            .write(|c| {
+                exec(
+                    c,
+                    "abandon in-flight idempotency keys",
+                    "DELETE FROM idempotency_keys WHERE state = 'in_flight'",
+                    [],
+                )
+            })
+            .await?;
+        Ok(done as u64)
+    }
+
+    async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()> {
+        let (user_id, key) = (user_id.to_owned(), key.to_owned());
+        self.db
+            .write(move |c| {
+                exec(
+                    c,
+                    "abandon an idempotent request",
+                    "DELETE FROM idempotency_keys WHERE user_id = ? AND key = ? AND state = 'in_flight'",
+                    [user_id, key],
+                )
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
+        self.db.read(|c| {
+            one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
+                Cols::new(r, "users").parse("role", UserRole::parse)
+            })
+        })
+    }
+
+    async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()> {
+        let user_id = user_id.to_owned();
+        self.db
+            .write(move |c| {
+                exec(
+                    c,
+                    "set a user's role",
+                    "INSERT INTO users (id, role) VALUES (?, ?) ON CONFLICT (id) DO UPDATE SET role = excluded.role",
+                    [user_id.as_str(), role.as_str()],
+                )
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn list_users(&self) -> StoreResult<Vec<User>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list users",
+                "SELECT u.id, u.role, \
+                 (SELECT COUNT(*) FROM api_keys k WHERE k.user_id = u.id AND k.revoked_at IS NULL) AS active_keys \
+                 FROM users u ORDER BY u.id",
+                [],
+                user_from,
+            )
+        })
+    }
+
+    async fn insert_api_key(&self, key: &ApiKey) -> StoreResult<()> {
+        let key = key.clone();
+        self.db
+            .write(move |c| {
+                c.prepare_cached(
+                    "INSERT INTO api_keys (id, user_id, key_hash, created_at, revoked_at) VALUES (?, ?, ?, ?, ?)",
+                )
+                .and_then(|mut s| {
+                    s.execute(params![key.id, key.user_id, key.key_hash, ts(&key.created_at), opt_ts(&key.revoked_at)])
+                })
+                .map_err(|e| {
+                    if is_foreign_key_violation(&e) {
+                        StoreError::NotFound("user")
+                    } else {
+                        insert("api key")(e)
+                    }
+                })?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn api_key_user(&self, key_hash: &str) -> StoreResult<Option<String>> {
+        self.db.read(|c| {
+            one(
+                c,
+                "look up an api key",
+                "SELECT user_id FROM api_keys WHERE key_hash = ? AND revoked_at IS NULL",
+                [key_hash],
+                |r| Cols::new(r, "api_keys").get("user_id"),
+            )
+        })
+    }
+
+    async fn count_active_api_keys(&self) -> StoreResult<u64> {
+        let n = self.db.read(|c| {
+            one(c, "count api keys", "SELECT COUNT(*) AS n FROM api_keys WHERE revoked_at IS NULL", [], |r| {
+                Cols::new(r, "api_keys").get::<i64>("n")
+            })
+        })?;
+        Ok(n.unwrap_or(0) as u64)
+    }
+
+    async fn revoke_api_keys(&self, user_id: &str, now: Timestamp) -> StoreResult<u64> {
+        let user_id = user_id.to_owned();
+        let done = self
+            .db
+            .write(move |c| {
+                exec(
+                    c,
+                    "revoke api keys",
+                    "UPDATE api_keys SET revoked_at = ? WHERE user_id = ? AND revoked_at IS NULL",
+                    [ts(&now), user_id],
+                )
+            })
+            .await?;
+        Ok(done as u64)
+    }
+
+    async fn insert_stream_ticket(&self, ticket: &StreamTicket, now: Timestamp) -> StoreResult<()> {
+        let ticket = ticket.clone();
+        self.db
+            .write(move |c| {
+                exec(
+                    c,
+                    "forget old stream tickets",
+                    "DELETE FROM stream_tickets WHERE expires_at < ?",
+                    [ts(&(now - chrono::Duration::hours(1)))],
+                )?;
+                c.prepare_cached(
+                    "INSERT INTO stream_tickets (ticket_hash, user_id, scope, run_id, expires_at, used_at) \
+                     VALUES (?, ?, ?, ?, ?, ?)",
+                )
+                .and_then(|mut s| {
+                    s.execute(params![
+                        ticket.ticket_hash,
+                        ticket.user_id,
+                        ticket.scope.as_str(),
+                        ticket.run_id.as_ref().map(|id| id.to_string()),
+                        ts(&ticket.expires_at),
+                        opt_ts(&ticket.used_at),
+                    ])
+                })
+                .map_err(insert("stream ticket"))?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn redeem_stream_ticket(&self, ticket_hash: &str, now: Timestamp) -> StoreResult<Option<StreamTicket>> {
+        let ticket_hash = ticket_hash.to_owned();
+        self.db
+            .write(move |c| {
+                one(
+                    c,
+                    "redeem a stream ticket",
+                    "UPDATE stream_tickets SET used_at = ?1 WHERE ticket_hash = ?2 AND used_at IS NULL \
+                     AND expires_at > ?1 RETURNING *",
+                    [ts(&now), ticket_hash],
+                    stream_ticket_from,
+                )
+            })
+            .await
+    }
+
+    async fn seed_fleet(&self, fleet: FleetSeed, now: Timestamp) -> StoreResult<()> {
+        self.db
+            .write(move |c| {
+                for table in ["DELETE FROM error_logs", "DELETE FROM instances"] {
+                    exec(c, "seed the fleet", table, [])?;
+                }
+                for i in seed::instances(fleet) {
+                    exec(
+                        c,
+                        "seed the fleet",
+                        "INSERT INTO instances (id, service, env, status, restart_count, release, previous_release) \
+                         VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        params![i.id, i.service, i.env, i.status, i.restart_count, i.release, i.previous_release],
+                    )?;
+                }
+                for e in seed::error_logs(now) {
+                    exec(
+                        c,
+                        "seed the fleet",
+                        "INSERT INTO error_logs (service, env, instance_id, status_code, message, at) \
+                         VALUES (?, ?, ?, ?, ?, ?)",
+                        params![e.service, e.env, e.instance_id, e.status_code, e.message, ts(&e.at)],
+                    )?;
+                }
+                exec(
+                    c,
+                    "seed the fleet",
+                    "INSERT INTO users (id, role) VALUES (?, ?) ON CONFLICT (id) DO NOTHING",
+                    [seed::DEMO_USER, UserRole::Operator.as_str()],
+                )?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn list_instances(&self, service: Option<&str>, env: Option<&str>) -> StoreResult<Vec<Instance>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list instances",
+                "SELECT * FROM instances WHERE (?1 IS NULL OR service = ?1) AND (?2 IS NULL OR env = ?2) ORDER BY id",
+                [service, env],
+                instance_from,
+            )
+        })
+    }
+
+    async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>> {
+        self.db.read(|c| one(c, "get an instance", "SELECT * FROM instances WHERE id = ?", [id], instance_from))
+    }
+
+    async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list recent errors",
+                "SELECT * FROM error_logs WHERE service = ? AND env = ? AND at >= ? ORDER BY at DESC, id DESC",
+                [service, env, ts(&since).as_str()],
+                error_log_from,
+            )
+        })
+    }
+
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list runs",
+                "SELECT * FROM runs WHERE user_id = ?1 AND (?2 IS NULL OR status = ?2) \
+                 ORDER BY created_at DESC, id DESC LIMIT ?3",
+                params![user_id, status.map(RunStatus::as_str), i64::from(limit)],
+                run_from,
+            )
+        })
+    }
+
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+        self.db.read(|c| {
+            many(
+                c,
+                "list interrupts",
+                "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id",
+                [run_id.as_str()],
+                interrupt_from,
+            )
+        })
+    }
+
+    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>> {
+        self.db.read(|c| {
+            one(
+                c,
+                "get an AG-UI thread",
+                "SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?",
+                [user_id, thread_id],
+                |r| Cols::new(r, "ag_ui_threads").id("conversation_id"),
+            )
+        })
+    }
+
+    async fn bind_ag_ui_thread(
+        &self,
+        user_id: &str,
+        thread_id: &str,
+        conversation_id: &ConversationId,
+        now: Timestamp,
+    ) -> StoreResult<ConversationId> {
+        let (user_id, thread_id, conversation_id) = (user_id.to_owned(), thread_id.to_owned(), conversation_id.clone());
+        self.db
+            .write(move |c| {
+                exec(
+                    c,
+                    "bind an AG-UI thread",
+                    "INSERT INTO ag_ui_threads (user_id, thread_id, conversation_id, created_at) VALUES (?, ?, ?, ?) \
+                     ON CONFLICT (user_id, thread_id) DO NOTHING",
+                    [user_id.as_str(), thread_id.as_str(), conversation_id.as_str(), ts(&now).as_str()],
+                )?;
+                one(
+                    c,
+                    "bind an AG-UI thread",
+                    "SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?",
+                    [user_id, thread_id],
+                    |r| Cols::new(r, "ag_ui_threads").id("conversation_id"),
+                )?
+                .ok_or(StoreError::NotFound("AG-UI thread"))
+            })
+            .await
+    }
+
+    async fn ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+    ) -> StoreResult<Option<MessageId>> {
+        self.db.read(|c| {
+            one(
+                c,
+                "get an AG-UI message id",
+                "SELECT message_id FROM ag_ui_messages WHERE conversation_id = ? AND client_message_id = ?",
+                [conversation_id.as_str(), client_message_id],
+                |r| Cols::new(r, "ag_ui_messages").id("message_id"),
+            )
+        })
+    }
+
+    async fn record_ag_ui_message(
+        &self,
+        conversation_id: &ConversationId,
+        client_message_id: &str,
+        message_id: &MessageId,
+    ) -> StoreResult<()> {
+        let values = [conversation_id.to_string(), client_message_id.to_owned(), message_id.to_string()];
+        self.db
+            .write(move |c| {
+                exec(
+                    c,
+                    "record an AG-UI message id",
+                    "INSERT INTO ag_ui_messages (conversation_id, client_message_id, message_id) VALUES (?, ?, ?) \
+                     ON CONFLICT (conversation_id, client_message_id) DO NOTHING",
+                    values,
+                )
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::{DateTime, TimeZone, Utc};
+
+    #[test]
+    fn timestamps_sort_as_text_and_round_trip() {
+        let a = Utc.with_ymd_and_hms(2030, 1, 1, 9, 59, 59).unwrap() + chrono::Duration::nanoseconds(999_999_999);
+        let b = Utc.with_ymd_and_hms(2030, 1, 1, 10, 0, 0).unwrap();
+        let c = b + chrono::Duration::nanoseconds(1);
+        assert!(ts(&a) < ts(&b) && ts(&b) < ts(&c));
+        assert_eq!(ts(&b), "2030-01-01T10:00:00.000000000Z");
+        for t in [a, b, c] {
+            let back = DateTime::parse_from_rfc3339(&ts(&t)).unwrap().with_timezone(&Utc);
+            assert_eq!(back, t);
+        }
+    }
+
+    #[test]
+    fn urls() {
+        assert_eq!(Location::parse_url("sqlite::memory:").unwrap(), Location::Memory);
+        assert_eq!(Location::parse_url("sqlite://a/b.db?mode=memory").unwrap(), Location::Memory);
+        assert_eq!(Location::parse_url("sqlite://a/b.db").unwrap(), Location::File("a/b.db".into()));
+        assert_eq!(Location::parse_url("sqlite:///tmp/b.db?mode=rwc").unwrap(), Location::File("/tmp/b.db".into()));
+        assert_eq!(Location::parse_url("sqlite:b.db").unwrap(), Location::File("b.db".into()));
+        for bad in ["postgres://x/y", "sqlite://", "sqlite://a.db?cache=shared", "keel.db"] {
+            assert!(Location::parse_url(bad).is_err(), "{bad}");
+        }
+    }
+}
