@@ -81,7 +81,7 @@ impl Default for EngineConfig {
             lease_ttl: Duration::from_secs(30),
             max_iterations: 8,
             delta_flush_interval: Duration::from_millis(5),
-            delta_flush_max: 32,
+            delta_flush_max: 128,
             steal_leases_on_start: false,
             sweep_interval: Duration::from_secs(1),
             poll_interval: Duration::from_secs(1),
@@ -1508,6 +1508,7 @@ impl Worker {
         let flush_max = self.inner.config.delta_flush_max.max(1);
         let flush_interval = self.inner.config.delta_flush_interval;
         let mut buffer: Vec<String> = Vec::new();
+        let mut unsaved = UnsavedText::default();
         let mut deadline: Option<tokio::time::Instant> = None;
         let mut text_len = 0usize;
         let mut tool_calls = Vec::new();
@@ -1518,7 +1519,7 @@ impl Worker {
                 _ = tokio::time::sleep_until(deadline.unwrap_or(far)) => None,
                 _ = self.cancel_signal.notified() => {
                     // Stop reading the model at once: dropping the stream ends its request.
-                    self.flush_text(message_id, &mut buffer).await?;
+                    self.flush_text(message_id, &mut buffer, &mut unsaved, true).await?;
                     self.run.cancel_requested = true;
                     return Ok(StreamEnd::Cancelled);
                 }
@@ -1530,7 +1531,7 @@ impl Worker {
             match next {
                 // The flush deadline passed.
                 None => {
-                    if self.flush_text(message_id, &mut buffer).await? {
+                    if self.flush_text(message_id, &mut buffer, &mut unsaved, false).await? {
                         return Ok(StreamEnd::Cancelled);
                     }
                     deadline = None;
@@ -1547,7 +1548,7 @@ impl Worker {
                         deadline = Some(tokio::time::Instant::now() + flush_interval);
                     }
                     if buffer.len() >= flush_max {
-                        if self.flush_text(message_id, &mut buffer).await? {
+                        if self.flush_text(message_id, &mut buffer, &mut unsaved, false).await? {
                             return Ok(StreamEnd::Cancelled);
                         }
                         deadline = None;
@@ -1555,11 +1556,11 @@ impl Worker {
                 }
                 Some(Some(Ok(ModelChunk::ToolCall(tc)))) => tool_calls.push(tc),
                 Some(Some(Err(e))) => {
-                    self.flush_text(message_id, &mut buffer).await?;
+                    self.flush_text(message_id, &mut buffer, &mut unsaved, true).await?;
                     return Ok(StreamEnd::Failed(e));
                 }
                 Some(None) => {
-                    if self.flush_text(message_id, &mut buffer).await? {
+                    if self.flush_text(message_id, &mut buffer, &mut unsaved, true).await? {
                         return Ok(StreamEnd::Cancelled);
                     }
                     return Ok(StreamEnd::Completed { text_len, tool_calls });
@@ -1569,17 +1570,37 @@ impl Worker {
     }
 
     /// One transaction for the buffered deltas. Returns whether the run was asked to cancel.
-    async fn flush_text(&mut self, message_id: &MessageId, buffer: &mut Vec<String>) -> Result<bool, StoreError> {
-        if buffer.is_empty() {
+    ///
+    /// The deltas' events are stored at once; their text is appended to the stored message only
+    /// once enough has gathered (see [`UnsavedText`]) and always when the call ends (`last`), or
+    /// when the run is asked to cancel, so the stored message equals the text of its events whenever
+    /// the model call is over. A crash in between loses nothing: the message of a call that was cut
+    /// off is discarded (`text_discarded`) and the call made again.
+    async fn flush_text(
+        &mut self,
+        message_id: &MessageId,
+        buffer: &mut Vec<String>,
+        unsaved: &mut UnsavedText,
+        last: bool,
+    ) -> Result<bool, StoreError> {
+        if buffer.is_empty() && (!last || unsaved.text.is_empty()) {
             return Ok(self.run.cancel_requested);
         }
         let mut c = self.new_commit();
-        let text: String = buffer.concat();
-        c.text.push(TextAppend { message_id: message_id.clone(), text });
         for delta in buffer.drain(..) {
+            unsaved.text.push_str(&delta);
             c.events.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
         }
+        if last || unsaved.due() {
+            c.text.push(unsaved.take(message_id));
+        }
         let committed = self.commit(c).await?;
+        if committed.cancel_requested && !unsaved.text.is_empty() {
+            // the call ends here: the rest of its text goes in now
+            let mut c = self.new_commit();
+            c.text.push(unsaved.take(message_id));
+            self.commit(c).await?;
+        }
         Ok(committed.cancel_requested)
     }
 
@@ -1952,6 +1973,34 @@ enum StreamEnd {
     Completed { text_len: usize, tool_calls: Vec<crate::model::ModelToolCall> },
     Failed(ModelError),
     Cancelled,
+}
+
+/// Text of a model call that its events carry but the stored message does not yet.
+///
+/// Appending to a stored message rewrites it (in SQLite and Postgres alike), so appending every
+/// few deltas would make a long answer cost the square of its length: 100,000 words were ~3,000
+/// rewrites of a message growing to ~700 KB. The text is appended once it is at least
+/// [`UnsavedText::MIN_APPEND`] bytes and half of what is stored already, so the bytes rewritten stay
+/// a small multiple of the answer's length; and always at the end of the call.
+#[derive(Debug, Default)]
+struct UnsavedText {
+    text: String,
+    /// Bytes of the call's text the stored message has.
+    saved: usize,
+}
+
+impl UnsavedText {
+    const MIN_APPEND: usize = 4096;
+
+    fn due(&self) -> bool {
+        self.text.len() >= Self::MIN_APPEND.max(self.saved / 2)
+    }
+
+    fn take(&mut self, message_id: &MessageId) -> TextAppend {
+        let text = std::mem::take(&mut self.text);
+        self.saved += text.len();
+        TextAppend { message_id: message_id.clone(), text }
+    }
 }
 
 #[cfg(test)]

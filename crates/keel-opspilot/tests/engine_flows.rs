@@ -650,3 +650,70 @@ async fn nul_characters_never_reach_the_store() {
     let stored = h.store.list_messages(&conv).await.unwrap();
     assert!(stored.iter().all(|m| !m.content.contains('\0')));
 }
+
+/// The assistant messages as stored, by id.
+async fn stored_answers(h: &Harness, conv: &keel_core::ConversationId) -> Vec<(keel_core::MessageId, String)> {
+    h.store
+        .list_messages(conv)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|m| m.role == Role::Assistant)
+        .map(|m| (m.id, m.content))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_long_answer_is_stored_whole_though_its_text_is_appended_in_few_writes() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    // ~40 KB: many flushes of events, few appends to the stored message
+    let (run, events) = h.say(&conv, "benchmark: stream 6000 words").await;
+    assert_eq!(last_type(&events), "done");
+    let events = h.all_events(&run).await;
+    assert_contiguous(&events);
+    let rendered = render_text(&events);
+    assert_eq!(rendered.len(), 1);
+    assert_eq!(rendered[0].1.split_whitespace().count(), 6000);
+    assert_eq!(stored_answers(&h, &conv).await, rendered);
+}
+
+#[tokio::test]
+async fn a_long_answer_cancelled_mid_stream_keeps_exactly_the_text_that_was_streamed() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(
+        dir.path(),
+        Options { model: Arc::new(DemoModel::new(Duration::from_millis(1))), ..Default::default() },
+    )
+    .await;
+    let conv = h.conversation().await;
+    let started = h
+        .engine
+        .send_message(
+            "demo",
+            &conv,
+            keel_core::engine::SendMessage {
+                content: "benchmark: stream 20000 words".into(),
+                cancel_on_disconnect: false,
+            },
+        )
+        .await
+        .unwrap();
+    let run = started.run.id;
+    // past the first append (4 KiB), short of the end
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while h.all_events(&run).await.iter().filter(|e| e.type_name() == "text_delta").count() < 1500 {
+        assert!(tokio::time::Instant::now() < deadline, "text streams");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    h.engine.cancel("demo", &run).await.unwrap();
+    let events = h.settle(&run, 0).await;
+    assert_eq!(last_type(&events), "cancelled");
+    assert_contiguous(&events);
+    let rendered = render_text(&events);
+    assert_eq!(rendered.len(), 1);
+    let words = rendered[0].1.split_whitespace().count();
+    assert!((1500..20000).contains(&words), "{words} words streamed");
+    assert_eq!(stored_answers(&h, &conv).await, rendered, "the stored message is the streamed text");
+}

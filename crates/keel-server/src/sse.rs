@@ -15,7 +15,7 @@ use axum::body::{Body, Bytes};
 use axum::http::header::{CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use keel_core::engine::Engine;
 use keel_core::store::StoreError;
 use keel_core::stream::Until;
@@ -37,9 +37,9 @@ pub fn retry_frame(ms: u64) -> Bytes {
 
 /// `id: <sequence>`, `event: <type>`, `data: <the event as one line of JSON>`, blank line.
 pub fn event_frame(event: &Event) -> Result<Bytes, serde_json::Error> {
-    // serde_json escapes every control character inside strings, so the JSON is one line.
-    let data = serde_json::to_string(event)?;
-    Ok(Bytes::from(format!("id: {}\nevent: {}\ndata: {data}\n\n", event.sequence, event.type_name())))
+    let mut out = Vec::new();
+    encode_into(&mut out, event)?;
+    Ok(Bytes::from(out))
 }
 
 /// The response streaming `run_id`'s events with `sequence > after` until `until`. The caller has
@@ -167,7 +167,8 @@ where
     let mut keep_alive = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
     keep_alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let mut is_event = false;
+        let mut frames = 0;
+        let mut end = None;
         let frame = tokio::select! {
             biased;
             () = tx.closed() => return End::Detached,
@@ -175,24 +176,62 @@ where
             next = events.next() => match next {
                 None => return End::Finished,
                 Some(Err(e)) => return End::Failed(format!("reading the run's events failed: {e}")),
-                Some(Ok(event)) => match event_frame(&event) {
-                    Ok(frame) => {
-                        keep_alive.reset();
-                        is_event = true;
-                        frame
+                Some(Ok(event)) => {
+                    keep_alive.reset();
+                    // The events that are ready now (a commit's, or a replay's page) go in one write:
+                    // one frame each would be one TCP segment, and one read by the client, each.
+                    let mut batch = Vec::new();
+                    let mut next = Some(event);
+                    while let Some(event) = next.take() {
+                        match encode_into(&mut batch, &event) {
+                            Ok(()) => frames += 1,
+                            Err(e) => return End::Failed(format!("encoding event {} failed: {e}", event.sequence)),
+                        }
+                        if frames == MAX_BATCH_EVENTS || batch.len() >= MAX_BATCH_BYTES {
+                            break;
+                        }
+                        match events.next().now_or_never() {
+                            Some(Some(Ok(event))) => next = Some(event),
+                            // the events end after this batch is sent
+                            Some(None) => end = Some(End::Finished),
+                            Some(Some(Err(e))) => {
+                                end = Some(End::Failed(format!("reading the run's events failed: {e}")))
+                            }
+                            None => {}
+                        }
                     }
-                    Err(e) => return End::Failed(format!("encoding event {} failed: {e}", event.sequence)),
-                },
+                    Bytes::from(batch)
+                }
             },
             _ = keep_alive.tick() => Bytes::from_static(KEEP_ALIVE),
         };
         if let Some(end) = send(frame).await {
             return end;
         }
-        if is_event {
+        for _ in 0..frames {
             delivered();
         }
+        if let Some(end) = end {
+            return end;
+        }
     }
+}
+
+/// The most events, and about the most bytes (it may pass by one event), one write takes. Small, so
+/// that the frames a slow reader leaves in its buffer stay small too (`sse_buffer` frames of at most
+/// this, plus one event).
+const MAX_BATCH_EVENTS: usize = 64;
+pub const MAX_BATCH_BYTES: usize = 4 * 1024;
+
+/// Appends the event's frame (see [`event_frame`]) to `out`.
+fn encode_into(out: &mut Vec<u8>, event: &Event) -> Result<(), serde_json::Error> {
+    use std::io::Write;
+    // serde_json escapes every control character inside strings, so the JSON is one line.
+    // writing to a Vec can't fail
+    let _ = write!(out, "id: {}\nevent: {}\ndata: ", event.sequence, event.type_name());
+    serde_json::to_writer(&mut *out, event)?;
+    out.extend_from_slice(b"\n\n");
+    Ok(())
 }
 
 #[cfg(test)]
@@ -252,9 +291,13 @@ mod tests {
         assert_eq!(pump(&tx, events, PACING, std::future::pending(), count).await, End::Finished);
         assert_eq!(delivered.get(), 3, "each event counted once; retry is not an event");
         let frames = drain(&mut rx);
-        assert_eq!(frames.len(), 4);
+        // the events that were ready together went in one write, in order
+        assert_eq!(frames.len(), 2);
         assert_eq!(frames[0], "retry: 2000\n\n");
-        assert!(frames[3].starts_with("id: 3\nevent: node_started\ndata: {"));
+        let ids: Vec<&str> = frames[1].lines().filter(|l| l.starts_with("id: ")).collect();
+        assert_eq!(ids, ["id: 1", "id: 2", "id: 3"]);
+        assert!(frames[1].starts_with("id: 1\nevent: node_started\ndata: {"));
+        assert!(frames[1].ends_with("}\n\n"));
     }
 
     /// A reader that takes nothing holds at most the buffer; then the stream is cut off.
@@ -267,8 +310,11 @@ mod tests {
         let count = || delivered.set(delivered.get() + 1);
         assert_eq!(pump(&tx, events, PACING, std::future::pending(), count).await, End::TooSlow);
         assert_eq!(started.elapsed(), PACING.send_timeout);
-        assert_eq!(drain(&mut rx).len(), 4);
-        assert_eq!(delivered.get(), 3, "retry and three events fit; the fourth event was never delivered");
+        let frames = drain(&mut rx);
+        assert_eq!(frames.len(), 4);
+        assert!(frames.iter().all(|f| f.len() <= MAX_BATCH_BYTES + 200), "each frame is bounded");
+        let held: usize = frames[1..].iter().map(|f| f.matches("id: ").count()).sum();
+        assert_eq!(delivered.get(), held, "retry and three batches fit; the fourth was never delivered");
     }
 
     #[tokio::test(start_paused = true)]
@@ -296,7 +342,8 @@ mod tests {
         let end = pump(&tx, events, PACING, std::future::pending(), || {}).await;
         assert!(matches!(end, End::Failed(_)), "{end:?}");
         let frames = drain(&mut rx);
-        assert_eq!(frames.len(), 2);
+        assert_eq!(frames.len(), 2, "retry, then the event read before the error");
+        assert!(frames[1].starts_with("id: 1\n"));
         assert!(!frames.iter().any(|f| f.contains("event: error")));
     }
 }

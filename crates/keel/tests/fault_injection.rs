@@ -747,9 +747,9 @@ async fn a_slow_reader_neither_slows_the_run_nor_grows_the_server() {
     // Holding the stream for every reader would add 2/3 × READERS × stream_kib over the last two
     // thirds; a quarter of that is the bound, plus what each slow connection may hold by design:
     // hyper's write buffer (at most 8 KiB + 100 × 4 KiB before it stops polling the body) and the
-    // SSE channel's 64 frames, which fill up as the reader falls behind. And never more than
-    // 32 MiB over the unobserved peak.
-    const PER_CONNECTION_KIB: usize = 408 + 64 * 300 / 1024;
+    // SSE channel's 64 frames, which fill up as the reader falls behind (each of at most 4 KiB of
+    // events plus one ~300-byte event). And never more than 32 MiB over the unobserved peak.
+    const PER_CONNECTION_KIB: usize = 408 + 64 * (4096 + 300) / 1024;
     let bound = (READERS * (stream_kib / 6 + PER_CONNECTION_KIB)) as u64;
     assert!(
         late(&watched) < late(&alone) + bound,

@@ -27,6 +27,12 @@ const STATEMENT_CACHE: usize = 256;
 /// reading at once); the ones above this are closed when they are given back.
 const IDLE_READERS: usize = 8;
 
+/// How often the checkpointer copies the WAL into the database file.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
+/// A WAL longer than this many frames (4 KiB pages) after a passive checkpoint, which readers can
+/// hold back, gets a checkpoint that waits for them and restarts the WAL, so it stays bounded.
+const WAL_RESTART_FRAMES: i64 = 25_000;
+
 /// The most write closures one group transaction takes. Bounded so that one group's transaction,
 /// and the wait of its first caller, stay short.
 const MAX_GROUP: usize = 64;
@@ -200,6 +206,8 @@ struct Readers {
     /// For an in-memory database: the writer's connection, shared.
     writer: Option<Arc<Mutex<Connection>>>,
     closed: std::sync::atomic::AtomicBool,
+    /// Dropping it stops the checkpointer.
+    checkpoints: Mutex<Option<mpsc::Sender<()>>>,
 }
 
 impl Database {
@@ -210,6 +218,14 @@ impl Database {
         }
         let mut conn = open_connection(&location, false)?;
         migrate(&mut conn)?;
+        let checkpoints = match &location {
+            Location::File(_) => {
+                // the writer never checkpoints: that work, and its fsync, is the checkpointer's
+                conn.execute_batch("PRAGMA wal_autocheckpoint = 0").map_err(db("open the database"))?;
+                Some(start_checkpointer(&location)?)
+            }
+            Location::Memory => None,
+        };
         let conn = Arc::new(Mutex::new(conn));
         let (jobs, queue) = mpsc::channel();
         let writer = conn.clone();
@@ -222,6 +238,7 @@ impl Database {
             location,
             idle: Mutex::new(Vec::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
+            checkpoints: Mutex::new(checkpoints),
         };
         Ok(Self { jobs, readers: Arc::new(readers) })
     }
@@ -268,11 +285,46 @@ impl Database {
     pub async fn close(&self) {
         self.readers.closed.store(true, std::sync::atomic::Ordering::Release);
         lock(&self.readers.idle).clear();
+        lock(&self.readers.checkpoints).take();
         let (done, closed) = oneshot::channel();
         if self.jobs.send(Job::Close(done)).is_ok() {
             let _ = closed.await;
         }
     }
+}
+
+/// Starts the checkpointer thread: every [`CHECKPOINT_EVERY`] it copies what the WAL holds into the
+/// database file on its own connection, beside the writer (a passive checkpoint never blocks it).
+/// Checkpoints are the only writes that wait for the disk (`synchronous = NORMAL` syncs at a
+/// checkpoint, not at a commit), so they stay off the writer's path. Stops when the returned sender
+/// is dropped.
+fn start_checkpointer(location: &Location) -> StoreResult<mpsc::Sender<()>> {
+    let conn = open_connection(location, false)?;
+    let (stop, stopped) = mpsc::channel::<()>();
+    thread::Builder::new()
+        .name("keel-sqlite-checkpoint".into())
+        .spawn(move || {
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(CHECKPOINT_EVERY) {
+                if let Err(e) = checkpoint(&conn) {
+                    tracing::warn!(error = %e, "the WAL checkpoint failed; the next one retries");
+                }
+            }
+        })
+        .map_err(|e| StoreError::Backend(format!("start the database checkpointer: {e}")))?;
+    Ok(stop)
+}
+
+fn checkpoint(conn: &Connection) -> rusqlite::Result<()> {
+    let frames = |mode: &str| {
+        conn.query_row(&format!("PRAGMA wal_checkpoint({mode})"), [], |r| {
+            Ok((r.get::<_, i64>(1)?, r.get::<_, i64>(2)?))
+        })
+    };
+    let (log, done) = frames("PASSIVE")?;
+    if log > WAL_RESTART_FRAMES && done < log {
+        frames("RESTART")?;
+    }
+    Ok(())
 }
 
 fn create_parent_dir(path: &Path) -> StoreResult<()> {
