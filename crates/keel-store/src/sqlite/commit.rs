@@ -485,10 +485,10 @@ fn apply_effect(conn: &Connection, effect: &Effect) -> StoreResult<()> {
 
 /// Everything of one commit, and the answer stored under its idempotency key, in the writer's
 /// transaction.
-pub fn apply_commit(conn: &Connection, mut c: Commit) -> StoreResult<Committed> {
-    let run = fence(conn, &c)?;
+pub fn apply_commit(conn: &Connection, c: &Commit) -> StoreResult<Committed> {
+    let run = fence(conn, c)?;
     if let Some(change) = &c.run {
-        change_status(conn, &c, run.status, change)?;
+        change_status(conn, c, run.status, change)?;
     }
     if let Some(checkpoint) = &c.checkpoint {
         exec(
@@ -499,7 +499,7 @@ pub fn apply_commit(conn: &Connection, mut c: Commit) -> StoreResult<Committed> 
         )?;
     }
     for t in &c.text {
-        append_text(conn, &c, &run.conversation_id, t)?;
+        append_text(conn, c, &run.conversation_id, t)?;
     }
     for m in &c.messages {
         check_owner(format_args!("message {}", m.id), &m.conversation_id, &run.conversation_id)?;
@@ -509,16 +509,16 @@ pub fn apply_commit(conn: &Connection, mut c: Commit) -> StoreResult<Committed> 
         insert_message(conn, m)?;
     }
     for id in &c.discard_messages {
-        discard_message(conn, &c, id)?;
+        discard_message(conn, c, id)?;
     }
     for change in &c.tool_calls {
-        apply_tool_call(conn, &c, &run.conversation_id, change)?;
+        apply_tool_call(conn, c, &run.conversation_id, change)?;
     }
     for i in &c.new_interrupts {
-        insert_interrupt(conn, &c, i)?;
+        insert_interrupt(conn, c, i)?;
     }
     for change in &c.interrupt_changes {
-        change_interrupt(conn, &c, change)?;
+        change_interrupt(conn, c, change)?;
     }
     for f in &c.facts {
         upsert_fact(conn, &run.conversation_id, f)?;
@@ -547,8 +547,7 @@ pub fn apply_commit(conn: &Connection, mut c: Commit) -> StoreResult<Committed> 
             return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
         }
     }
-    let kinds = std::mem::take(&mut c.events);
-    let events = insert_events(conn, &c.run_id, run.first_sequence, kinds, &c.now)?;
+    let events = insert_events(conn, &c.run_id, run.first_sequence, c.events.clone(), &c.now)?;
     Ok(Committed { events, cancel_requested: run.cancel_requested })
 }
 

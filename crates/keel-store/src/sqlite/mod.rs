@@ -1,12 +1,13 @@
 //! The embedded SQLite backend.
 //!
 //! One writer thread owns the writing connection; every write is a closure it runs, and the writes
-//! queued at one moment share one `BEGIN IMMEDIATE … COMMIT`, each inside its own `SAVEPOINT` (group
-//! commit: a refused write rolls back to its savepoint and nothing of it is written, the others go
-//! on; every caller is answered after the shared `COMMIT`, and if that fails, with its error, and
-//! none of the group was written). Commits of one run never share a group out of order: a run's
-//! worker waits for each answer before it writes again. Reads run in place on a pool of read-only
-//! connections (WAL mode lets them read while the writer writes). [`db`] says why.
+//! queued at one moment share one `BEGIN IMMEDIATE … COMMIT` (group commit). A refused write leaves
+//! nothing behind and does not affect the others (the group runs again without it); every caller is
+//! answered after the shared `COMMIT`, and if that fails, with its error, and none of the group was
+//! written. Commits of one run never share a group out of order: a run's worker waits for each
+//! answer before it writes again. Reads run in place on a pool of read-only connections (WAL mode
+//! lets them read while the writer writes), and a checkpointer thread copies the WAL into the
+//! database file. [`db`] says why.
 //!
 //! Timestamps are stored as fixed-width RFC 3339 text (see the migration), so SQL compares them
 //! correctly.
@@ -117,7 +118,7 @@ impl Store for SqliteStore {
                     ])
                 })
                 .map_err(insert("conversation"))?;
-                Ok(conversation)
+                Ok(conversation.clone())
             })
             .await
     }
@@ -177,6 +178,8 @@ impl Store for SqliteStore {
     }
 
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
+        // made once, outside the write, which may run more than once and must answer the same
+        let (run_id, message_id) = (RunId::new(), MessageId::new());
         self.db
             .write(move |c| {
                 let version = one(
@@ -193,10 +196,10 @@ impl Store for SqliteStore {
                 let events_len =
                     i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
                 let run = Run {
-                    id: RunId::new(),
+                    id: run_id.clone(),
                     conversation_id: new.conversation_id.clone(),
-                    user_message_id: MessageId::new(),
-                    user_id: new.user_id,
+                    user_message_id: message_id.clone(),
+                    user_id: new.user_id.clone(),
                     status: RunStatus::Queued,
                     reason: None,
                     cancel_on_disconnect: new.cancel_on_disconnect,
@@ -210,17 +213,17 @@ impl Store for SqliteStore {
                 };
                 let message = Message {
                     id: run.user_message_id.clone(),
-                    conversation_id: new.conversation_id,
+                    conversation_id: new.conversation_id.clone(),
                     run_id: Some(run.id.clone()),
                     role: Role::User,
-                    content: new.content,
+                    content: new.content.clone(),
                     tool_call_id: None,
                     created_at: new.now,
                 };
                 // the run first: the message refers to it
                 insert_run(c, &run)?;
                 insert_message(c, &message)?;
-                let events = insert_events(c, &run.id, 1, new.events, &new.now)?;
+                let events = insert_events(c, &run.id, 1, new.events.clone(), &new.now)?;
                 Ok(StartedRun { message, run, events })
             })
             .await
@@ -284,7 +287,7 @@ impl Store for SqliteStore {
                     &format!(
                         "UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ? AND status IN {ACTIVE}"
                     ),
-                    [ts(&lease_until), run_id, owner],
+                    [ts(&lease_until).as_str(), run_id.as_str(), owner.as_str()],
                 )
             })
             .await?;
@@ -299,7 +302,7 @@ impl Store for SqliteStore {
                     c,
                     "release a lease",
                     "UPDATE runs SET lease_owner = NULL, lease_expires_at = NULL WHERE id = ? AND lease_owner = ?",
-                    [run_id, owner],
+                    [run_id.as_str(), owner.as_str()],
                 )
             })
             .await?;
@@ -317,13 +320,13 @@ impl Store for SqliteStore {
                         "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? AND status IN {ACTIVE} \
                          RETURNING *"
                     ),
-                    [ts(&now), run_id.clone()],
+                    [ts(&now).as_str(), run_id.as_str()],
                     run_from,
                 )?;
                 match updated {
                     Some(run) => Ok(run),
                     // a finished run stays as it is
-                    None => one(c, "request a cancel", "SELECT * FROM runs WHERE id = ?", [run_id], run_from)?
+                    None => one(c, "request a cancel", "SELECT * FROM runs WHERE id = ?", [run_id.as_str()], run_from)?
                         .ok_or(StoreError::NotFound("run")),
                 }
             })
@@ -331,7 +334,7 @@ impl Store for SqliteStore {
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
-        self.db.write(move |c| apply_commit(c, commit)).await
+        self.db.write(move |c| apply_commit(c, &commit)).await
     }
 
     async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
@@ -511,7 +514,7 @@ impl Store for SqliteStore {
                     c,
                     "abandon an idempotent request",
                     "DELETE FROM idempotency_keys WHERE user_id = ? AND key = ? AND state = 'in_flight'",
-                    [user_id, key],
+                    [user_id.as_str(), key.as_str()],
                 )
             })
             .await?;
@@ -607,7 +610,7 @@ impl Store for SqliteStore {
                     c,
                     "revoke api keys",
                     "UPDATE api_keys SET revoked_at = ? WHERE user_id = ? AND revoked_at IS NULL",
-                    [ts(&now), user_id],
+                    [ts(&now).as_str(), user_id.as_str()],
                 )
             })
             .await?;
@@ -653,7 +656,7 @@ impl Store for SqliteStore {
                     "redeem a stream ticket",
                     "UPDATE stream_tickets SET used_at = ?1 WHERE ticket_hash = ?2 AND used_at IS NULL \
                      AND expires_at > ?1 RETURNING *",
-                    [ts(&now), ticket_hash],
+                    [ts(&now).as_str(), ticket_hash.as_str()],
                     stream_ticket_from,
                 )
             })
@@ -781,7 +784,7 @@ impl Store for SqliteStore {
                     c,
                     "bind an AG-UI thread",
                     "SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?",
-                    [user_id, thread_id],
+                    [user_id.as_str(), thread_id.as_str()],
                     |r| Cols::new(r, "ag_ui_threads").id("conversation_id"),
                 )?
                 .ok_or(StoreError::NotFound("AG-UI thread"))
@@ -819,7 +822,7 @@ impl Store for SqliteStore {
                     "record an AG-UI message id",
                     "INSERT INTO ag_ui_messages (conversation_id, client_message_id, message_id) VALUES (?, ?, ?) \
                      ON CONFLICT (conversation_id, client_message_id) DO NOTHING",
-                    values,
+                    [values[0].as_str(), values[1].as_str(), values[2].as_str()],
                 )
             })
             .await?;
