@@ -122,9 +122,11 @@ fn open_connection(location: &Location, read_only: bool) -> StoreResult<Connecti
     .map_err(db("open the database"))?;
     conn.busy_timeout(BUSY_TIMEOUT).map_err(db("open the database"))?;
     conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE);
-    // A page cache of 32 MiB for the writer and 8 MiB for each reader (SQLite's default is 2 MiB):
-    // the pages of the hot indexes stay in memory instead of being read again through the kernel.
-    let cache = if read_only { "-8192" } else { "-32768" };
+    // SQLite's default page cache (2 MiB) for the readers: any write makes a reader drop its cache
+    // at its next read, so a bigger one would only cost. 8 MiB for the writer, whose cache stays
+    // valid (a bigger one costs at every commit: SQLite walks the cache's hash table to drop pages
+    // past the end of the file).
+    let cache = if read_only { "-2000" } else { "-8192" };
     conn.execute_batch(&format!("PRAGMA foreign_keys = ON; PRAGMA synchronous = NORMAL; PRAGMA cache_size = {cache};"))
         .map_err(db("open the database"))?;
     if !read_only && *location != Location::Memory {
