@@ -41,7 +41,7 @@ pub fn events(run_id: &RunId, from: i64, to: i64) -> Vec<Event> {
 /// Receives `run_id`'s events until one with `sequence >= through` arrives, skipping
 /// `sequence <= last` as readers do, and returns them in arrival order. Panics on an event of
 /// another run, a lagged or closed receiver, or [`DEADLINE`].
-pub async fn receive_through(rx: &mut broadcast::Receiver<Event>, run_id: &RunId, through: i64) -> Vec<Event> {
+pub async fn receive_through(rx: &mut broadcast::Receiver<Arc<Event>>, run_id: &RunId, through: i64) -> Vec<Event> {
     let deadline = Instant::now() + DEADLINE;
     let mut got: Vec<Event> = Vec::new();
     let mut last = i64::MIN;
@@ -59,7 +59,7 @@ pub async fn receive_through(rx: &mut broadcast::Receiver<Event>, run_id: &RunId
             Ok(e) if e.sequence <= last => continue,
             Ok(e) => {
                 last = e.sequence;
-                got.push(e);
+                got.push(Arc::unwrap_or_clone(e));
             }
             Err(RecvError::Lagged(n)) => panic!("run {run_id}: the receiver lagged by {n}"),
             Err(RecvError::Closed) => panic!("run {run_id}: the channel closed while it had a receiver"),
@@ -82,7 +82,7 @@ pub async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 }
 
 /// Nothing more is queued for this receiver, or only events of `run_id` (duplicates allowed).
-fn assert_nothing_foreign(rx: &mut broadcast::Receiver<Event>, run_id: &RunId) {
+fn assert_nothing_foreign(rx: &mut broadcast::Receiver<Arc<Event>>, run_id: &RunId) {
     loop {
         match rx.try_recv() {
             Ok(e) => assert_eq!(e.run_id, *run_id, "a receiver of run {run_id} got an event of run {}", e.run_id),

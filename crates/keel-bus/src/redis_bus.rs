@@ -104,7 +104,7 @@ struct Shared {
     /// Written into every entry so a reader skips what its own instance already delivered.
     instance: String,
     /// Runs with local subscribers. An entry exists exactly while its reader task runs.
-    channels: Mutex<HashMap<RunId, broadcast::Sender<Event>>>,
+    channels: Mutex<HashMap<RunId, broadcast::Sender<Arc<Event>>>>,
     readers: AtomicUsize,
     published: AtomicU64,
     dropped: AtomicU64,
@@ -219,7 +219,7 @@ impl Bus for RedisBus {
         }
         {
             let channels = self.shared.channels();
-            let mut current: Option<(&RunId, Option<&broadcast::Sender<Event>>)> = None;
+            let mut current: Option<(&RunId, Option<&broadcast::Sender<Arc<Event>>>)> = None;
             for e in events {
                 let tx = match current {
                     Some((run_id, tx)) if *run_id == e.run_id => tx,
@@ -231,7 +231,7 @@ impl Bus for RedisBus {
                 };
                 if let Some(tx) = tx {
                     // An error means no receiver is left; the reader task notices and ends.
-                    let _ = tx.send(e.clone());
+                    let _ = tx.send(Arc::new(e.clone()));
                 }
             }
         }
@@ -244,7 +244,7 @@ impl Bus for RedisBus {
         }
     }
 
-    fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Event> {
+    fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Arc<Event>> {
         let start = start_id(self.shared.config.replay_window);
         let (tx, rx) = {
             let mut channels = self.shared.channels();
@@ -269,7 +269,7 @@ impl Shared {
         format!("{}run:{}", self.config.prefix, run_id)
     }
 
-    fn channels(&self) -> MutexGuard<'_, HashMap<RunId, broadcast::Sender<Event>>> {
+    fn channels(&self) -> MutexGuard<'_, HashMap<RunId, broadcast::Sender<Arc<Event>>>> {
         self.channels.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -340,7 +340,7 @@ async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mp
 struct ReaderGuard {
     shared: Arc<Shared>,
     run_id: RunId,
-    tx: broadcast::Sender<Event>,
+    tx: broadcast::Sender<Arc<Event>>,
 }
 
 impl ReaderGuard {
@@ -430,7 +430,7 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
                     match parsed {
                         // An error means no receiver is left; the next turn ends the task.
                         Ok(event) => {
-                            let _ = guard.tx.send(event);
+                            let _ = guard.tx.send(Arc::new(event));
                         }
                         Err(e) => {
                             if let Some(suppressed) = shared.read_warning.check() {

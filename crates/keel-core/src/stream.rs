@@ -84,7 +84,9 @@ pub fn run_events(
                     Ok(Ok(event)) if event.sequence == last + 1 => {
                         last = event.sequence;
                         let end = until.ends_with(&event);
-                        yield event;
+                        // The channel's slot let go of it when this receiver took it: no copy
+                        // unless another receiver of the run has yet to take it.
+                        yield Arc::unwrap_or_clone(event);
                         if end {
                             break 'outer;
                         }

@@ -16,9 +16,13 @@ pub mod state;
 pub mod views;
 
 use std::future::Future;
+use std::pin::pin;
 
+use axum::body::Body;
 use axum::extract::DefaultBodyLimit;
+use axum::http::Request;
 use axum::Router;
+use tower::ServiceExt;
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 use utoipa_axum::router::OpenApiRouter;
@@ -82,6 +86,11 @@ pub fn api_routes(demo_mode: bool) -> (OpenApiRouter<AppState>, OpenApiRouter<Ap
 
 /// Serves the API on `listener` until `shutdown` resolves; then stops accepting, ends the open
 /// event streams and waits for in-flight requests. The caller shuts the engine down afterwards.
+///
+/// HTTP/1.1, as `axum::serve` did (axum is built without HTTP/2), but with hyper's HTTP/1
+/// connection made directly: `axum::serve` goes through hyper-util's auto-detecting builder, which
+/// reads a connection's first bytes on their own to look for the HTTP/2 preface; hyper's next read
+/// then doubled its 8 KiB read buffer to 16 KiB, kept for as long as the connection is open.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
@@ -89,17 +98,64 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let stopping = state.shutdown.clone();
     let app = router(state);
-    // Events are small writes: without TCP_NODELAY, Nagle's algorithm meeting the client's delayed
-    // ACK holds each one back ~40 ms on a kept-alive connection.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+    let http = hyper::server::conn::http1::Builder::new();
+    // Every connection task holds a receiver; `closed()` resolves once the last one is done.
+    let (open_tx, open_rx) = tokio::sync::watch::channel(());
+    let mut shutdown = pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    accept_failed(e).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Events are small writes: without TCP_NODELAY, Nagle's algorithm meeting the client's
+        // delayed ACK holds each one back ~40 ms on a kept-alive connection.
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
         }
-    });
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            shutdown.await;
-            stopping.trigger();
-        })
-        .await
+        let service = hyper_util::service::TowerToHyperService::new(
+            app.clone().map_request(|request: Request<hyper::body::Incoming>| request.map(Body::new)),
+        );
+        let connection = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service).with_upgrades();
+        let stopping = stopping.clone();
+        let open = open_rx.clone();
+        tokio::spawn(async move {
+            let mut connection = pin!(connection);
+            let result = tokio::select! {
+                result = connection.as_mut() => result,
+                () = stopping.wait() => {
+                    // No new request on this connection; the one in flight is answered.
+                    connection.as_mut().graceful_shutdown();
+                    connection.await
+                }
+            };
+            if let Err(e) = result {
+                tracing::trace!(error = %e, "connection ended with an error");
+            }
+            drop(open);
+        });
+    }
+    drop(listener);
+    // Tells the open event streams to end and every connection to close after its current request.
+    stopping.trigger();
+    drop(open_rx);
+    open_tx.closed().await;
+    Ok(())
+}
+
+/// As `axum::serve`: a connection the client reset before it was accepted is the client's
+/// business; anything else (out of file descriptors, say) is logged and waited out for a second
+/// rather than retried at once in a busy loop.
+async fn accept_failed(e: std::io::Error) {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    if matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset) {
+        return;
+    }
+    tracing::error!(error = %e, "accepting a connection failed");
+    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
 }

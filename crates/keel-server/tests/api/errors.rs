@@ -297,3 +297,12 @@ async fn no_input_makes_a_server_error() {
         }
     }
 }
+
+/// A large request head is read as before the server made its HTTP/1 connections itself: hyper's
+/// read buffer starts at 8 KiB and grows for a request that needs more.
+#[tokio::test]
+async fn a_request_head_larger_than_the_read_buffer_is_read() {
+    let app = TestApp::spawn().await;
+    let response = app.client.get(app.url("/v1/runs")).header("x-filler", "a".repeat(64 * 1024)).send().await;
+    assert_eq!(response.unwrap().status(), StatusCode::OK);
+}

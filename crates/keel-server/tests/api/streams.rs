@@ -167,3 +167,43 @@ async fn a_disconnect_leaves_other_runs_running() {
     let view = app.wait_for_status(&run, "completed").await;
     assert_eq!(view["cancelRequested"], false);
 }
+
+/// Stopping `serve`: open event streams end, a request in flight is still answered (a `?wait=true`
+/// one with `SHUTTING_DOWN`), no new connection is accepted, and `serve` returns.
+#[tokio::test]
+async fn a_graceful_shutdown_ends_open_streams_and_returns() {
+    let app = TestApp::with(Options { demo_delay: Duration::from_millis(20), ..Options::default() }).await;
+    let (_, run, _) = app.interrupted_run().await;
+    let last = app.run(&run).await["lastSequence"].as_i64().unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let state = keel_server::AppState::new(app.engine.clone(), keel_server::ServerConfig::default());
+    let server = tokio::spawn(keel_server::serve(listener, state, async {
+        let _ = stopped.await;
+    }));
+    let url = |path: &str| format!("http://{addr}{path}");
+
+    let response =
+        app.client.get(url(&format!("/v1/runs/{run}/events"))).header("last-event-id", last.to_string()).send().await;
+    let mut stream = SseReader::new(response.unwrap());
+    stream.assert_sse();
+    assert_eq!(stream.next_frame().await, Some(SseFrame::Retry(2000)));
+    // A turn of the demo model at 20 ms a word is still being answered when the stop comes.
+    let conversation = app.create_conversation().await;
+    let in_flight = app
+        .client
+        .post(url(&format!("/v1/conversations/{conversation}/messages?wait=true")))
+        .json(&json!({"content": ERRORS_PROMPT}))
+        .send();
+    let in_flight = tokio::spawn(in_flight);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.send(()).unwrap();
+
+    assert_eq!(stream.collect().await, [], "the stream ends, with nothing more");
+    let answered = tokio::time::timeout(DEADLINE, in_flight).await.expect("answered in time").unwrap().unwrap();
+    assert_eq!(answered.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(answered.json::<serde_json::Value>().await.unwrap()["error"]["code"], "SHUTTING_DOWN");
+    tokio::time::timeout(DEADLINE, server).await.expect("serve returns").unwrap().unwrap();
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "the listener is closed");
+}
