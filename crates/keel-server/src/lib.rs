@@ -103,15 +103,22 @@ pub async fn serve(
     let (open_tx, open_rx) = tokio::sync::watch::channel(());
     let mut shutdown = pin!(shutdown);
     loop {
-        let tcp = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((tcp, _)) => tcp,
-                Err(e) => {
-                    accept_failed(e).await;
-                    continue;
-                }
-            },
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) if reset_before_accepted(&e) => continue,
+            Err(e) => {
+                // Out of file descriptors, say: accepting again at once would spin. As axum::serve
+                // did, wait a second (or for the stop).
+                tracing::error!(error = %e, "accepting a connection failed");
+                tokio::select! {
+                    () = tokio::time::sleep(std::time::Duration::from_secs(1)) => continue,
+                    () = &mut shutdown => break,
+                }
+            }
         };
         // Events are small writes: without TCP_NODELAY, Nagle's algorithm meeting the client's
         // delayed ACK holds each one back ~40 ms on a kept-alive connection.
@@ -148,14 +155,8 @@ pub async fn serve(
     Ok(())
 }
 
-/// As `axum::serve`: a connection the client reset before it was accepted is the client's
-/// business; anything else (out of file descriptors, say) is logged and waited out for a second
-/// rather than retried at once in a busy loop.
-async fn accept_failed(e: std::io::Error) {
+/// A connection the client gave up on before it was accepted: the client's business.
+fn reset_before_accepted(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
-    if matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset) {
-        return;
-    }
-    tracing::error!(error = %e, "accepting a connection failed");
-    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
 }
