@@ -962,6 +962,12 @@ struct Worker {
     /// The first commit takes the lease.
     acquire: Option<Vec<RunStatus>>,
     cancel_signal: Arc<tokio::sync::Notify>,
+    /// Events, and text, that go at the front of the worker's next commit. Only for what needs no
+    /// commit of its own because the next one follows at once, with no wait (no model or tool call)
+    /// in between: a node starting, the last deltas of a model call. A worker that stops before its
+    /// next commit loses only announcements of work that another worker does again.
+    deferred: Vec<EventKind>,
+    deferred_text: Vec<TextAppend>,
 }
 
 impl Inner {
@@ -1054,7 +1060,15 @@ impl Inner {
         let cancel_signal = Arc::new(tokio::sync::Notify::new());
         inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
         let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
-        let mut worker = Worker { inner: inner.clone(), run, owner, acquire, cancel_signal };
+        let mut worker = Worker {
+            inner: inner.clone(),
+            run,
+            owner,
+            acquire,
+            cancel_signal,
+            deferred: Vec::new(),
+            deferred_text: Vec::new(),
+        };
         let outcome = match worker.drive().await {
             Ok(Stop::Settled) => "settled",
             Ok(Stop::NotOurs) => "not_ours",
@@ -1210,7 +1224,10 @@ impl Worker {
             Some(from) => Fence::Acquire { owner: self.owner.clone(), from, lease_until },
             None => Fence::Lease { owner: self.owner.clone(), lease_until },
         };
-        Commit::new(self.run.id.clone(), fence, now)
+        let mut commit = Commit::new(self.run.id.clone(), fence, now);
+        commit.events = std::mem::take(&mut self.deferred);
+        commit.text = std::mem::take(&mut self.deferred_text);
+        commit
     }
 
     /// Commits, publishes, and keeps the worker's view of the run current.
@@ -1560,8 +1577,14 @@ impl Worker {
                     return Ok(StreamEnd::Failed(e));
                 }
                 Some(None) => {
-                    if self.flush_text(message_id, &mut buffer, &mut unsaved, true).await? {
-                        return Ok(StreamEnd::Cancelled);
+                    // The last deltas, and the text not yet stored, go in the commit that ends the
+                    // call, which the caller makes at once.
+                    for delta in buffer.drain(..) {
+                        unsaved.text.push_str(&delta);
+                        self.deferred.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
+                    }
+                    if !unsaved.text.is_empty() {
+                        self.deferred_text.push(unsaved.take(message_id));
                     }
                     return Ok(StreamEnd::Completed { text_len, tool_calls });
                 }
@@ -1614,9 +1637,8 @@ impl Worker {
             pending.iter().filter_map(|id| all_calls.iter().find(|c| &c.id == id).cloned()).collect();
         let role = self.inner.role_of(&self.run.user_id).await?;
 
-        let mut c = self.new_commit();
-        c.events.push(EventKind::NodeStarted { node: nodes::TOOLS.into() });
-        self.commit(c).await?;
+        // announced with the commit that follows the classification
+        self.deferred.push(EventKind::NodeStarted { node: nodes::TOOLS.into() });
 
         // Classify every call that is not settled yet.
         let mut to_ask: Vec<(ToolCall, bool)> = Vec::new(); // (call, outcome unknown)
