@@ -140,3 +140,27 @@ async fn a_closed_store_answers_with_errors() {
     assert!(matches!(clone.create_conversation("alice", "t", now()).await, Err(StoreError::Backend(_))));
     assert!(matches!(clone.list_conversations("alice", 10).await, Err(StoreError::Backend(_))));
 }
+
+/// The writer never checkpoints; the checkpointer thread copies the WAL into the database file on
+/// its own, so the file grows (and the WAL stays bounded) while the store is open.
+#[tokio::test]
+async fn the_wal_is_checkpointed_while_the_store_is_open() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    let before = std::fs::metadata(&path).expect("db file").len();
+    for i in 0..300 {
+        store.create_conversation("alice", &"x".repeat(1000 + i), now()).await.expect("create");
+    }
+    // a few checkpoint periods
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let after = std::fs::metadata(&path).expect("db file").len();
+        if after > before + 200 * 1024 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the database file stayed at {after} bytes (was {before})");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(store.list_conversations("alice", 1000).await.expect("list").len(), 300);
+}
