@@ -1579,10 +1579,7 @@ impl Worker {
                 Some(None) => {
                     // The last deltas, and the text not yet stored, go in the commit that ends the
                     // call, which the caller makes at once.
-                    for delta in buffer.drain(..) {
-                        unsaved.text.push_str(&delta);
-                        self.deferred.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
-                    }
+                    unsaved.take_deltas(message_id, &mut buffer, &mut self.deferred);
                     if !unsaved.text.is_empty() {
                         self.deferred_text.push(unsaved.take(message_id));
                     }
@@ -1610,10 +1607,7 @@ impl Worker {
             return Ok(self.run.cancel_requested);
         }
         let mut c = self.new_commit();
-        for delta in buffer.drain(..) {
-            unsaved.text.push_str(&delta);
-            c.events.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
-        }
+        unsaved.take_deltas(message_id, buffer, &mut c.events);
         if last || unsaved.due() {
             c.text.push(unsaved.take(message_id));
         }
@@ -2016,6 +2010,14 @@ impl UnsavedText {
 
     fn due(&self) -> bool {
         self.text.len() >= Self::MIN_APPEND.max(self.saved / 2)
+    }
+
+    /// Turns the buffered deltas into `text_delta` events; their text waits here for its append.
+    fn take_deltas(&mut self, message_id: &MessageId, buffer: &mut Vec<String>, events: &mut Vec<EventKind>) {
+        for delta in buffer.drain(..) {
+            self.text.push_str(&delta);
+            events.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
+        }
     }
 
     fn take(&mut self, message_id: &MessageId) -> TextAppend {

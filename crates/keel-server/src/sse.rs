@@ -228,7 +228,7 @@ where
 /// that the frames a slow reader leaves in its buffer stay small too (`sse_buffer` frames of at most
 /// this, plus one event).
 const MAX_BATCH_EVENTS: usize = 64;
-pub const MAX_BATCH_BYTES: usize = 4 * 1024;
+const MAX_BATCH_BYTES: usize = 4 * 1024;
 
 /// Appends the event's frame (see [`event_frame`]) to `out`.
 fn encode_into(out: &mut Vec<u8>, event: &Event) -> Result<(), serde_json::Error> {

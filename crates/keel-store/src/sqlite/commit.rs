@@ -15,7 +15,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::db::{db, insert, is_unique_violation};
-use super::rows::{exec, one, Cols};
+use super::rows::{exec, exec_or, one, Cols};
 
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 pub const ACTIVE: &str = "('queued', 'running', 'interrupted')";
@@ -61,12 +61,11 @@ pub fn active_run_id(conn: &Connection, conversation_id: &ConversationId) -> Sto
 }
 
 pub fn insert_message(conn: &Connection, m: &Message) -> StoreResult<()> {
-    conn.prepare_cached(
+    exec_or(
+        conn,
         "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
          VALUES (?, ?, ?, ?, ?, ?, ?)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        params![
             m.id.as_str(),
             m.conversation_id.as_str(),
             m.run_id.as_ref().map(|r| r.as_str()),
@@ -74,9 +73,9 @@ pub fn insert_message(conn: &Connection, m: &Message) -> StoreResult<()> {
             m.content,
             m.tool_call_id.as_ref().map(|c| c.as_str()),
             ts(&m.created_at),
-        ])
-    })
-    .map_err(insert("message"))?;
+        ],
+        insert("message"),
+    )?;
     Ok(())
 }
 
@@ -111,7 +110,7 @@ pub fn insert_events(
         }
         let rows = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
         let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
-        conn.prepare_cached(&sql).and_then(|mut s| s.execute(values.as_slice())).map_err(insert("event"))?;
+        exec_or(conn, &sql, values.as_slice(), insert("event"))?;
         drop(values);
         for (kind, sequence) in chunk.into_iter().zip(sequences) {
             events.push(Event { kind, run_id: run_id.clone(), sequence, ts: *now });
@@ -207,21 +206,22 @@ fn change_status(conn: &Connection, c: &Commit, from: RunStatus, change: &RunCha
     }
     // A paused or finished run has no worker.
     let release = change.to == RunStatus::Interrupted || change.to.is_terminal();
-    conn.prepare_cached(
+    exec_or(
+        conn,
         "UPDATE runs SET status = ?, reason = ?, \
          lease_owner = CASE WHEN ? THEN NULL ELSE lease_owner END, \
          lease_expires_at = CASE WHEN ? THEN NULL ELSE lease_expires_at END \
          WHERE id = ?",
-    )
-    .and_then(|mut s| s.execute(params![change.to.as_str(), change.reason, release, release, c.run_id.as_str()]))
-    .map_err(|e| {
-        if is_unique_violation(&e) {
-            // only a move back to an active status can collide with another active run
-            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
-        } else {
-            db("change the run status")(e)
-        }
-    })?;
+        params![change.to.as_str(), change.reason, release, release, c.run_id.as_str()],
+        |e| {
+            if is_unique_violation(&e) {
+                // only a move back to an active status can collide with another active run
+                StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
+            } else {
+                db("change the run status")(e)
+            }
+        },
+    )?;
     Ok(())
 }
 
@@ -279,12 +279,11 @@ fn apply_tool_call(
             check_owner(format_args!("tool call {}", call.id), &call.run_id, &c.run_id)?;
             let args = json("tool call args", &call.args)?;
             let result = opt_json("tool call result", &call.result)?;
-            conn.prepare_cached(
+            exec_or(
+                conn,
                 "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
                  started_at, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            )
-            .and_then(|mut s| {
-                s.execute(params![
+                params![
                     call.id.as_str(),
                     call.run_id.as_str(),
                     conversation_id.as_str(),
@@ -295,9 +294,9 @@ fn apply_tool_call(
                     call.summary,
                     opt_ts(&call.started_at),
                     opt_ts(&call.finished_at),
-                ])
-            })
-            .map_err(insert("tool call"))?;
+                ],
+                insert("tool call"),
+            )?;
         }
         ToolCallChange::Update { id, from, to, args, result, summary, started_at, finished_at } => {
             if !from.can_transition_to(*to) {
@@ -345,12 +344,11 @@ fn insert_interrupt(conn: &Connection, c: &Commit, i: &Interrupt) -> StoreResult
     let payload = json("interrupt payload", &i.payload)?;
     let call_ids = json("interrupt call ids", &i.call_ids)?;
     let decision = opt_json("interrupt decision", &i.decision)?;
-    conn.prepare_cached(
+    exec_or(
+        conn,
         "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
          resolved_by, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-    )
-    .and_then(|mut s| {
-        s.execute(params![
+        params![
             i.id.as_str(),
             i.run_id.as_str(),
             i.kind.as_str(),
@@ -362,9 +360,9 @@ fn insert_interrupt(conn: &Connection, c: &Commit, i: &Interrupt) -> StoreResult
             decision,
             i.resolved_by,
             opt_ts(&i.resolved_at),
-        ])
-    })
-    .map_err(insert("interrupt"))?;
+        ],
+        insert("interrupt"),
+    )?;
     Ok(())
 }
 

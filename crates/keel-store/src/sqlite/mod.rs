@@ -33,8 +33,8 @@ use serde_json::Value;
 use self::commit::{active_run_id, apply_commit, insert_events, insert_message, insert_run, json, opt_ts, ts, ACTIVE};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
 use self::rows::{
-    conversation_from, error_log_from, event_from, exec, fact_from, instance_from, interrupt_from, many, message_from,
-    one, run_from, stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
+    conversation_from, error_log_from, event_from, exec, exec_or, fact_from, instance_from, interrupt_from, many,
+    message_from, one, run_from, stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
 };
 use crate::seed;
 
@@ -105,19 +105,18 @@ impl Store for SqliteStore {
         };
         self.db
             .write(move |c| {
-                c.prepare_cached(
+                exec_or(
+                    c,
                     "INSERT INTO conversations (id, user_id, title, version, created_at) VALUES (?, ?, ?, ?, ?)",
-                )
-                .and_then(|mut s| {
-                    s.execute(params![
+                    params![
                         conversation.id.as_str(),
                         conversation.user_id,
                         conversation.title,
                         conversation.version,
                         ts(&conversation.created_at),
-                    ])
-                })
-                .map_err(insert("conversation"))?;
+                    ],
+                    insert("conversation"),
+                )?;
                 Ok(conversation.clone())
             })
             .await
@@ -562,19 +561,18 @@ impl Store for SqliteStore {
         let key = key.clone();
         self.db
             .write(move |c| {
-                c.prepare_cached(
+                exec_or(
+                    c,
                     "INSERT INTO api_keys (id, user_id, key_hash, created_at, revoked_at) VALUES (?, ?, ?, ?, ?)",
-                )
-                .and_then(|mut s| {
-                    s.execute(params![key.id, key.user_id, key.key_hash, ts(&key.created_at), opt_ts(&key.revoked_at)])
-                })
-                .map_err(|e| {
-                    if is_foreign_key_violation(&e) {
-                        StoreError::NotFound("user")
-                    } else {
-                        insert("api key")(e)
-                    }
-                })?;
+                    params![key.id, key.user_id, key.key_hash, ts(&key.created_at), opt_ts(&key.revoked_at)],
+                    |e| {
+                        if is_foreign_key_violation(&e) {
+                            StoreError::NotFound("user")
+                        } else {
+                            insert("api key")(e)
+                        }
+                    },
+                )?;
                 Ok(())
             })
             .await
@@ -627,21 +625,20 @@ impl Store for SqliteStore {
                     "DELETE FROM stream_tickets WHERE expires_at < ?",
                     [ts(&(now - chrono::Duration::hours(1)))],
                 )?;
-                c.prepare_cached(
+                exec_or(
+                    c,
                     "INSERT INTO stream_tickets (ticket_hash, user_id, scope, run_id, expires_at, used_at) \
                      VALUES (?, ?, ?, ?, ?, ?)",
-                )
-                .and_then(|mut s| {
-                    s.execute(params![
+                    params![
                         ticket.ticket_hash,
                         ticket.user_id,
                         ticket.scope.as_str(),
                         ticket.run_id.as_ref().map(|id| id.to_string()),
                         ts(&ticket.expires_at),
                         opt_ts(&ticket.used_at),
-                    ])
-                })
-                .map_err(insert("stream ticket"))?;
+                    ],
+                    insert("stream ticket"),
+                )?;
                 Ok(())
             })
             .await

@@ -54,7 +54,17 @@ pub fn many<T, P: Params>(
 
 /// Runs a statement; the number of rows it changed.
 pub fn exec<P: Params>(conn: &Connection, op: &'static str, sql: &str, params: P) -> StoreResult<usize> {
-    conn.prepare_cached(sql).and_then(|mut s| s.execute(params)).map_err(db(op))
+    exec_or(conn, sql, params, db(op))
+}
+
+/// [`exec`] with its own reading of a failure (a unique violation as a reused id, say).
+pub fn exec_or<P: Params>(
+    conn: &Connection,
+    sql: &str,
+    params: P,
+    fail: impl FnOnce(rusqlite::Error) -> StoreError,
+) -> StoreResult<usize> {
+    conn.prepare_cached(sql).and_then(|mut s| s.execute(params)).map_err(fail)
 }
 
 /// What went wrong with a stored JSON value, without quoting it: serde's messages can carry the
