@@ -281,6 +281,7 @@ impl KeelClient {
             interrupt_id: interrupt_id.to_string(),
             decision: Some(decision),
             idempotency_key: Some(idempotency_key.to_owned()),
+            note: None,
         };
         let req = self.request(Method::POST, &format!("/v1/runs/{run_id}/resume")).json(&body);
         send_json(req, "resume").await

@@ -16,7 +16,7 @@
 //! so that a new summary is needed only after that much history has accumulated again.
 
 use crate::domain::{Fact, Message, Role, Summary, ToolCall};
-use crate::mask::{mask_text, truncate};
+use crate::mask::{truncate, Masked};
 use crate::model::{ModelMessage, ModelToolCall};
 
 #[derive(Debug, Clone)]
@@ -183,7 +183,7 @@ impl<'a> Plan<'a> {
         if !self.needs_summary() {
             return None;
         }
-        let mut text = self.input.summary.map(|s| s.text.clone()).unwrap_or_default();
+        let mut text = self.input.summary.map(|s| s.text.as_str().to_owned()).unwrap_or_default();
         if !text.is_empty() && !text.ends_with('\n') {
             text.push('\n');
         }
@@ -274,7 +274,7 @@ impl<'a> Plan<'a> {
             (Some(text), Some(last)) => Some(Summary {
                 conversation_id: last.conversation_id.clone(),
                 through_message_id: last.id.clone(),
-                text: truncate(mask_text(text.trim()).as_str(), self.config.summary_max_chars),
+                text: Masked::truncated(text.trim(), self.config.summary_max_chars),
             }),
             _ => None,
         };
@@ -321,11 +321,11 @@ fn to_model_messages(messages: &[&Message], calls: &[ToolCall]) -> Vec<ModelMess
         match m.role {
             Role::User => {
                 assistant_for_block = None;
-                out.push(ModelMessage::User { content: m.content.clone() });
+                out.push(ModelMessage::User { content: m.content.as_str().to_owned() });
             }
             Role::Assistant => {
                 assistant_for_block = None;
-                out.push(ModelMessage::Assistant { content: m.content.clone(), tool_calls: Vec::new() });
+                out.push(ModelMessage::Assistant { content: m.content.as_str().to_owned(), tool_calls: Vec::new() });
             }
             Role::Tool => {
                 let Some(call_id) = &m.tool_call_id else { continue };
@@ -334,7 +334,7 @@ fn to_model_messages(messages: &[&Message], calls: &[ToolCall]) -> Vec<ModelMess
                 let model_call = ModelToolCall {
                     id: call_id.to_string(),
                     name: name.clone(),
-                    arguments: call.map(|c| c.args.clone()).unwrap_or_default(),
+                    arguments: call.map(|c| c.args.inner().clone()).unwrap_or_default(),
                 };
                 let idx = match assistant_for_block {
                     Some(i) => i,
@@ -354,7 +354,11 @@ fn to_model_messages(messages: &[&Message], calls: &[ToolCall]) -> Vec<ModelMess
                 if let Some(ModelMessage::Assistant { tool_calls, .. }) = out.get_mut(idx) {
                     tool_calls.push(model_call);
                 }
-                out.push(ModelMessage::Tool { call_id: call_id.to_string(), name, content: m.content.clone() });
+                out.push(ModelMessage::Tool {
+                    call_id: call_id.to_string(),
+                    name,
+                    content: m.content.as_str().to_owned(),
+                });
             }
         }
     }
@@ -375,7 +379,7 @@ mod tests {
             conversation_id: conv.clone(),
             run_id: None,
             role,
-            content: content.to_owned(),
+            content: content.into(),
             tool_call_id: call.cloned(),
             created_at: Utc::now(),
         }
@@ -413,7 +417,7 @@ mod tests {
             id: call.clone(),
             run_id: RunId::new(),
             name: "restart_instance".into(),
-            args: json!({"instanceId": "pay-prod-2"}),
+            args: json!({"instanceId": "pay-prod-2"}).into(),
             state: crate::domain::ToolCallState::Succeeded,
             result: None,
             summary: None,
@@ -492,7 +496,7 @@ mod tests {
                 let ModelMessage::User { content } = &request[1] else { panic!("a user message") };
                 // Only what is not covered yet, and the summary so far.
                 let first = plan.uncovered()[0].content.clone();
-                assert!(content.contains(&first), "{content}");
+                assert!(content.contains(first.as_str()), "{content}");
                 if let Some(s) = &stored {
                     assert!(content.contains(&format!("Previous summary:\n{}", s.text)));
                 }

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+use crate::mask::Masked;
 
 pub type Timestamp = DateTime<Utc>;
 
@@ -226,7 +227,8 @@ string_enum!(
 pub struct Conversation {
     pub id: ConversationId,
     pub user_id: String,
-    pub title: String,
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub title: Masked<String>,
     /// Bumps on every message, so a resume notices a conversation that changed while it waited.
     pub version: i64,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
@@ -241,7 +243,8 @@ pub struct Message {
     pub conversation_id: ConversationId,
     pub run_id: Option<RunId>,
     pub role: Role,
-    pub content: String,
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub content: Masked<String>,
     pub tool_call_id: Option<CallId>,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
@@ -251,7 +254,7 @@ pub struct Message {
 #[serde(rename_all = "camelCase")]
 pub struct Fact {
     pub key: String,
-    pub value: String,
+    pub value: Masked<String>,
     pub source: FactSource,
     pub updated_at: Timestamp,
 }
@@ -261,7 +264,7 @@ pub struct Fact {
 pub struct Summary {
     pub conversation_id: ConversationId,
     pub through_message_id: MessageId,
-    pub text: String,
+    pub text: Masked<String>,
 }
 
 /// The minimal state a run needs to continue, written with every state change.
@@ -339,13 +342,19 @@ pub struct Interrupt {
     pub kind: InterruptKind,
     pub status: InterruptStatus,
     /// What the human sees; masked (no secrets, no raw tool results).
-    pub payload: Value,
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub payload: Masked<Value>,
     pub call_ids: Vec<CallId>,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub expires_at: Timestamp,
-    pub decision: Option<Value>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    pub decision: Option<Masked<Value>>,
+    /// What the human who decided wrote with the decision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub note: Option<Masked<String>>,
     pub resolved_by: Option<String>,
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub resolved_at: Option<Timestamp>,
@@ -357,11 +366,13 @@ pub struct ToolCall {
     pub id: CallId,
     pub run_id: RunId,
     pub name: String,
-    pub args: Value,
+    /// Masked like everything a model or a user supplies: a tool never receives a secret from the
+    /// model; what it needs comes from its own configuration.
+    pub args: Masked<Value>,
     pub state: ToolCallState,
     /// The full result as the model sees it. Never streamed: events carry `summary`.
-    pub result: Option<Value>,
-    pub summary: Option<String>,
+    pub result: Option<Masked<Value>>,
+    pub summary: Option<Masked<String>>,
     pub started_at: Option<Timestamp>,
     pub finished_at: Option<Timestamp>,
 }
@@ -370,7 +381,7 @@ pub struct ToolCall {
 pub type FactMap = BTreeMap<String, String>;
 
 pub fn fact_map(facts: &[Fact]) -> FactMap {
-    facts.iter().map(|f| (f.key.clone(), f.value.clone())).collect()
+    facts.iter().map(|f| (f.key.clone(), f.value.as_str().to_owned())).collect()
 }
 
 #[cfg(test)]

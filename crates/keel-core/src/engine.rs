@@ -27,7 +27,7 @@ use crate::domain::{
 };
 use crate::event::{Event, EventKind, GraphEdge, GraphNode, ToolOutcomeStatus};
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
-use crate::mask::{mask_fact, mask_text, mask_value, truncate};
+use crate::mask::{looks_secret, mask_value, truncate, Masked};
 use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
 use crate::model::{Model, ModelChunk, ModelError, ModelRequest};
 use crate::store::{
@@ -241,7 +241,12 @@ pub struct ResumeRequest {
     /// {"edit": args}}}`, `{"select": option}`, `{"provide": values}`.
     pub decision: Value,
     pub idempotency_key: String,
+    /// What the human writes with the decision (at most [`MAX_NOTE_CHARS`]); stored masked.
+    pub note: Option<String>,
 }
+
+/// The longest note a resume may carry, in characters.
+pub const MAX_NOTE_CHARS: usize = 2000;
 
 /// The answer to an accepted resume, stored under its idempotency key and given again on a retry.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -251,7 +256,8 @@ pub struct ResumeAccepted {
     pub run_id: RunId,
     pub interrupt_id: InterruptId,
     pub status: RunStatus,
-    pub decision: Value,
+    #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+    pub decision: Masked<Value>,
     /// The sequence of the `resumed` event: a stream answering this resume starts there.
     pub resumed_sequence: i64,
 }
@@ -430,8 +436,8 @@ impl Engine {
         if title.chars().count() > 200 {
             return Err(EngineError::Invalid("title: must be at most 200 characters".into()));
         }
-        let title = if title.is_empty() { "New conversation" } else { title };
-        Ok(self.inner.store.create_conversation(user_id, title, self.inner.clock.now()).await?)
+        let title = Masked::from(if title.is_empty() { "New conversation" } else { title });
+        Ok(self.inner.store.create_conversation(user_id, &title, self.inner.clock.now()).await?)
     }
 
     pub async fn list_conversations(&self, user_id: &str) -> EngineResult<Vec<Conversation>> {
@@ -480,7 +486,7 @@ impl Engine {
         self.conversation(user_id, conversation_id).await?;
         // A key or password pasted into the chat is masked before it is stored, streamed or shown to
         // the model.
-        let content = mask_text(content);
+        let content = Masked::from(content);
         let started = self
             .inner
             .store
@@ -608,6 +614,19 @@ impl Engine {
         if req.idempotency_key.is_empty() || req.idempotency_key.len() > 200 {
             return Err(EngineError::Invalid("idempotencyKey: must be 1 to 200 characters".into()));
         }
+        if looks_secret(&req.idempotency_key) {
+            // It would be stored and echoed in errors and logs: an id must not be a credential.
+            return Err(EngineError::Invalid(
+                "idempotencyKey: looks like a secret (a key, token or password); use an opaque id".into(),
+            ));
+        }
+        if let Some(note) = &req.note {
+            if note.chars().count() > MAX_NOTE_CHARS || note.contains('\0') {
+                return Err(EngineError::Invalid(format!(
+                    "note: must be at most {MAX_NOTE_CHARS} characters, without NUL characters"
+                )));
+            }
+        }
         let calls = store.list_tool_calls(run_id).await?;
         let decisions = parse_decision(&interrupt, &req.decision, &calls, &inner.tools)?;
 
@@ -640,7 +659,7 @@ impl Engine {
         }
 
         // 3. The idempotency key: the same request again gets the first answer.
-        let hash = request_hash(run_id, &req.interrupt_id, &req.decision);
+        let hash = request_hash(run_id, &req.interrupt_id, &req.decision, req.note.as_deref());
         let in_flight_until = now + chrono_dur(inner.config.idempotency_in_flight_ttl);
         match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, in_flight_until).await? {
             IdempotencyBegin::Done { response, .. } => {
@@ -686,11 +705,13 @@ impl Engine {
             Fence::Acquire { owner: owner.clone(), from: vec![RunStatus::Interrupted], lease_until },
             now,
         );
-        let decision = mask_value(&req.decision);
+        let decision = Masked::from(&req.decision);
+        let note = req.note.as_deref().map(str::trim).filter(|n| !n.is_empty()).map(Masked::from);
         commit.interrupt_changes.push(InterruptChange {
             id: interrupt.id.clone(),
             to: InterruptStatus::Resolved,
             decision: Some(decision.clone()),
+            note: note.clone(),
             resolved_by: Some(user_id.to_owned()),
         });
         commit.run = Some(RunChange { to: RunStatus::Running, reason: None });
@@ -698,6 +719,7 @@ impl Engine {
         commit.events.push(EventKind::Resumed {
             interrupt_id: interrupt.id.clone(),
             decision: decision.clone(),
+            note,
             human_wait_ms,
             resolved_by: user_id.to_owned(),
         });
@@ -714,7 +736,7 @@ impl Engine {
                     id: call_id.clone(),
                     from: call.state,
                     to: ToolCallState::Allowed,
-                    args: Some(args.clone()),
+                    args: Some(Masked::from(args)),
                     result: None,
                     summary: None,
                     started_at: None,
@@ -783,7 +805,7 @@ impl Engine {
     }
 }
 
-fn request_hash(run_id: &RunId, interrupt_id: &InterruptId, decision: &Value) -> String {
+fn request_hash(run_id: &RunId, interrupt_id: &InterruptId, decision: &Value, note: Option<&str>) -> String {
     let mut h = Sha256::new();
     h.update(run_id.as_str());
     h.update(b"\n");
@@ -791,6 +813,10 @@ fn request_hash(run_id: &RunId, interrupt_id: &InterruptId, decision: &Value) ->
     h.update(b"\n");
     // serde_json maps are ordered, so equal decisions hash equally whatever their key order.
     h.update(decision.to_string());
+    if let Some(note) = note {
+        h.update(b"\nnote\n");
+        h.update(note);
+    }
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -813,10 +839,12 @@ fn parse_decision(
             )),
         }
     };
-    let check_id = |raw: &str| -> EngineResult<CallId> {
-        CallId::parse(raw).ok().filter(|id| interrupt.call_ids.contains(id)).ok_or_else(|| {
-            EngineError::InvalidDecision(format!("{} is not a call of this interrupt", truncate(raw, 80)))
-        })
+    // The key is the client's: it is checked, never repeated in the error.
+    let check_id = |field: &str, raw: &str| -> EngineResult<CallId> {
+        CallId::parse(raw)
+            .ok()
+            .filter(|id| interrupt.call_ids.contains(id))
+            .ok_or_else(|| EngineError::InvalidDecision(format!("{field}: a key is not a call of this interrupt")))
     };
     let mut out: BTreeMap<CallId, CallDecision> = match (interrupt.kind, decision) {
         (InterruptKind::ConfirmAction, Value::String(s)) if s == "approve" => all(CallDecision::Approve),
@@ -827,7 +855,7 @@ fn parse_decision(
             };
             let mut out: BTreeMap<CallId, CallDecision> = all(CallDecision::Approve);
             for (raw, args) in edits {
-                out.insert(check_id(raw)?, CallDecision::Edit(args.clone()));
+                out.insert(check_id("decision.edit", raw)?, CallDecision::Edit(args.clone()));
             }
             out
         }
@@ -837,7 +865,7 @@ fn parse_decision(
             };
             let mut out = BTreeMap::new();
             for (raw, d) in per_call {
-                out.insert(check_id(raw)?, parse_one(d)?);
+                out.insert(check_id("decision.calls", raw)?, parse_one(d)?);
             }
             if let Some(missing) = interrupt.call_ids.iter().find(|id| !out.contains_key(*id)) {
                 return Err(EngineError::InvalidDecision(format!("calls: no decision for {missing}")));
@@ -861,9 +889,11 @@ fn parse_decision(
             let call = calls.iter().find(|c| &c.id == call_id).ok_or(EngineError::NotFound("tool call"))?;
             let tool =
                 tools.get(&call.name).ok_or_else(|| EngineError::InvalidArgs(format!("unknown tool {}", call.name)))?;
+            // What would be stored is what is checked: the edit, masked.
+            *args = mask_value(args);
             validate_args(&tool.spec().parameters, args)
                 .map_err(|e| EngineError::InvalidArgs(format!("edited arguments of {call_id}: {e}")))?;
-            if *args == call.args {
+            if *args == *call.args {
                 *d = CallDecision::Approve;
             }
         }
@@ -873,14 +903,15 @@ fn parse_decision(
 
 /// A denied call: the synthetic result the model sees, and the events the client sees.
 fn deny_call(commit: &mut Commit, run: &Run, call: &ToolCall, reason: &str, now: Timestamp) {
-    let result = json!({"status": "denied", "reason": reason});
+    let reason = Masked::from(reason);
+    let result = Masked::from(json!({"status": "denied", "reason": reason}));
     commit.tool_calls.push(ToolCallChange::Update {
         id: call.id.clone(),
         from: call.state,
         to: ToolCallState::Denied,
         args: None,
         result: Some(result.clone()),
-        summary: Some(reason.to_owned()),
+        summary: Some(reason.clone()),
         started_at: None,
         finished_at: Some(now),
     });
@@ -894,34 +925,33 @@ fn deny_call(commit: &mut Commit, run: &Run, call: &ToolCall, reason: &str, now:
         call_id: call.id.clone(),
         tool: call.name.clone(),
         status: ToolOutcomeStatus::Denied,
-        summary: reason.to_owned(),
+        summary: reason,
     });
 }
 
-fn tool_message(run: &Run, call_id: &CallId, result: &Value, now: Timestamp) -> Message {
+fn tool_message(run: &Run, call_id: &CallId, result: &Masked<Value>, now: Timestamp) -> Message {
     Message {
         id: MessageId::new(),
         conversation_id: run.conversation_id.clone(),
         run_id: Some(run.id.clone()),
         role: Role::Tool,
-        content: result.to_string(),
+        content: result.to_text(),
         tool_call_id: Some(call_id.clone()),
         created_at: now,
     }
 }
 
 /// `restart_instance(instanceId=pay-prod-2)`-style, masked and short.
-fn args_summary(args: &Value) -> String {
-    let masked = mask_value(args);
-    let text = match masked.as_object() {
+fn args_summary(args: &Masked<Value>) -> Masked<String> {
+    let text = match args.as_object() {
         Some(o) => o
             .iter()
             .map(|(k, v)| format!("{k}={}", v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string())))
             .collect::<Vec<_>>()
             .join(", "),
-        None => masked.to_string(),
+        None => args.to_string(),
     };
-    truncate(&text, 200)
+    Masked::truncated(&text, 200)
 }
 
 /// How a worker holds its run.
@@ -1151,6 +1181,7 @@ impl Inner {
             id: interrupt.id.clone(),
             to: InterruptStatus::Expired,
             decision: None,
+            note: None,
             resolved_by: None,
         });
         let calls = self.store.list_tool_calls(&run.id).await?;
@@ -1188,6 +1219,7 @@ impl Inner {
                 id: interrupt.id.clone(),
                 to: InterruptStatus::Cancelled,
                 decision: None,
+                note: None,
                 resolved_by: None,
             });
             let calls = self.store.list_tool_calls(run_id).await?;
@@ -1473,7 +1505,7 @@ impl Worker {
                                 id,
                                 run_id: self.run.id.clone(),
                                 name: truncate(&tc.name, 100),
-                                args: tc.arguments,
+                                args: Masked::new(tc.arguments),
                                 state: ToolCallState::Requested,
                                 result: None,
                                 summary: None,
@@ -1813,8 +1845,8 @@ impl Worker {
         };
         let now = self.now();
         let mut c = self.new_commit();
-        let result = mask_value(&output.result);
-        let summary = truncate(&mask_text(&output.summary), 200);
+        let result = Masked::from(&output.result);
+        let summary = Masked::truncated(&output.summary, 200);
         c.tool_calls.push(ToolCallChange::Update {
             id: call.id.clone(),
             from: ToolCallState::Executing,
@@ -1834,8 +1866,8 @@ impl Worker {
             summary,
         });
         if !output.facts.is_empty() {
-            let new_facts: Vec<(String, String)> =
-                output.facts.iter().map(|(key, value)| (key.clone(), mask_fact(key, value))).collect();
+            let new_facts: Vec<(String, Masked<String>)> =
+                output.facts.iter().map(|(key, value)| (key.clone(), Masked::fact(key, value))).collect();
             for (key, value) in &new_facts {
                 c.facts.push(Fact {
                     key: key.clone(),
@@ -1845,7 +1877,7 @@ impl Worker {
                 });
             }
             let mut facts = crate::domain::fact_map(&self.store().list_facts(&self.run.conversation_id).await?);
-            facts.extend(new_facts);
+            facts.extend(new_facts.into_iter().map(|(k, v)| (k, v.into_inner())));
             c.events.push(EventKind::FactsUpdated { facts });
         }
         match self.commit(c).await {
@@ -1861,8 +1893,8 @@ impl Worker {
     /// Records a call that failed (or never started): the model is told why; no fact is written.
     async fn settle_failed(&mut self, call: &ToolCall, from: ToolCallState, reason: &str) -> Result<(), StoreError> {
         let now = self.now();
-        let reason = truncate(&mask_text(reason), 300);
-        let result = json!({"status": "error", "error": reason});
+        let reason = Masked::truncated(reason, 300);
+        let result = Masked::from(json!({"status": "error", "error": reason}));
         let mut c = self.new_commit();
         if from == ToolCallState::Requested {
             // Never allowed: go through `allowed` so the state machine holds.
@@ -1911,7 +1943,7 @@ impl Worker {
             let mut action = json!({
                 "callId": call.id,
                 "tool": call.name,
-                "args": mask_value(&call.args),
+                "args": call.args,
                 "title": desc.as_ref().map(|d| d.title.clone()),
                 "risk": desc.as_ref().map(|d| d.risk.clone()),
                 "description": desc.as_ref().map(|d| d.description.clone()),
@@ -1933,7 +1965,8 @@ impl Worker {
         } else {
             actions.iter().filter_map(|a| a["risk"].as_str()).collect::<Vec<_>>().join(" ")
         };
-        let payload = json!({"title": title, "risk": risk, "actions": actions, "outcomeUnknown": any_unknown});
+        let payload =
+            Masked::new(json!({"title": title, "risk": risk, "actions": actions, "outcomeUnknown": any_unknown}));
         let interrupt = Interrupt {
             id: InterruptId::new(),
             run_id: self.run.id.clone(),
@@ -1944,6 +1977,7 @@ impl Worker {
             created_at: now,
             expires_at,
             decision: None,
+            note: None,
             resolved_by: None,
             resolved_at: None,
         };

@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::domain::{FactMap, InterruptKind, Timestamp};
 use crate::ids::{CallId, InterruptId, MessageId, RunId};
+use crate::mask::Masked;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -79,9 +80,20 @@ pub enum EventKind {
     #[serde(rename_all = "camelCase")]
     TextDelta { message_id: MessageId, delta: String },
     #[serde(rename_all = "camelCase")]
-    ToolStarted { call_id: CallId, tool: String, args_summary: String },
+    ToolStarted {
+        call_id: CallId,
+        tool: String,
+        #[cfg_attr(feature = "openapi", schema(value_type = String))]
+        args_summary: Masked<String>,
+    },
     #[serde(rename_all = "camelCase")]
-    ToolFinished { call_id: CallId, tool: String, status: ToolOutcomeStatus, summary: String },
+    ToolFinished {
+        call_id: CallId,
+        tool: String,
+        status: ToolOutcomeStatus,
+        #[cfg_attr(feature = "openapi", schema(value_type = String))]
+        summary: Masked<String>,
+    },
     #[serde(rename_all = "camelCase")]
     FactsUpdated {
         #[cfg_attr(feature = "openapi", schema(inline))]
@@ -91,12 +103,23 @@ pub enum EventKind {
     Interrupt {
         interrupt_id: InterruptId,
         kind: InterruptKind,
-        payload: Value,
+        #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+        payload: Masked<Value>,
         #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
         expires_at: Timestamp,
     },
     #[serde(rename_all = "camelCase")]
-    Resumed { interrupt_id: InterruptId, decision: Value, human_wait_ms: u64, resolved_by: String },
+    Resumed {
+        interrupt_id: InterruptId,
+        #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+        decision: Masked<Value>,
+        /// What the human wrote with the decision, if anything.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+        note: Option<Masked<String>>,
+        human_wait_ms: u64,
+        resolved_by: String,
+    },
     #[serde(rename_all = "camelCase")]
     TextDiscarded { message_id: MessageId, reason: String },
     #[serde(rename_all = "camelCase")]

@@ -7,13 +7,13 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-/// The error returned when a string is not an id of the expected kind.
+/// The error returned when a string is not an id of the expected kind. It does not repeat the
+/// string: a client's mistake (a key pasted where an id goes) must not come back in an error.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("`{value}` is not a valid {kind} id (expected `{prefix}` followed by 1 to 64 of [A-Za-z0-9_-])")]
+#[error("not a valid {kind} id (expected `{prefix}` followed by 1 to 64 of [A-Za-z0-9_-])")]
 pub struct InvalidId {
     pub kind: &'static str,
     pub prefix: &'static str,
-    pub value: String,
 }
 
 macro_rules! typed_id {
@@ -42,7 +42,7 @@ macro_rules! typed_id {
                     {
                         Ok(Self(value.to_owned()))
                     }
-                    _ => Err(InvalidId { kind: $kind, prefix: $prefix, value: truncate(value) }),
+                    _ => Err(InvalidId { kind: $kind, prefix: $prefix }),
                 }
             }
 
@@ -104,10 +104,6 @@ macro_rules! typed_id {
         #[cfg(feature = "openapi")]
         impl utoipa::ToSchema for $name {}
     };
-}
-
-fn truncate(value: &str) -> String {
-    value.chars().take(80).collect()
 }
 
 typed_id!(

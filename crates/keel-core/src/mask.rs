@@ -21,7 +21,6 @@ const SECRET_KEYS: &[&str] = &[
     "passwd",
     "passphrase",
     "secret",
-    "token",
     "apikey",
     "api_key",
     "authorization",
@@ -59,7 +58,27 @@ const MASK: &str = "***";
 /// Whether a key (a JSON field, a `key=value` name) names a secret.
 pub fn is_secret_key(key: &str) -> bool {
     let lower = key.to_ascii_lowercase().replace('-', "_");
-    SECRET_KEYS.iter().any(|s| lower.contains(s))
+    SECRET_KEYS.iter().any(|s| lower.contains(s)) || names_a_token(key)
+}
+
+/// `token`, `access_token`, `refreshToken`, `csrftoken`: a word of the key ends in "token". Not
+/// `max_tokens` or `tokenizer`, which count or name tokens of text.
+fn names_a_token(key: &str) -> bool {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut after_lower = false;
+    for c in key.chars() {
+        // a break at any separator, and at the upper case letter of `camelCase`
+        if !c.is_ascii_alphanumeric() || (c.is_ascii_uppercase() && after_lower) {
+            words.push(std::mem::take(&mut word));
+        }
+        after_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
+        if c.is_ascii_alphanumeric() {
+            word.push(c.to_ascii_lowercase());
+        }
+    }
+    words.push(word);
+    words.iter().any(|w| w.ends_with("token"))
 }
 
 /// Replaces the values of secret-looking keys and secret-looking strings with `"***"`.
@@ -284,6 +303,213 @@ fn mask_url_credentials(word: &str) -> String {
     word.to_owned()
 }
 
+/// A value that went through the masker: the only form in which user- or tool-supplied text (a
+/// title, a message, a tool's arguments and result, a decision and its note, a fact, a summary)
+/// reaches the store, an event or a response.
+///
+/// The store's write methods take `Masked` values, so a new route or tool cannot forget to mask:
+/// every way to make one masks, but [`Masked::from_store`], which wraps what the store reads back
+/// (masked on its way in). Deserializing masks too, so a `Masked` field of a request body is masked
+/// as it is parsed. Masking is idempotent: a masked value masks to itself.
+#[derive(Clone, PartialEq, Eq, Hash, Default, PartialOrd, Ord, serde::Serialize)]
+#[serde(transparent)]
+pub struct Masked<T>(T);
+
+/// What [`Masked`] can hold: text, masked with [`mask_text`], and JSON, with [`mask_value`].
+pub trait Maskable: Sized {
+    fn masked(self) -> Self;
+}
+
+impl Maskable for String {
+    fn masked(self) -> Self {
+        mask_text(&self)
+    }
+}
+
+impl Maskable for Value {
+    fn masked(self) -> Self {
+        mask_value(&self)
+    }
+}
+
+impl<T: Maskable> Masked<T> {
+    /// Masks `raw`.
+    pub fn new(raw: T) -> Self {
+        Masked(raw.masked())
+    }
+
+    /// A value the store read back: it was masked when it was written (or is the model's own text,
+    /// which only ever saw masked input). Only the stores call this.
+    pub fn from_store(stored: T) -> Self {
+        Masked(stored)
+    }
+
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+
+    pub fn inner(&self) -> &T {
+        &self.0
+    }
+
+    /// Applies `f` to the masked value and masks the result again.
+    pub fn map(self, f: impl FnOnce(T) -> T) -> Self {
+        Masked::new(f(self.0))
+    }
+}
+
+impl Masked<Value> {
+    /// The JSON as text: masked values serialize to masked text.
+    pub fn to_text(&self) -> Masked<String> {
+        Masked(self.0.to_string())
+    }
+}
+
+impl Masked<String> {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// A fact's value: all of it when the key names a secret (see [`mask_fact`]).
+    pub fn fact(key: &str, value: &str) -> Self {
+        Masked(mask_fact(key, value))
+    }
+
+    /// Masked, then cut to at most `max` characters.
+    pub fn truncated(raw: &str, max: usize) -> Self {
+        Masked(truncate(&mask_text(raw), max))
+    }
+}
+
+impl<T> std::ops::Deref for Masked<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Masked<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::fmt::Display for Masked<String> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::fmt::Display for Masked<Value> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl From<&str> for Masked<String> {
+    fn from(raw: &str) -> Self {
+        Masked(mask_text(raw))
+    }
+}
+
+impl From<String> for Masked<String> {
+    fn from(raw: String) -> Self {
+        Masked::new(raw)
+    }
+}
+
+impl From<&String> for Masked<String> {
+    fn from(raw: &String) -> Self {
+        Masked(mask_text(raw))
+    }
+}
+
+impl From<Value> for Masked<Value> {
+    fn from(raw: Value) -> Self {
+        Masked::new(raw)
+    }
+}
+
+impl From<&Value> for Masked<Value> {
+    fn from(raw: &Value) -> Self {
+        Masked(mask_value(raw))
+    }
+}
+
+impl PartialEq<str> for Masked<String> {
+    fn eq(&self, other: &str) -> bool {
+        self.0 == other
+    }
+}
+
+impl PartialEq<&str> for Masked<String> {
+    fn eq(&self, other: &&str) -> bool {
+        self.0 == *other
+    }
+}
+
+impl PartialEq<String> for Masked<String> {
+    fn eq(&self, other: &String) -> bool {
+        &self.0 == other
+    }
+}
+
+impl PartialEq<Masked<String>> for &str {
+    fn eq(&self, other: &Masked<String>) -> bool {
+        *self == other.0
+    }
+}
+
+impl PartialEq<Masked<String>> for str {
+    fn eq(&self, other: &Masked<String>) -> bool {
+        self == other.0
+    }
+}
+
+impl PartialEq<Masked<String>> for String {
+    fn eq(&self, other: &Masked<String>) -> bool {
+        *self == other.0
+    }
+}
+
+impl PartialEq<Masked<Value>> for Value {
+    fn eq(&self, other: &Masked<Value>) -> bool {
+        *self == other.0
+    }
+}
+
+impl PartialEq<Value> for Masked<Value> {
+    fn eq(&self, other: &Value) -> bool {
+        &self.0 == other
+    }
+}
+
+impl<'de, T: Maskable + serde::Deserialize<'de>> serde::Deserialize<'de> for Masked<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        T::deserialize(deserializer).map(Masked::new)
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl<T: utoipa::PartialSchema> utoipa::PartialSchema for Masked<T> {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        T::schema()
+    }
+}
+
+#[cfg(feature = "openapi")]
+impl<T: utoipa::ToSchema> utoipa::ToSchema for Masked<T> {
+    fn name() -> std::borrow::Cow<'static, str> {
+        T::name()
+    }
+}
+
+/// Whether `text` holds something the masker would hide. Identifiers a client chooses (thread ids,
+/// idempotency keys, call ids) are refused when they do, rather than stored or echoed.
+pub fn looks_secret(text: &str) -> bool {
+    mask_text(text) != text
+}
+
 /// Cuts `text` to at most `max` characters, marking the cut.
 pub fn truncate(text: &str, max: usize) -> String {
     if text.chars().count() <= max {
@@ -391,6 +617,42 @@ mod tests {
         assert_eq!(mask_fact("db_password", "hunter2"), "***");
         assert_eq!(mask_fact("dsn", "postgres://admin:pw@db/x"), "postgres://***@db/x");
         assert_eq!(mask_fact("instance", "pay-prod-2"), "pay-prod-2");
+    }
+
+    #[test]
+    fn token_keys_but_not_token_counts() {
+        for secret in ["token", "access_token", "refreshToken", "X-Auth-Token", "csrftoken", "API_TOKEN"] {
+            assert!(is_secret_key(secret), "{secret}");
+        }
+        for plain in ["max_tokens", "maxTokens", "tokenizer", "tokens_used", "instanceId"] {
+            assert!(!is_secret_key(plain), "{plain}");
+        }
+    }
+
+    #[test]
+    fn masked_values_mask_on_every_way_in() {
+        let planted = "call sk-proj-AbC123dEf456 with password=hunter2";
+        let text: Masked<String> = planted.into();
+        assert_eq!(text, "call *** with password=***");
+        let parsed: Masked<String> = serde_json::from_value(json!(planted)).unwrap();
+        assert_eq!(parsed, text);
+        let json: Masked<Value> = json!({"note": planted, "apiKey": "x"}).into();
+        assert_eq!(json.inner(), &json!({"note": "call *** with password=***", "apiKey": "***"}));
+        assert_eq!(serde_json::to_value(&text).unwrap(), json!("call *** with password=***"));
+        assert!(looks_secret(planted));
+        assert!(!looks_secret("approve-int_0192"));
+    }
+
+    #[test]
+    fn masking_is_idempotent() {
+        for text in [
+            "password=hunter2 and Bearer abc and sk-live-123456 at postgres://u:p@db/x",
+            r#"{"password": "x", "token": "y"}"#,
+            "AKIAIOSFODNN7EXAMPLE ghp_0123456789abcdefABCD",
+        ] {
+            let once = mask_text(text);
+            assert_eq!(mask_text(&once), once, "{text}");
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@ use crate::domain::{
 use crate::event::{Event, EventKind};
 use crate::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+use crate::mask::Masked;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -69,9 +70,9 @@ pub enum ToolCallChange {
         from: ToolCallState,
         to: ToolCallState,
         /// Replaces the args (an approved edit).
-        args: Option<Value>,
-        result: Option<Value>,
-        summary: Option<String>,
+        args: Option<Masked<Value>>,
+        result: Option<Masked<Value>>,
+        summary: Option<Masked<String>>,
         started_at: Option<Timestamp>,
         finished_at: Option<Timestamp>,
     },
@@ -97,7 +98,8 @@ impl ToolCallChange {
 pub struct InterruptChange {
     pub id: InterruptId,
     pub to: InterruptStatus,
-    pub decision: Option<Value>,
+    pub decision: Option<Masked<Value>>,
+    pub note: Option<Masked<String>>,
     pub resolved_by: Option<String>,
 }
 
@@ -188,7 +190,7 @@ pub struct Committed {
 pub struct NewRun {
     pub conversation_id: ConversationId,
     pub user_id: String,
-    pub content: String,
+    pub content: Masked<String>,
     pub cancel_on_disconnect: bool,
     pub now: Timestamp,
     /// The run's first events (`run_started`, `graph_topology`), written with it.
@@ -223,7 +225,12 @@ pub trait Store: Send + Sync + 'static {
     async fn db_now(&self) -> StoreResult<Timestamp>;
 
     // --- conversations and messages
-    async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation>;
+    async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &Masked<String>,
+        now: Timestamp,
+    ) -> StoreResult<Conversation>;
     async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>>;
     /// Newest first.
     async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>>;

@@ -53,6 +53,10 @@ pub struct ResumeBody {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 200))]
     pub idempotency_key: Option<String>,
+    /// Why, in the decider's words: stored (masked) with the decision and shown with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 2000))]
+    pub note: Option<String>,
 }
 
 /// A decision is a string or an object; `null` or a missing one is refused (422).
@@ -116,7 +120,8 @@ pub struct ToolCallBody {
     pub id: CallId,
     pub name: String,
     pub state: ToolCallState,
-    pub summary: Option<String>,
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub summary: Option<crate::mask::Masked<String>>,
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub started_at: Option<Timestamp>,
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]

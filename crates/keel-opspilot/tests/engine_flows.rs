@@ -375,7 +375,7 @@ async fn a_crash_mid_stream_is_recovered_without_duplicated_text() {
         .unwrap()
         .into_iter()
         .filter(|m| m.role == Role::Assistant)
-        .map(|m| (m.id, m.content))
+        .map(|m| (m.id, m.content.into_inner()))
         .collect();
     assert_eq!(stored, rendered);
     // done points at the answer.
@@ -544,6 +544,7 @@ async fn another_users_objects_are_not_found() {
                 interrupt_id: interrupt,
                 decision: json!("approve"),
                 idempotency_key: "k".into(),
+                note: None,
             },
         )
         .await;
@@ -659,7 +660,7 @@ async fn stored_answers(h: &Harness, conv: &keel_core::ConversationId) -> Vec<(k
         .unwrap()
         .into_iter()
         .filter(|m| m.role == Role::Assistant)
-        .map(|m| (m.id, m.content))
+        .map(|m| (m.id, m.content.into_inner()))
         .collect()
 }
 

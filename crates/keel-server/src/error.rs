@@ -125,6 +125,7 @@ pub const ERROR_CODES: &[&str] = &[
     "VALIDATION_FAILED",
     "NOT_READY",
     "UPGRADE_REQUIRED",
+    "HOST_NOT_ALLOWED",
     "INTERNAL",
 ];
 

@@ -13,6 +13,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use crate::error::ApiError;
+use crate::json_error;
 use crate::limits::json_depth;
 use crate::state::AppState;
 
@@ -26,7 +27,8 @@ impl<S: Send + Sync> FromRequestParts<S> for Caller {
 
     async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
         parts.extensions.get::<Caller>().cloned().ok_or_else(|| {
-            tracing::error!(path = %parts.uri.path(), "a route outside the authentication middleware asked for its caller");
+            let route = parts.extensions.get::<axum::extract::MatchedPath>().map(|p| p.as_str().to_owned());
+            tracing::error!(?route, "a route outside the authentication middleware asked for its caller");
             ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "INTERNAL", "internal error")
         })
     }
@@ -100,12 +102,13 @@ fn parse_json<T: DeserializeOwned>(body: &[u8], max_depth: usize) -> Result<T, A
             format!("the body nests arrays and objects deeper than {max_depth} levels"),
         ));
     }
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request("MALFORMED_JSON", format!("the body is not valid JSON: {e}")))?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request("MALFORMED_JSON", format!("the body is not valid JSON: {}", json_error::syntax(&e)))
+    })?;
     if !value.is_object() {
         return Err(ApiError::validation("the body must be a JSON object"));
     }
-    serde_json::from_value(value).map_err(|e| ApiError::validation(e.to_string()))
+    json_error::from_value(value).map_err(ApiError::validation)
 }
 
 /// `application/json` or `application/<anything>+json`, parameters ignored.

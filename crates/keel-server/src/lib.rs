@@ -6,6 +6,8 @@ pub mod ag_ui;
 pub mod auth;
 pub mod error;
 pub mod extract;
+pub mod host;
+pub mod json_error;
 pub mod limits;
 pub mod metrics;
 pub mod openapi;
@@ -29,6 +31,11 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 pub use error::{ApiError, ApiResult};
+
+/// Log directives the binary adds after `RUST_LOG`, whatever it says: these crates log whole
+/// WebSocket frames at TRACE, and a frame holds what a client sent (a message, a decision's note),
+/// which Keel stores and streams only masked.
+pub const QUIET_LOG_TARGETS: &[&str] = &["tungstenite=debug", "tokio_tungstenite=debug"];
 pub use metrics::ServerMetrics;
 pub use state::{AppState, ServerConfig};
 
@@ -36,21 +43,48 @@ pub fn router(state: AppState) -> Router {
     let (public, v1) = api_routes(state.config.demo_mode);
     // `route_layer`: only matched routes authenticate, so an unknown path is a plain 404.
     let v1 = v1.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate));
-    let (api, _) = public.merge(v1).split_for_parts();
+    let (api, spec) = public.merge(v1).split_for_parts();
+    let templates = RouteTemplates::new(spec.paths.paths.keys().map(String::as_str).chain(page::PATHS.iter().copied()));
     api
         .merge(page::routes())
         .fallback(routes::not_found)
         .method_not_allowed_fallback(routes::method_not_allowed)
         .layer(DefaultBodyLimit::max(state.config.body_limit))
+        // Before routing, the body and authentication: a refused host runs nothing.
+        .layer(axum::middleware::from_fn_with_state(state.clone(), host::check))
         .layer(
-            // The span names the path, never the query: `?ticket=` is a credential.
+            // The span names the route's template (`/v1/runs/{id}`), never the path or the query:
+            // an id is the client's to keep out of logs, and `?ticket=` is a credential.
             TraceLayer::new_for_http()
-                .make_span_with(|request: &axum::http::Request<_>| {
-                    tracing::info_span!("request", method = %request.method(), path = %request.uri().path())
+                .make_span_with(move |request: &axum::http::Request<_>| {
+                    tracing::info_span!("request", method = %request.method(), route = templates.of(request.uri().path()))
                 })
                 .on_response(DefaultOnResponse::new().level(Level::INFO)),
         )
         .with_state(state)
+}
+
+/// The route templates a request log may name: a path is logged as the template it matches
+/// (`/v1/runs/{id}/events`), or as `(no route)`, so no id or secret in a URL reaches the log.
+#[derive(Debug, Clone)]
+struct RouteTemplates(std::sync::Arc<Vec<Vec<String>>>);
+
+impl RouteTemplates {
+    fn new<'a>(templates: impl Iterator<Item = &'a str>) -> Self {
+        Self(std::sync::Arc::new(templates.map(|t| t.split('/').map(str::to_owned).collect()).collect()))
+    }
+
+    fn of(&self, path: &str) -> String {
+        let segments: Vec<&str> = path.split('/').collect();
+        self.0
+            .iter()
+            .find(|t| {
+                t.len() == segments.len()
+                    && t.iter().zip(&segments).all(|(t, s)| (t.starts_with('{') && !s.is_empty()) || t == s)
+            })
+            .map(|t| t.join("/"))
+            .unwrap_or_else(|| "(no route)".to_owned())
+    }
 }
 
 /// The API's routes, each registered with its OpenAPI operation, so none is served without a spec:

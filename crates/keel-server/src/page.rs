@@ -18,9 +18,12 @@ const APP_CSS: &str = include_str!("../assets/app.css");
 const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; \
                    connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
 
+/// The page's routes.
+pub const PATHS: [&str; 2] = ["/", "/assets/{file}"];
+
 /// `GET /` and `GET /assets/{file}`; merge into the API router.
 pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
-    Router::new().route("/", get(index)).route("/assets/{file}", get(asset))
+    Router::new().route(PATHS[0], get(index)).route(PATHS[1], get(asset))
 }
 
 async fn index() -> Response {

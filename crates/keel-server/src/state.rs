@@ -8,6 +8,7 @@ use keel_core::engine::Engine;
 use tokio::sync::watch;
 
 use crate::auth::AuthMode;
+use crate::host::AllowedHosts;
 use crate::limits::{RateLimiter, StreamLimiter};
 use crate::metrics::ServerMetrics;
 
@@ -48,6 +49,9 @@ pub struct ServerConfig {
     pub ws_send_timeout: Duration,
     /// Frames queued per WebSocket connection (events of all its subscriptions and replies).
     pub ws_buffer: usize,
+    /// When set, only requests whose `Host` is one of these names are served; others get 403
+    /// `HOST_NOT_ALLOWED` ([`crate::host`]). Set for a server without keys on loopback.
+    pub allowed_hosts: Option<AllowedHosts>,
 }
 
 impl Default for ServerConfig {
@@ -69,6 +73,7 @@ impl Default for ServerConfig {
             stream_ticket_ttl: Duration::from_secs(60),
             ws_send_timeout: Duration::from_secs(5),
             ws_buffer: 64,
+            allowed_hosts: None,
         }
     }
 }

@@ -134,7 +134,7 @@ fn to(status: RunStatus) -> Option<RunChange> {
 }
 
 async fn conversation(store: &SharedStore, user: &str) -> Conversation {
-    store.create_conversation(user, "troubleshoot payment-api", at(0)).await.expect("create conversation")
+    store.create_conversation(user, &"troubleshoot payment-api".into(), at(0)).await.expect("create conversation")
 }
 
 async fn start(store: &SharedStore, conversation: &Conversation, now: Timestamp) -> StartedRun {
@@ -174,11 +174,12 @@ fn interrupt(run_id: &RunId, call_ids: Vec<CallId>, expires_at: Timestamp) -> In
         run_id: run_id.clone(),
         kind: InterruptKind::ConfirmAction,
         status: InterruptStatus::Pending,
-        payload: json!({"title": "Restart pay-prod-2", "risk": "medium"}),
+        payload: json!({"title": "Restart pay-prod-2", "risk": "medium"}).into(),
         call_ids,
         created_at: at(3),
         expires_at,
         decision: None,
+        note: None,
         resolved_by: None,
         resolved_at: None,
     }
@@ -205,7 +206,8 @@ fn resolve(interrupt: &Interrupt, by: &str) -> InterruptChange {
     InterruptChange {
         id: interrupt.id.clone(),
         to: InterruptStatus::Resolved,
-        decision: Some(json!("approve")),
+        decision: Some(json!("approve").into()),
+        note: None,
         resolved_by: Some(by.into()),
     }
 }
@@ -213,7 +215,8 @@ fn resolve(interrupt: &Interrupt, by: &str) -> InterruptChange {
 fn resumed(interrupt: &Interrupt, by: &str) -> EventKind {
     EventKind::Resumed {
         interrupt_id: interrupt.id.clone(),
-        decision: json!("approve"),
+        decision: json!("approve").into(),
+        note: None,
         human_wait_ms: 1000,
         resolved_by: by.into(),
     }
@@ -224,7 +227,7 @@ fn tool_call(run_id: &RunId, name: &str, instance_id: &str, state: ToolCallState
         id: CallId::new(),
         run_id: run_id.clone(),
         name: name.into(),
-        args: json!({"instanceId": instance_id}),
+        args: json!({"instanceId": instance_id}).into(),
         state,
         result: None,
         summary: None,
@@ -335,9 +338,9 @@ fn everything(run: &Run, conversation_id: &ConversationId, fence: Fence, call: &
 pub async fn conversations_are_per_user_and_newest_first(store: SharedStore) {
     let mut created = Vec::new();
     for secs in [10, 30, 20] {
-        created.push(store.create_conversation("alice", &format!("t{secs}"), at(secs)).await.expect("create"));
+        created.push(store.create_conversation("alice", &format!("t{secs}").into(), at(secs)).await.expect("create"));
     }
-    let bobs = store.create_conversation("bob", "bob's", at(40)).await.expect("create");
+    let bobs = store.create_conversation("bob", &"bob's".into(), at(40)).await.expect("create");
 
     let listed = store.list_conversations("alice", 10).await.expect("list");
     let titles: Vec<_> = listed.iter().map(|c| c.title.as_str()).collect();
@@ -464,7 +467,7 @@ pub async fn concurrent_starts_create_one_run(store: SharedStore) {
                     .start_run(NewRun {
                         conversation_id,
                         user_id: "alice".into(),
-                        content: format!("message {i}"),
+                        content: format!("message {i}").into(),
                         cancel_on_disconnect: false,
                         now: at(i),
                         events: vec![],
@@ -773,6 +776,7 @@ pub async fn expired_interrupt_cannot_be_resolved(store: SharedStore) {
         id: pending.id.clone(),
         to: InterruptStatus::Expired,
         decision: None,
+        note: None,
         resolved_by: None,
     });
     c.events.push(EventKind::Cancelled { reason: "interrupt expired".into() });
@@ -795,7 +799,7 @@ pub async fn interrupt_is_resolved_once(store: SharedStore) {
     commit_ok(&store, c).await;
     let resolved = store.get_interrupt(&pending.id).await.expect("get").expect("exists");
     assert_eq!(resolved.status, InterruptStatus::Resolved);
-    assert_eq!(resolved.decision, Some(json!("approve")));
+    assert_eq!(resolved.decision, Some(json!("approve").into()));
     assert_eq!(resolved.resolved_by.as_deref(), Some("alice"));
     assert_eq!(resolved.resolved_at, Some(at(299)));
     assert_eq!(store.pending_interrupt(&run.id).await.expect("pending"), None);
@@ -850,7 +854,7 @@ pub async fn tool_call_updates_are_conditional(store: SharedStore) {
             id: call.id.clone(),
             from: ToolCallState::Asking,
             to: ToolCallState::Allowed,
-            args: Some(json!({"instanceId": "pay-prod-3"})),
+            args: Some(json!({"instanceId": "pay-prod-3"}).into()),
             result: None,
             summary: None,
             started_at: None,
@@ -871,7 +875,7 @@ pub async fn tool_call_updates_are_conditional(store: SharedStore) {
             from: ToolCallState::Executing,
             to: ToolCallState::Succeeded,
             args: None,
-            result: Some(json!({"status": "healthy", "restartCount": 1})),
+            result: Some(json!({"status": "healthy", "restartCount": 1}).into()),
             summary: Some("pay-prod-3 restarted".into()),
             started_at: None,
             finished_at: Some(at(8)),
@@ -885,8 +889,8 @@ pub async fn tool_call_updates_are_conditional(store: SharedStore) {
     let done = store.list_tool_calls(&run.id).await.expect("calls").remove(0);
     assert_eq!(done.state, ToolCallState::Succeeded);
     assert_eq!(done.args, json!({"instanceId": "pay-prod-3"}), "the approved edit replaced the args");
-    assert_eq!(done.result, Some(json!({"status": "healthy", "restartCount": 1})));
-    assert_eq!(done.summary.as_deref(), Some("pay-prod-3 restarted"));
+    assert_eq!(done.result, Some(json!({"status": "healthy", "restartCount": 1}).into()));
+    assert_eq!(done.summary.as_ref().map(|s| s.as_str()), Some("pay-prod-3 restarted"));
     assert_eq!((done.started_at, done.finished_at), (Some(at(7)), Some(at(8))));
 }
 
@@ -915,7 +919,7 @@ pub async fn refused_effect_rolls_back_the_commit(store: SharedStore) {
             from: ToolCallState::Executing,
             to: ToolCallState::Succeeded,
             args: None,
-            result: Some(json!({"ok": true})),
+            result: Some(json!({"ok": true}).into()),
             summary: Some("restarted".into()),
             started_at: None,
             finished_at: Some(at(6)),
@@ -1086,7 +1090,7 @@ pub async fn messages_facts_and_summary_are_written_by_commit(store: SharedStore
     assert_eq!((summary.text.as_str(), &summary.through_message_id), ("second", &tool_message.id));
 
     // facts belong to their conversation
-    let other = store.create_conversation("alice", "other", at(0)).await.expect("create");
+    let other = store.create_conversation("alice", &"other".into(), at(0)).await.expect("create");
     assert!(store.list_facts(&other.id).await.expect("facts").is_empty());
     assert_eq!(store.get_summary(&other.id).await.expect("summary"), None);
 }
@@ -1460,7 +1464,7 @@ pub async fn conversation_tool_calls_span_runs(store: SharedStore) {
     assert_eq!(listed, vec![a.clone(), b.clone(), d.clone()]);
     assert_eq!(store.list_tool_calls(&first.id).await.expect("calls"), vec![a, b]);
     assert_eq!(store.list_tool_calls(&second.id).await.expect("calls"), vec![d]);
-    let other = store.create_conversation("alice", "other", at(0)).await.expect("create");
+    let other = store.create_conversation("alice", &"other".into(), at(0)).await.expect("create");
     assert!(store.list_conversation_tool_calls(&other.id).await.expect("calls").is_empty());
 }
 
@@ -1568,7 +1572,8 @@ pub async fn stream_tickets_are_redeemed_once_before_expiry(store: SharedStore) 
 pub async fn runs_are_listed_per_user_newest_first(store: SharedStore) {
     let mut alices = Vec::new();
     for secs in [10, 30, 20] {
-        let conversation = store.create_conversation("alice", &format!("t{secs}"), at(secs)).await.expect("create");
+        let conversation =
+            store.create_conversation("alice", &format!("t{secs}").into(), at(secs)).await.expect("create");
         alices.push(start(&store, &conversation, at(secs)).await.run);
     }
     let bobs = conversation(&store, "bob").await;
@@ -1618,7 +1623,7 @@ pub async fn interrupts_of_a_run_are_listed_with_their_history(store: SharedStor
     let listed = store.list_interrupts(&run.id).await.expect("list");
     assert_eq!(listed.iter().map(|i| i.id.clone()).collect::<Vec<_>>(), vec![first.id.clone(), second.id.clone()]);
     assert_eq!(listed[0].status, InterruptStatus::Resolved);
-    assert_eq!(listed[0].decision, Some(json!("approve")));
+    assert_eq!(listed[0].decision, Some(json!("approve").into()));
     assert_eq!(listed[0].resolved_by.as_deref(), Some("alice"));
     assert_eq!(listed[0].resolved_at, Some(at(7)));
     assert_eq!(listed[1], second);
@@ -1627,8 +1632,8 @@ pub async fn interrupts_of_a_run_are_listed_with_their_history(store: SharedStor
 }
 
 pub async fn ag_ui_threads_and_message_ids(store: SharedStore) {
-    let alice = store.create_conversation("alice", "a", at(0)).await.expect("create");
-    let other = store.create_conversation("alice", "b", at(0)).await.expect("create");
+    let alice = store.create_conversation("alice", &"a".into(), at(0)).await.expect("create");
+    let other = store.create_conversation("alice", &"b".into(), at(0)).await.expect("create");
     assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), None);
     let bound = store.bind_ag_ui_thread("alice", "thread-1", &alice.id, at(1)).await.expect("bind");
     assert_eq!(bound, alice.id);

@@ -23,6 +23,7 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind};
 use keel_core::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
+use keel_core::mask::Masked;
 use keel_core::store::{
     Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError,
     StoreResult, TextAppend, ToolCallChange,
@@ -282,9 +283,22 @@ impl<'r> Cols<'r> {
         serde_json::from_value(v).map_err(|e| self.bad(col, json_error(&e)))
     }
 
-    fn opt_json<T: DeserializeOwned>(&self, col: &str) -> StoreResult<Option<T>> {
-        let v: Option<Value> = self.get(col)?;
-        v.map(|v| serde_json::from_value(v).map_err(|e| self.bad(col, json_error(&e)))).transpose()
+    /// Text written through the masking gate ([`Masked`]).
+    fn masked(&self, col: &str) -> StoreResult<Masked<String>> {
+        self.get(col).map(Masked::from_store)
+    }
+
+    fn opt_masked(&self, col: &str) -> StoreResult<Option<Masked<String>>> {
+        Ok(self.get::<Option<String>>(col)?.map(Masked::from_store))
+    }
+
+    /// JSON written through the masking gate ([`Masked`]).
+    fn masked_json(&self, col: &str) -> StoreResult<Masked<Value>> {
+        self.get::<Value>(col).map(Masked::from_store)
+    }
+
+    fn opt_masked_json(&self, col: &str) -> StoreResult<Option<Masked<Value>>> {
+        Ok(self.get::<Option<Value>>(col)?.map(Masked::from_store))
     }
 }
 
@@ -293,7 +307,7 @@ fn conversation_from(row: &PgRow) -> StoreResult<Conversation> {
     Ok(Conversation {
         id: c.id("id")?,
         user_id: c.get("user_id")?,
-        title: c.get("title")?,
+        title: c.masked("title")?,
         version: c.get("version")?,
         created_at: c.ts("created_at")?,
     })
@@ -324,7 +338,7 @@ fn message_from(row: &PgRow) -> StoreResult<Message> {
         conversation_id: c.id("conversation_id")?,
         run_id: c.opt_id("run_id")?,
         role: c.parse("role", Role::parse)?,
-        content: c.get("content")?,
+        content: c.masked("content")?,
         tool_call_id: c.opt_id("tool_call_id")?,
         created_at: c.ts("created_at")?,
     })
@@ -334,7 +348,7 @@ fn fact_from(row: &PgRow) -> StoreResult<Fact> {
     let c = Cols::new(row, "facts");
     Ok(Fact {
         key: c.get("key")?,
-        value: c.get("value")?,
+        value: c.masked("value")?,
         source: c.parse("source", FactSource::parse)?,
         updated_at: c.ts("updated_at")?,
     })
@@ -345,7 +359,7 @@ fn summary_from(row: &PgRow) -> StoreResult<Summary> {
     Ok(Summary {
         conversation_id: c.id("conversation_id")?,
         through_message_id: c.id("through_message_id")?,
-        text: c.get("text")?,
+        text: c.masked("text")?,
     })
 }
 
@@ -384,11 +398,12 @@ fn interrupt_from(row: &PgRow) -> StoreResult<Interrupt> {
         run_id: c.id("run_id")?,
         kind: c.parse("kind", InterruptKind::parse)?,
         status: c.parse("status", InterruptStatus::parse)?,
-        payload: c.json("payload")?,
+        payload: c.masked_json("payload")?,
         call_ids: c.json("call_ids")?,
         created_at: c.ts("created_at")?,
         expires_at: c.ts("expires_at")?,
-        decision: c.opt_json("decision")?,
+        decision: c.opt_masked_json("decision")?,
+        note: c.opt_masked("note")?,
         resolved_by: c.get("resolved_by")?,
         resolved_at: c.opt_ts("resolved_at")?,
     })
@@ -400,10 +415,10 @@ fn tool_call_from(row: &PgRow) -> StoreResult<ToolCall> {
         id: c.id("id")?,
         run_id: c.id("run_id")?,
         name: c.get("name")?,
-        args: c.json("args")?,
+        args: c.masked_json("args")?,
         state: c.parse("state", ToolCallState::parse)?,
-        result: c.opt_json("result")?,
-        summary: c.get("summary")?,
+        result: c.opt_masked_json("result")?,
+        summary: c.opt_masked("summary")?,
         started_at: c.opt_ts("started_at")?,
         finished_at: c.opt_ts("finished_at")?,
     })
@@ -461,7 +476,7 @@ async fn insert_message(conn: &mut PgConnection, m: &Message) -> StoreResult<()>
     .bind(m.conversation_id.as_str())
     .bind(m.run_id.as_ref().map(|r| r.as_str()))
     .bind(m.role.as_str())
-    .bind(&m.content)
+    .bind(m.content.as_str())
     .bind(m.tool_call_id.as_ref().map(|c| c.as_str()))
     .bind(m.created_at)
     .execute(&mut *conn)
@@ -702,10 +717,10 @@ async fn apply_tool_call(
             .bind(call.run_id.as_str())
             .bind(conversation_id.as_str())
             .bind(&call.name)
-            .bind(&call.args)
+            .bind(call.args.inner())
             .bind(call.state.as_str())
-            .bind(&call.result)
-            .bind(&call.summary)
+            .bind(call.result.as_ref().map(|r| r.inner()))
+            .bind(call.summary.as_ref().map(|s| s.as_str()))
             .bind(call.started_at)
             .bind(call.finished_at)
             .execute(&mut *conn)
@@ -723,9 +738,9 @@ async fn apply_tool_call(
                  WHERE id = $7 AND run_id = $8 AND state = $9",
             )
             .bind(to.as_str())
-            .bind(args)
-            .bind(result)
-            .bind(summary)
+            .bind(args.as_ref().map(|a| a.inner()))
+            .bind(result.as_ref().map(|r| r.inner()))
+            .bind(summary.as_ref().map(|s| s.as_str()))
             .bind(started_at)
             .bind(finished_at)
             .bind(id.as_str())
@@ -756,19 +771,20 @@ async fn insert_interrupt(conn: &mut PgConnection, c: &Commit, i: &Interrupt) ->
     check_owner(format_args!("interrupt {}", i.id), &i.run_id, &c.run_id)?;
     sqlx::query(
         "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
-         resolved_by, resolved_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+         resolved_by, resolved_at, note) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
     )
     .bind(i.id.as_str())
     .bind(i.run_id.as_str())
     .bind(i.kind.as_str())
     .bind(i.status.as_str())
-    .bind(&i.payload)
+    .bind(i.payload.inner())
     .bind(json("interrupt call ids", &i.call_ids)?)
     .bind(i.created_at)
     .bind(i.expires_at)
-    .bind(&i.decision)
+    .bind(i.decision.as_ref().map(|d| d.inner()))
     .bind(&i.resolved_by)
     .bind(i.resolved_at)
+    .bind(i.note.as_ref().map(|n| n.as_str()))
     .execute(&mut *conn)
     .await
     .map_err(insert("interrupt"))?;
@@ -784,16 +800,17 @@ async fn change_interrupt(conn: &mut PgConnection, c: &Commit, change: &Interrup
     let resolving = change.to == InterruptStatus::Resolved;
     let done = sqlx::query(
         "UPDATE interrupts SET status = $1, decision = COALESCE($2, decision), \
-         resolved_by = COALESCE($3, resolved_by), resolved_at = $4 \
+         resolved_by = COALESCE($3, resolved_by), resolved_at = $4, note = COALESCE($8, note) \
          WHERE id = $5 AND run_id = $6 AND status = 'pending' AND (NOT $7 OR expires_at > $4)",
     )
     .bind(change.to.as_str())
-    .bind(&change.decision)
+    .bind(change.decision.as_ref().map(|d| d.inner()))
     .bind(&change.resolved_by)
     .bind(c.now)
     .bind(id.as_str())
     .bind(c.run_id.as_str())
     .bind(resolving)
+    .bind(change.note.as_ref().map(|n| n.as_str()))
     .execute(&mut *conn)
     .await
     .map_err(db("change an interrupt"))?;
@@ -823,7 +840,7 @@ async fn upsert_fact(conn: &mut PgConnection, conversation_id: &ConversationId, 
     )
     .bind(conversation_id.as_str())
     .bind(&f.key)
-    .bind(&f.value)
+    .bind(f.value.as_str())
     .bind(f.source.as_str())
     .bind(f.updated_at)
     .execute(&mut *conn)
@@ -841,7 +858,7 @@ async fn upsert_summary(conn: &mut PgConnection, conversation_id: &ConversationI
     )
     .bind(conversation_id.as_str())
     .bind(s.through_message_id.as_str())
-    .bind(&s.text)
+    .bind(s.text.as_str())
     .execute(&mut *conn)
     .await
     .map_err(db("upsert the summary"))?;
@@ -1077,18 +1094,23 @@ impl Store for PostgresStore {
             .map_err(db("read the database clock"))
     }
 
-    async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation> {
+    async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &Masked<String>,
+        now: Timestamp,
+    ) -> StoreResult<Conversation> {
         let conversation = Conversation {
             id: ConversationId::new(),
             user_id: user_id.to_owned(),
-            title: title.to_owned(),
+            title: title.clone(),
             version: 0,
             created_at: micros(now),
         };
         sqlx::query("INSERT INTO conversations (id, user_id, title, version, created_at) VALUES ($1, $2, $3, $4, $5)")
             .bind(conversation.id.as_str())
             .bind(&conversation.user_id)
-            .bind(&conversation.title)
+            .bind(conversation.title.as_str())
             .bind(conversation.version)
             .bind(conversation.created_at)
             .execute(&self.pool)

@@ -114,7 +114,7 @@ async fn schemas_are_isolated_reconnectable_and_dropped() {
     let Some(url) = url() else { return };
     let (a, _guard_a) = connect_fresh(&url).await;
     let (b, guard_b) = connect_fresh(&url).await;
-    let conversation = a.create_conversation("alice", "t", now()).await.expect("create");
+    let conversation = a.create_conversation("alice", &"t".into(), now()).await.expect("create");
     assert!(b.list_conversations("alice", 10).await.expect("list").is_empty(), "another schema sees nothing");
 
     // connecting again migrates nothing and finds the data
@@ -130,7 +130,7 @@ async fn schemas_are_isolated_reconnectable_and_dropped() {
     let sep = if url.contains('?') { '&' } else { '?' };
     let plain_url = format!("{url}{sep}options=-c%20search_path%3D{plain_schema}");
     let plain = PostgresStore::connect(&plain_url).await.expect("connect");
-    plain.create_conversation("bob", "t", now()).await.expect("create");
+    plain.create_conversation("bob", &"t".into(), now()).await.expect("create");
     assert!(matches!(plain.drop_schema().await, Err(StoreError::Backend(_))));
     plain.close().await;
     let tables: i64 = sqlx::query_scalar(
@@ -172,7 +172,7 @@ async fn an_unreachable_database_is_a_backend_error_without_the_password() {
 async fn an_unreadable_row_is_a_backend_error() {
     let Some(url) = url() else { return };
     let (store, _guard) = connect_fresh(&url).await;
-    let conversation = store.create_conversation("alice", "t", now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
     let started = store.start_run(new_run(&conversation.id)).await.expect("start");
 
     // someone else wrote rows this version cannot read
@@ -206,7 +206,7 @@ async fn an_unreadable_row_is_a_backend_error() {
 async fn a_start_that_loses_to_the_unique_index_reports_the_winner() {
     let Some(url) = url() else { return };
     let (store, _guard) = connect_fresh(&url).await;
-    let conversation = store.create_conversation("alice", "t", now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
 
     // another writer's active run, not committed yet (it does not lock the conversation row)
     let mut other = raw(&url, store.schema().expect("schema")).await;
@@ -298,7 +298,7 @@ async fn returned_times_equal_stored_times() {
     let Some(url) = url() else { return };
     let (store, _guard) = connect_fresh(&url).await;
     let t = now() + chrono::Duration::nanoseconds(123_456_789);
-    let conversation = store.create_conversation("alice", "t", t).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), t).await.expect("create");
     assert_eq!(conversation.created_at, now() + chrono::Duration::microseconds(123_456));
     assert_eq!(store.get_conversation(&conversation.id).await.expect("get").as_ref(), Some(&conversation));
     let started = store

@@ -17,7 +17,7 @@ async fn a_file_keeps_its_data_across_opens_and_migrations() {
     assert!(path.exists());
 
     let store = SqliteStore::open(&path).await.expect("open");
-    let conversation = store.create_conversation("alice", "t", now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
     store.close().await;
 
     // migrating again is a no-op; the url form opens the same file
@@ -31,7 +31,7 @@ async fn a_file_keeps_its_data_across_opens_and_migrations() {
 #[tokio::test]
 async fn an_in_memory_database_reads_its_own_writes() {
     let store = SqliteStore::open_url("sqlite::memory:").await.expect("open");
-    let conversation = store.create_conversation("alice", "t", now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
     assert_eq!(store.list_conversations("alice", 10).await.expect("list"), vec![conversation]);
 }
 
@@ -46,7 +46,7 @@ async fn an_unreadable_row_is_a_backend_error() {
     let dir = TempDir::new().expect("temp dir");
     let path = dir.path().join("keel.db");
     let store = SqliteStore::open(&path).await.expect("open");
-    let conversation = store.create_conversation("alice", "t", now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
     let started = store
         .start_run(NewRun {
             conversation_id: conversation.id.clone(),
@@ -103,6 +103,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0002_credentials.sql"),
         include_str!("../migrations/sqlite/0003_ag_ui.sql"),
         include_str!("../migrations/sqlite/0004_runs_by_user.sql"),
+        include_str!("../migrations/sqlite/0005_interrupt_notes.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {
@@ -137,7 +138,7 @@ async fn a_closed_store_answers_with_errors() {
     let store = SqliteStore::open(&dir.path().join("keel.db")).await.expect("open");
     let clone = store.clone();
     store.close().await;
-    assert!(matches!(clone.create_conversation("alice", "t", now()).await, Err(StoreError::Backend(_))));
+    assert!(matches!(clone.create_conversation("alice", &"t".into(), now()).await, Err(StoreError::Backend(_))));
     assert!(matches!(clone.list_conversations("alice", 10).await, Err(StoreError::Backend(_))));
 }
 
@@ -150,7 +151,7 @@ async fn the_wal_is_checkpointed_while_the_store_is_open() {
     let store = SqliteStore::open(&path).await.expect("open");
     let before = std::fs::metadata(&path).expect("db file").len();
     for i in 0..300 {
-        store.create_conversation("alice", &"x".repeat(1000 + i), now()).await.expect("create");
+        store.create_conversation("alice", &"x".repeat(1000 + i).into(), now()).await.expect("create");
     }
     // a few checkpoint periods
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

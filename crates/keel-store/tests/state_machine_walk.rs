@@ -31,7 +31,7 @@ fn op() -> impl Strategy<Value = Op> {
 async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
     // Microseconds: every backend keeps at least that precision.
     let now = chrono::DateTime::from_timestamp_micros(Utc::now().timestamp_micros()).unwrap();
-    let conv = store.create_conversation("u", "walk", now).await.unwrap();
+    let conv = store.create_conversation("u", &"walk".into(), now).await.unwrap();
     let started = store
         .start_run(NewRun {
             conversation_id: conv.id.clone(),
@@ -53,7 +53,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
         id: call_id.clone(),
         run_id: run_id.clone(),
         name: "t".into(),
-        args: json!({}),
+        args: json!({}).into(),
         state: ToolCallState::Requested,
         result: None,
         summary: None,
@@ -65,11 +65,12 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
         run_id: run_id.clone(),
         kind: InterruptKind::ConfirmAction,
         status: InterruptStatus::Pending,
-        payload: json!({}),
+        payload: json!({}).into(),
         call_ids: vec![call_id.clone()],
         created_at: now,
         expires_at: now + chrono::Duration::hours(1),
         decision: None,
+        note: None,
         resolved_by: None,
         resolved_at: None,
     });
@@ -93,6 +94,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
                     id: interrupt_id.clone(),
                     to: *to,
                     decision: None,
+                    note: None,
                     resolved_by: None,
                 });
                 interrupt.can_transition_to(*to)

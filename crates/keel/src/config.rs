@@ -118,6 +118,17 @@ pub struct Options {
     /// The most events one JSON replay page holds [default: 1000].
     #[arg(long, global = true, env = "KEEL_REPLAY_PAGE_MAX", value_name = "N")]
     pub replay_page_max: Option<u32>,
+    /// A host name requests may be addressed to besides localhost, 127.0.0.1 and [::1]; repeat it
+    /// or separate names with commas. A server without API keys answers only these; with keys, the
+    /// check is on only when a name is given.
+    #[arg(
+        long = "allowed-host",
+        global = true,
+        env = "KEEL_ALLOWED_HOSTS",
+        value_delimiter = ',',
+        value_name = "NAME"
+    )]
+    pub allowed_hosts: Vec<String>,
 }
 
 /// A secret read from the environment or the file; `***` in `Debug`.
@@ -171,6 +182,8 @@ pub struct FileConfig {
     pub json_max_depth: Option<usize>,
     pub max_message_chars: Option<usize>,
     pub replay_page_max: Option<u32>,
+    #[serde(default)]
+    pub allowed_hosts: Vec<String>,
     /// API keys by their SHA-256 (`[[api_keys]] user = "…", role = "operator", sha256 = "…"`).
     #[serde(default)]
     pub api_keys: Vec<ConfiguredKey>,
@@ -242,6 +255,8 @@ pub struct Settings {
     pub json_max_depth: usize,
     pub max_message_chars: usize,
     pub replay_page_max: u32,
+    /// Host names served besides the loopback ones (see `--allowed-host`).
+    pub allowed_hosts: Vec<String>,
     /// Where traces go over OTLP/HTTP, the full `…/v1/traces` URL; none: traces are only logs.
     pub otlp_endpoint: Option<OtlpEndpoint>,
 }
@@ -346,7 +361,17 @@ impl Settings {
             Some(url) => Some(otlp_endpoint(&url)?),
             None => None,
         };
+        let allowed_hosts = if cli.allowed_hosts.is_empty() { &file.allowed_hosts } else { &cli.allowed_hosts };
+        let allowed_hosts: Vec<String> =
+            allowed_hosts.iter().map(|h| h.trim().to_owned()).filter(|h| !h.is_empty()).collect();
+        if let Some(bad) = allowed_hosts.iter().find(|h| {
+            h.len() > 253
+                || !h.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':' | b'[' | b']'))
+        }) {
+            bail!("--allowed-host {bad:?} must be a host name (letters, digits, dots, dashes; an optional :port)");
+        }
         Ok(Self {
+            allowed_hosts,
             otlp_endpoint,
             listen,
             data_dir,

@@ -27,6 +27,7 @@ use keel_core::store::Store;
 use keel_core::UserRole;
 use keel_models::{DemoModel, OpenAiCompatible};
 use keel_server::auth::AuthMode;
+use keel_server::host::AllowedHosts;
 use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::{PostgresStore, SqliteStore};
 use tokio::sync::watch;
@@ -191,6 +192,14 @@ fn auth_mode(active_keys: u64, addr: std::net::SocketAddr, insecure_no_auth: boo
     Ok(AuthMode::SingleUser(DEMO_USER.to_owned()))
 }
 
+/// Which `Host` names are served. A keyless server on loopback acts for its local user on every
+/// request, so it answers only loopback names and the ones given: a page that rebinds its own name to
+/// 127.0.0.1 is refused. Otherwise the check is on only when names are given.
+fn allowed_hosts(auth: &AuthMode, addr: std::net::SocketAddr, extra: &[String]) -> Option<AllowedHosts> {
+    let keyless_loopback = matches!(auth, AuthMode::SingleUser(_)) && addr.ip().is_loopback();
+    (keyless_loopback || !extra.is_empty()).then(|| AllowedHosts::loopback_and(extra))
+}
+
 /// The backend, chosen once, here.
 enum OpenStore {
     Sqlite(SqliteStore),
@@ -307,6 +316,7 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
         engine.store().set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")?;
     }
     let server_config = ServerConfig {
+        allowed_hosts: allowed_hosts(&auth, addr, &settings.allowed_hosts),
         heartbeat: settings.heartbeat,
         demo_mode,
         demo_abnormal: settings.demo_abnormal,

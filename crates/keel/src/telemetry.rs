@@ -40,9 +40,14 @@ impl Telemetry {
 /// Installs the global subscriber. Call outside the async runtime: the OTLP exporter's blocking
 /// HTTP client runs on the batch processor's own thread.
 pub fn init(format: LogFormat, otlp: Option<&OtlpEndpoint>) -> anyhow::Result<Telemetry> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+    let mut filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    for directive in keel_server::QUIET_LOG_TARGETS {
+        filter = filter.add_directive(directive.parse().context("a built-in log directive")?);
+    }
+    // Colours only for a terminal: a file or a pipe gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
     let logs = match format {
         LogFormat::Json => logs.json().boxed(),
         LogFormat::Text => logs.boxed(),
@@ -158,6 +163,7 @@ mod tests {
             interrupt_id: interrupt_id.clone(),
             decision: "approve".into(),
             idempotency_key: "k".into(),
+            note: None,
         };
         let accepted = engine.resume("demo", &run_id, request).await.unwrap();
         engine.wait_settled(&run_id, accepted.resumed_sequence - 1).await.unwrap();

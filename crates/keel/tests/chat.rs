@@ -233,7 +233,7 @@ fn ctrl_c_detaches_the_run_goes_on_and_runs_watch_shows_the_rest() {
     assert!(watched.starts_with(&format!("Run {run_id} (completed), from its first event:\n")), "{watched}");
     assert!(watched.contains("… get_recent_errors"), "no spinner off a terminal: {watched}");
     assert!(!watched.contains('⠋'), "{watched}");
-    assert!(watched.contains(&answer), "{watched}");
+    assert!(watched.contains(answer.as_str()), "{watched}");
     assert!(watched.ends_with(&format!("Run {run_id} completed.\n")), "{watched}");
 }
 

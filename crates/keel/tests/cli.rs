@@ -208,3 +208,95 @@ fn keys_from_the_file_by_hash() {
     assert!(ok.starts_with("HTTP/1.1 200"), "{ok}");
     server.kill();
 }
+
+/// A request sent as `host` names it, whatever address it goes to.
+fn http_as_host(addr: &str, host: &str, method: &str, path: &str, extra: &str) -> String {
+    let mut stream = TcpStream::connect(addr).expect("connect");
+    stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let body = if method == "POST" { "{}" } else { "" };
+    let length = if method == "POST" { "Content-Type: application/json\r\nContent-Length: 2\r\n" } else { "" };
+    write!(stream, "{method} {path} HTTP/1.1\r\nHost: {host}\r\n{length}{extra}Connection: close\r\n\r\n{body}")
+        .unwrap();
+    let mut response = Vec::new();
+    // An SSE or WebSocket answer does not end by itself: its head is enough.
+    let mut chunk = [0u8; 4096];
+    while let Ok(n) = stream.read(&mut chunk) {
+        if n == 0 {
+            break;
+        }
+        response.extend_from_slice(&chunk[..n]);
+        if response.windows(4).any(|w| w == b"\r\n\r\n") && !response.starts_with(b"HTTP/1.1 200") {
+            break;
+        }
+        if response.starts_with(b"HTTP/1.1 101") || response.starts_with(b"HTTP/1.1 200") {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&response).into_owned()
+}
+
+/// Every kind of route: REST reads and writes, an SSE stream, the WebSocket upgrade, AG-UI, the
+/// page and its assets, health.
+const ROUTES: &[(&str, &str, &str)] = &[
+    ("GET", "/v1/conversations", ""),
+    ("POST", "/v1/conversations", ""),
+    ("GET", "/v1/runs/run_x/events", "Accept: text/event-stream\r\n"),
+    (
+        "GET",
+        "/v1/ws",
+        "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n",
+    ),
+    ("POST", "/v1/ag-ui", "Accept: text/event-stream\r\n"),
+    ("GET", "/", ""),
+    ("GET", "/assets/app.js", ""),
+    ("GET", "/healthz", ""),
+];
+
+/// Without keys on loopback, a request addressed to another name (a page that rebound its name to
+/// 127.0.0.1) is refused on every route before anything runs; loopback names and `--allowed-host`
+/// names are served; with keys the check is off.
+#[test]
+fn keyless_loopback_answers_only_loopback_hosts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, addr) = serve(dir.path(), &["--allowed-host", "keel.test,ops.example"]);
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    for (method, path, extra) in ROUTES {
+        for host in [format!("attacker.example:{port}"), "attacker.example".into(), format!("127.0.0.1.nip.io:{port}")]
+        {
+            let answer = http_as_host(&addr, &host, method, path, extra);
+            assert!(answer.starts_with("HTTP/1.1 403"), "{method} {path} as {host}: {answer}");
+            assert!(answer.contains("HOST_NOT_ALLOWED"), "{answer}");
+            assert!(!answer.contains("attacker"), "the refused name is not repeated: {answer}");
+        }
+        for host in [
+            format!("127.0.0.1:{port}"),
+            format!("localhost:{port}"),
+            format!("[::1]:{port}"),
+            "localhost".into(),
+            format!("keel.test:{port}"),
+            "OPS.example".into(),
+        ] {
+            let answer = http_as_host(&addr, &host, method, path, extra);
+            assert!(!answer.starts_with("HTTP/1.1 403"), "{method} {path} as {host}: {answer}");
+        }
+    }
+    let missing = {
+        let mut stream = TcpStream::connect(&addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(stream, "GET /v1/conversations HTTP/1.0\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        stream.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    assert!(missing.starts_with("HTTP/1.0 403") || missing.starts_with("HTTP/1.1 403"), "no Host: {missing}");
+    server.kill();
+
+    // With a key, the key is the protection: any Host is served.
+    let added = users(dir.path(), &["add", "alice", "--role", "operator"]);
+    let key = String::from_utf8(added.stdout).unwrap().trim().to_owned();
+    let (server, addr) = serve(dir.path(), &[]);
+    let answer =
+        http_as_host(&addr, "keel.internal", "GET", "/v1/conversations", &format!("Authorization: Bearer {key}\r\n"));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    server.kill();
+}

@@ -407,7 +407,7 @@ async fn check_run(http: &reqwest::Client, base: &str, t: &Tracked, state: &Valu
     for e in &events {
         match &e.kind {
             EventKind::ToolStarted { call_id, args_summary, .. } => {
-                started.insert(call_id.as_str().to_owned(), args_summary.clone());
+                started.insert(call_id.as_str().to_owned(), args_summary.as_str().to_owned());
             }
             EventKind::ToolFinished { call_id, tool, status, .. } => {
                 let id = call_id.as_str().to_owned();

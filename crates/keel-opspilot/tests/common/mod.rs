@@ -134,7 +134,7 @@ impl Harness {
             .resume(
                 "demo",
                 run,
-                ResumeRequest { interrupt_id: interrupt.clone(), decision, idempotency_key: key.into() },
+                ResumeRequest { interrupt_id: interrupt.clone(), decision, idempotency_key: key.into(), note: None },
             )
             .await
     }
@@ -168,7 +168,7 @@ pub fn interrupt_of(events: &[Event]) -> (InterruptId, Value) {
     events
         .iter()
         .find_map(|e| match &e.kind {
-            EventKind::Interrupt { interrupt_id, payload, .. } => Some((interrupt_id.clone(), payload.clone())),
+            EventKind::Interrupt { interrupt_id, payload, .. } => Some((interrupt_id.clone(), payload.inner().clone())),
             _ => None,
         })
         .expect("an interrupt event")

@@ -63,14 +63,10 @@ impl RunAgentInput {
     /// Checks what serde can't; the message is a `VALIDATION_FAILED` one.
     pub fn validate(&self) -> Result<(), String> {
         for (name, value) in [("threadId", &self.thread_id), ("runId", &self.run_id)] {
-            if value.is_empty() || value.len() > MAX_ID {
-                return Err(format!("{name}: must be 1 to {MAX_ID} characters"));
-            }
+            check_id(name, value)?;
         }
         for (i, m) in self.messages.iter().enumerate() {
-            if m.id.is_empty() || m.id.len() > MAX_ID {
-                return Err(format!("messages[{i}].id: must be 1 to {MAX_ID} characters"));
-            }
+            check_id(&format!("messages[{i}].id"), &m.id)?;
         }
         if let Some(resume) = &self.resume {
             if resume.len() > 64 {
@@ -90,6 +86,18 @@ impl RunAgentInput {
         })?;
         Ok(Some((m.id.as_str(), text)))
     }
+}
+
+/// A client's id is stored (thread and message bindings) and echoed (`RUN_STARTED`): one that looks
+/// like a secret is refused, and the error does not repeat it.
+fn check_id(name: &str, value: &str) -> Result<(), String> {
+    if value.is_empty() || value.len() > MAX_ID {
+        return Err(format!("{name}: must be 1 to {MAX_ID} characters"));
+    }
+    if keel_core::mask::looks_secret(value) {
+        return Err(format!("{name}: looks like a secret (a key, token or password); use an opaque id"));
+    }
+    Ok(())
 }
 
 fn user_text(content: Option<&Value>) -> Option<String> {
@@ -149,7 +157,7 @@ pub fn decision(entries: &[(usize, &ResumeEntry, Option<CallId>)], call_ids: &[C
         };
         let targets: Vec<&CallId> = match call {
             Some(c) if call_ids.contains(c) => vec![c],
-            Some(c) => return Err(format!("resume[{i}].interruptId: the interrupt does not wait for {c}")),
+            Some(_) => return Err(format!("resume[{i}].interruptId: names a call the interrupt does not wait for")),
             None => call_ids.iter().collect(),
         };
         for c in targets {

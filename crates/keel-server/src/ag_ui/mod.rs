@@ -440,7 +440,8 @@ mod tests {
                 kind: InterruptKind::ConfirmAction,
                 payload: json!({"title": "Restart pay-prod-2?", "risk": "drops requests", "outcomeUnknown": false,
                     "actions": [{"callId": "call_r", "tool": "restart_instance", "args": {"instanceId": "pay-prod-2"},
-                                 "title": "Restart pay-prod-2?", "description": "Restart it"}]}),
+                                 "title": "Restart pay-prod-2?", "description": "Restart it"}]})
+                .into(),
                 expires_at: DateTime::from_timestamp(2_000_000_000, 0).unwrap(),
             },
         )
@@ -682,10 +683,10 @@ mod tests {
             id: call(id),
             run_id: run.clone(),
             name: "restart_instance".into(),
-            args: json!({"instanceId": "pay-prod-2"}),
+            args: json!({"instanceId": "pay-prod-2"}).into(),
             state,
-            result: Some(json!({"secret": "full result"})),
-            summary: summary.map(str::to_owned),
+            result: Some(json!({"secret": "full result"}).into()),
+            summary: summary.map(Into::into),
             started_at: None,
             finished_at: None,
         };

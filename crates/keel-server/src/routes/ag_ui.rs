@@ -121,7 +121,7 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
         };
         let decision = input::decision(&entries, &interrupt.call_ids).map_err(ApiError::validation)?;
         let idempotency_key = input::idempotency_key(&interrupt.id, &decision);
-        let request = ResumeRequest { interrupt_id: interrupt.id.clone(), decision, idempotency_key };
+        let request = ResumeRequest { interrupt_id: interrupt.id.clone(), decision, idempotency_key, note: None };
         let accepted = match engine.resume(&caller.0, &run.id, request).await {
             Ok(accepted) => accepted,
             Err(EngineError::InterruptExpired) if resume.iter().all(|e| e.status == ResumeStatus::Cancelled) => {
@@ -358,7 +358,7 @@ async fn map(
     if let Some(call_id) = call_id {
         if !args.contains_key(call_id) {
             for call in state.engine.store().list_tool_calls(&event.run_id).await? {
-                args.insert(call.id, call.args);
+                args.insert(call.id, call.args.into_inner());
             }
         }
     }

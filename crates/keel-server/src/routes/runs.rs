@@ -217,7 +217,7 @@ pub async fn resume(
             return Err(ApiError::validation("idempotencyKey: required (in the body or an Idempotency-Key header)"))
         }
     };
-    let request = ResumeRequest { interrupt_id, decision, idempotency_key };
+    let request = ResumeRequest { interrupt_id, decision, idempotency_key, note: body.note };
     // A stream's slot is taken before the resume, so a refused stream resumes nothing.
     let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
     let accepted = state.engine.resume(&caller.0, &id, request).await?;

@@ -105,6 +105,8 @@ enum Request {
         decision: Value,
         idempotency_key: String,
         #[serde(default)]
+        note: Option<String>,
+        #[serde(default)]
         request_id: Option<Value>,
     },
     Cancel {
@@ -158,7 +160,8 @@ impl Outbox {
     async fn reply(&self, request_id: &Option<Value>, outcome: Result<Value, ApiError>) -> bool {
         let mut reply = json!({"type": "reply"});
         if let Some(id) = request_id {
-            reply["requestId"] = id.clone();
+            // Echoed so the client can match the reply, masked like anything else it sent.
+            reply["requestId"] = keel_core::mask::mask_value(id);
         }
         match outcome {
             Ok(result) => reply["result"] = result,
@@ -297,16 +300,19 @@ async fn handle(
     let value: Value = match serde_json::from_str(text) {
         Ok(v) => v,
         Err(e) => {
-            let e = ApiError::bad_request("MALFORMED_JSON", format!("the message is not valid JSON: {e}"));
+            let e = ApiError::bad_request(
+                "MALFORMED_JSON",
+                format!("the message is not valid JSON: {}", crate::json_error::syntax(&e)),
+            );
             outbox.reply(&None, Err(e)).await;
             return;
         }
     };
     let request_id = value.get("requestId").cloned();
-    let request: Request = match serde_json::from_value(value) {
+    let request: Request = match crate::json_error::from_value(value) {
         Ok(r) => r,
         Err(e) => {
-            outbox.reply(&request_id, Err(ApiError::validation(e.to_string()))).await;
+            outbox.reply(&request_id, Err(ApiError::validation(e))).await;
             return;
         }
     };
@@ -375,7 +381,7 @@ async fn handle(
             .await;
             outbox.reply(&request_id, outcome).await;
         }
-        Request::Resume { run_id, interrupt_id, decision, idempotency_key, request_id } => {
+        Request::Resume { run_id, interrupt_id, decision, idempotency_key, note, request_id } => {
             let outcome = async {
                 let run_id = parse_run(&run_id)?;
                 let interrupt_id = InterruptId::parse(&interrupt_id)
@@ -383,7 +389,7 @@ async fn handle(
                 if decision.is_null() {
                     return Err(ApiError::validation("decision: required"));
                 }
-                let request = ResumeRequest { interrupt_id, decision, idempotency_key };
+                let request = ResumeRequest { interrupt_id, decision, idempotency_key, note };
                 let accepted = engine.resume(&caller.0, &run_id, request).await?;
                 serde_json::to_value(accepted).map_err(|e| ApiError::internal(&e))
             }

@@ -54,6 +54,8 @@ pub struct Options {
     /// `SO_SNDBUF` of the server's sockets (accepted sockets inherit the listener's): a small one
     /// lets a test fill the path to a client that stopped reading with little data.
     pub send_buffer: Option<u32>,
+    /// Instead of a SQLite database in the temporary directory (a Postgres schema, say).
+    pub store: Option<Arc<dyn Store>>,
 }
 
 impl Default for Options {
@@ -70,6 +72,7 @@ impl Default for Options {
             ws_send_timeout: Duration::from_secs(5),
             ws_buffer: 64,
             send_buffer: None,
+            store: None,
         }
     }
 }
@@ -107,8 +110,10 @@ impl TestApp {
     pub async fn with(options: Options) -> Self {
         init_tracing();
         let dir = tempfile::tempdir().expect("temp dir");
-        let store: Arc<dyn Store> =
-            Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.expect("open the store"));
+        let store: Arc<dyn Store> = match &options.store {
+            Some(store) => store.clone(),
+            None => Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.expect("open the store")),
+        };
         store.seed_fleet(FleetSeed { extra_abnormal: 0 }, chrono::Utc::now()).await.expect("seed");
         let mut keys = HashMap::new();
         for (user, role) in [
@@ -181,6 +186,11 @@ impl TestApp {
     /// The SQLite database file (its `-wal` beside it).
     pub fn db_path(&self) -> std::path::PathBuf {
         self._dir.path().join("keel.db")
+    }
+
+    /// The directory the SQLite database lives in.
+    pub fn data_dir(&self) -> &std::path::Path {
+        self._dir.path()
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -12,7 +12,6 @@ use keel_core::store::{
 };
 use rusqlite::{params, Connection, ToSql};
 use serde::Serialize;
-use serde_json::Value;
 
 use super::db::{db, insert, is_unique_violation};
 use super::rows::{exec, exec_or, one, Cols};
@@ -33,7 +32,7 @@ pub fn json<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult
     serde_json::to_string(value).map_err(|e| StoreError::Backend(format!("encode {what}: {e}")))
 }
 
-pub fn opt_json(what: &'static str, value: &Option<Value>) -> StoreResult<Option<String>> {
+pub fn opt_json<T: Serialize>(what: &'static str, value: &Option<T>) -> StoreResult<Option<String>> {
     value.as_ref().map(|v| json(what, v)).transpose()
 }
 
@@ -70,7 +69,7 @@ pub fn insert_message(conn: &Connection, m: &Message) -> StoreResult<()> {
             m.conversation_id.as_str(),
             m.run_id.as_ref().map(|r| r.as_str()),
             m.role.as_str(),
-            m.content,
+            m.content.as_str(),
             m.tool_call_id.as_ref().map(|c| c.as_str()),
             ts(&m.created_at),
         ],
@@ -291,7 +290,7 @@ fn apply_tool_call(
                     args,
                     call.state.as_str(),
                     result,
-                    call.summary,
+                    call.summary.as_ref().map(|s| s.as_str()),
                     opt_ts(&call.started_at),
                     opt_ts(&call.finished_at),
                 ],
@@ -313,7 +312,7 @@ fn apply_tool_call(
                     to.as_str(),
                     args.as_ref().map(|a| json("tool call args", a)).transpose()?,
                     opt_json("tool call result", result)?,
-                    summary,
+                    summary.as_ref().map(|s| s.as_str()),
                     opt_ts(started_at),
                     opt_ts(finished_at),
                     id.as_str(),
@@ -347,7 +346,7 @@ fn insert_interrupt(conn: &Connection, c: &Commit, i: &Interrupt) -> StoreResult
     exec_or(
         conn,
         "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
-         resolved_by, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+         note, resolved_by, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         params![
             i.id.as_str(),
             i.run_id.as_str(),
@@ -358,6 +357,7 @@ fn insert_interrupt(conn: &Connection, c: &Commit, i: &Interrupt) -> StoreResult
             ts(&i.created_at),
             ts(&i.expires_at),
             decision,
+            i.note.as_ref().map(|n| n.as_str()),
             i.resolved_by,
             opt_ts(&i.resolved_at),
         ],
@@ -377,12 +377,13 @@ fn change_interrupt(conn: &Connection, c: &Commit, change: &InterruptChange) -> 
     let done = exec(
         conn,
         "change an interrupt",
-        "UPDATE interrupts SET status = ?, decision = COALESCE(?, decision), \
+        "UPDATE interrupts SET status = ?, decision = COALESCE(?, decision), note = COALESCE(?, note), \
          resolved_by = COALESCE(?, resolved_by), resolved_at = ? \
          WHERE id = ? AND run_id = ? AND status = 'pending' AND (NOT ? OR expires_at > ?)",
         params![
             change.to.as_str(),
             opt_json("interrupt decision", &change.decision)?,
+            change.note.as_ref().map(|n| n.as_str()),
             change.resolved_by,
             now,
             id.as_str(),
@@ -415,7 +416,7 @@ fn upsert_fact(conn: &Connection, conversation_id: &ConversationId, f: &Fact) ->
         "INSERT INTO facts (conversation_id, key, value, source, updated_at) VALUES (?, ?, ?, ?, ?) \
          ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
          updated_at = excluded.updated_at",
-        params![conversation_id.as_str(), f.key, f.value, f.source.as_str(), ts(&f.updated_at)],
+        params![conversation_id.as_str(), f.key, f.value.as_str(), f.source.as_str(), ts(&f.updated_at)],
     )?;
     Ok(())
 }
@@ -428,7 +429,7 @@ fn upsert_summary(conn: &Connection, conversation_id: &ConversationId, s: &Summa
         "INSERT INTO summaries (conversation_id, through_message_id, text) VALUES (?, ?, ?) \
          ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
          text = excluded.text",
-        params![conversation_id.as_str(), s.through_message_id.as_str(), s.text],
+        params![conversation_id.as_str(), s.through_message_id.as_str(), s.text.as_str()],
     )?;
     Ok(())
 }

@@ -430,6 +430,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (2, "credentials", include_str!("../../migrations/sqlite/0002_credentials.sql")),
     (3, "ag ui", include_str!("../../migrations/sqlite/0003_ag_ui.sql")),
     (4, "runs by user", include_str!("../../migrations/sqlite/0004_runs_by_user.sql")),
+    (5, "interrupt notes", include_str!("../../migrations/sqlite/0005_interrupt_notes.sql")),
 ];
 
 /// Applies the migrations the database lacks, each in its own transaction, recorded in

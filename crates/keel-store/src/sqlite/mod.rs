@@ -26,6 +26,7 @@ use keel_core::domain::{
 use keel_core::event::Event;
 use keel_core::fleet::{ErrorLogEntry, FleetSeed, Instance};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
+use keel_core::mask::Masked;
 use keel_core::store::{Commit, Committed, IdempotencyBegin, NewRun, StartedRun, Store, StoreError, StoreResult};
 use rusqlite::params;
 use serde_json::Value;
@@ -95,11 +96,16 @@ impl Store for SqliteStore {
         Ok(chrono::Utc::now())
     }
 
-    async fn create_conversation(&self, user_id: &str, title: &str, now: Timestamp) -> StoreResult<Conversation> {
+    async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &Masked<String>,
+        now: Timestamp,
+    ) -> StoreResult<Conversation> {
         let conversation = Conversation {
             id: ConversationId::new(),
             user_id: user_id.to_owned(),
-            title: title.to_owned(),
+            title: title.clone(),
             version: 0,
             created_at: now,
         };
@@ -111,7 +117,7 @@ impl Store for SqliteStore {
                     params![
                         conversation.id.as_str(),
                         conversation.user_id,
-                        conversation.title,
+                        conversation.title.as_str(),
                         conversation.version,
                         ts(&conversation.created_at),
                     ],

@@ -11,6 +11,7 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind};
 use keel_core::fleet::{ErrorLogEntry, Instance};
 use keel_core::ids::{InvalidId, RunId};
+use keel_core::mask::Masked;
 use keel_core::store::{StoreError, StoreResult};
 use rusqlite::types::FromSql;
 use rusqlite::{Connection, Params, Row};
@@ -131,6 +132,24 @@ impl<'a, 'r> Cols<'a, 'r> {
         serde_json::from_str(&s).map_err(|e| self.bad(col, json_error(&e)))
     }
 
+    /// Text written through the masking gate ([`Masked`]).
+    pub fn masked(&self, col: &str) -> StoreResult<Masked<String>> {
+        self.get(col).map(Masked::from_store)
+    }
+
+    pub fn opt_masked(&self, col: &str) -> StoreResult<Option<Masked<String>>> {
+        Ok(self.get::<Option<String>>(col)?.map(Masked::from_store))
+    }
+
+    /// JSON written through the masking gate ([`Masked`]).
+    pub fn masked_json(&self, col: &str) -> StoreResult<Masked<Value>> {
+        self.json(col).map(Masked::from_store)
+    }
+
+    pub fn opt_masked_json(&self, col: &str) -> StoreResult<Option<Masked<Value>>> {
+        Ok(self.opt_json::<Value>(col)?.map(Masked::from_store))
+    }
+
     pub fn opt_json<T: DeserializeOwned>(&self, col: &str) -> StoreResult<Option<T>> {
         let s: Option<String> = self.get(col)?;
         s.map(|s| serde_json::from_str(&s).map_err(|e| self.bad(col, json_error(&e)))).transpose()
@@ -142,7 +161,7 @@ pub fn conversation_from(row: &Row<'_>) -> StoreResult<Conversation> {
     Ok(Conversation {
         id: c.id("id")?,
         user_id: c.get("user_id")?,
-        title: c.get("title")?,
+        title: c.masked("title")?,
         version: c.get("version")?,
         created_at: c.ts("created_at")?,
     })
@@ -173,7 +192,7 @@ pub fn message_from(row: &Row<'_>) -> StoreResult<Message> {
         conversation_id: c.id("conversation_id")?,
         run_id: c.opt_id("run_id")?,
         role: c.parse("role", Role::parse)?,
-        content: c.get("content")?,
+        content: c.masked("content")?,
         tool_call_id: c.opt_id("tool_call_id")?,
         created_at: c.ts("created_at")?,
     })
@@ -183,7 +202,7 @@ pub fn fact_from(row: &Row<'_>) -> StoreResult<Fact> {
     let c = Cols::new(row, "facts");
     Ok(Fact {
         key: c.get("key")?,
-        value: c.get("value")?,
+        value: c.masked("value")?,
         source: c.parse("source", FactSource::parse)?,
         updated_at: c.ts("updated_at")?,
     })
@@ -194,7 +213,7 @@ pub fn summary_from(row: &Row<'_>) -> StoreResult<Summary> {
     Ok(Summary {
         conversation_id: c.id("conversation_id")?,
         through_message_id: c.id("through_message_id")?,
-        text: c.get("text")?,
+        text: c.masked("text")?,
     })
 }
 
@@ -233,11 +252,12 @@ pub fn interrupt_from(row: &Row<'_>) -> StoreResult<Interrupt> {
         run_id: c.id("run_id")?,
         kind: c.parse("kind", InterruptKind::parse)?,
         status: c.parse("status", InterruptStatus::parse)?,
-        payload: c.json("payload")?,
+        payload: c.masked_json("payload")?,
         call_ids: c.json("call_ids")?,
         created_at: c.ts("created_at")?,
         expires_at: c.ts("expires_at")?,
-        decision: c.opt_json("decision")?,
+        decision: c.opt_masked_json("decision")?,
+        note: c.opt_masked("note")?,
         resolved_by: c.get("resolved_by")?,
         resolved_at: c.opt_ts("resolved_at")?,
     })
@@ -249,10 +269,10 @@ pub fn tool_call_from(row: &Row<'_>) -> StoreResult<ToolCall> {
         id: c.id("id")?,
         run_id: c.id("run_id")?,
         name: c.get("name")?,
-        args: c.json("args")?,
+        args: c.masked_json("args")?,
         state: c.parse("state", ToolCallState::parse)?,
-        result: c.opt_json("result")?,
-        summary: c.get("summary")?,
+        result: c.opt_masked_json("result")?,
+        summary: c.opt_masked("summary")?,
         started_at: c.opt_ts("started_at")?,
         finished_at: c.opt_ts("finished_at")?,
     })

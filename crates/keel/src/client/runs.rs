@@ -116,7 +116,7 @@ fn decided(interrupt: &Interrupt) -> String {
     };
     let outcome = match interrupt.status {
         InterruptStatus::Resolved => {
-            let decision = interrupt.decision.as_ref().map(decision_text).unwrap_or_else(|| "decided".into());
+            let decision = interrupt.decision.as_deref().map(decision_text).unwrap_or_else(|| "decided".into());
             let by = interrupt.resolved_by.as_deref().unwrap_or("someone");
             let at = interrupt.resolved_at.as_ref().map(time).unwrap_or_else(|| "an unknown time".into());
             format!("{decision} by {by} at {at}")
