@@ -2,7 +2,8 @@
 # The web page's browser tests: Debian's chromium driven by playwright-core, against `keel demo`.
 #   e2e/run.sh                 run the tests
 #   e2e/run.sh --screenshots   also write docs/screenshot-confirm.png and docs/screenshot-done.png
-# Needs node >= 20 and npm; installs chromium with apt-get when /usr/bin/chromium is missing.
+# Needs node >= 20, npm and python3 (crates/keel/tests/support/tool_service.py, the HTTP service of
+# own-agent.test.js); installs chromium with apt-get when /usr/bin/chromium is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD

@@ -110,6 +110,29 @@ export async function watchPaints(page) {
   return () => page.evaluate(() => window.__paints.filter((n) => n > 0));
 }
 
+/** The WCAG contrast ratio of the text of the first element of each selector that has one, on its background. */
+export async function contrasts(page, selectors) {
+  return page.evaluate((selectors) => {
+    const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
+    const lum = ([r, g, b]) => {
+      const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
+      return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+    };
+    const background = (el) => {
+      for (; el; el = el.parentElement) {
+        const c = rgb(getComputedStyle(el).backgroundColor);
+        if (c.length === 3 || c[3] > 0.5) return c.slice(0, 3);
+      }
+      return [255, 255, 255];
+    };
+    return selectors.map((sel) => [sel, document.querySelector(sel)]).filter(([, el]) => el).map(([sel, el]) => {
+      const fg = rgb(getComputedStyle(el).color).slice(0, 3);
+      const [a, b] = [lum(fg), lum(background(el))].sort((x, y) => y - x);
+      return { sel, ratio: (a + 0.05) / (b + 0.05) };
+    });
+  }, selectors);
+}
+
 export async function noPageErrors(page) {
   assert.deepEqual(page.errors, [], 'no script errors in the page');
 }

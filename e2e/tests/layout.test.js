@@ -1,7 +1,7 @@
 // Phone width, the keyboard alone, and readable contrast.
 import { after, before, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { BASE, launch, open, resetFleet, restartCount, turn, waitTurn, turnText, noPageErrors } from './helpers.js';
+import { BASE, contrasts, launch, open, resetFleet, restartCount, turn, waitTurn, turnText, noPageErrors } from './helpers.js';
 
 let browser;
 before(async () => { browser = await launch({ viewport: { width: 390, height: 844 }, hasTouch: true }); });
@@ -79,31 +79,13 @@ for (const scheme of ['light', 'dark']) test(`text is readable: WCAG AA contrast
   await page.emulateMedia({ colorScheme: scheme });
   await page.goto(BASE + '/');
   await page.locator('.suggestions .chip').first().waitFor();
-  const sample = async (selectors) => page.evaluate((selectors) => {
-    const rgb = (c) => (c.match(/[\d.]+/g) || []).map(Number);
-    const lum = ([r, g, b]) => {
-      const f = (v) => { v /= 255; return v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4; };
-      return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
-    };
-    const background = (el) => {
-      for (; el; el = el.parentElement) {
-        const c = rgb(getComputedStyle(el).backgroundColor);
-        if (c.length === 3 || c[3] > 0.5) return c.slice(0, 3);
-      }
-      return [255, 255, 255];
-    };
-    return selectors.map((sel) => [sel, document.querySelector(sel)]).filter(([, el]) => el).map(([sel, el]) => {
-      const fg = rgb(getComputedStyle(el).color).slice(0, 3);
-      const [a, b] = [lum(fg), lum(background(el))].sort((x, y) => y - x);
-      return { sel, ratio: (a + 0.05) / (b + 0.05) };
-    });
-  }, selectors);
+  const sample = (selectors) => contrasts(page, selectors);
   const check = (results, least) => {
     assert.ok(results.length >= least, `sampled ${results.length} kinds of text`);
     for (const { sel, ratio } of results) assert.ok(ratio >= 4.5, `${sel}: contrast ${ratio.toFixed(2)} < 4.5`);
   };
   check(await sample(['.brand', '.conv-list a', '.conv-list time', '#new-conv', '#conv-title', '.welcome h2', '.welcome p',
-    '.chip', '#send', '.panel h2', '#graph-caption', '.legend li', '.facts .muted']), 10);
+    '.chip', '#send', '.panel h2', '#graph-caption', '.legend li', '.facts .muted', '#conv-agent .agent-tag-name']), 11);
 
   // A conversation paused on a card: bubbles, steps, the card and the inspector.
   await page.fill('#input', 'Restart the abnormal instance of payment-api');

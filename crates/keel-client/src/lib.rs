@@ -25,8 +25,11 @@
 //! - [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
 //!   event stream to its terminal event across dropped connections and server restarts, backing
 //!   off, delivering every event once, in order. The SSE parser it uses is [`sse::SseParser`].
-//! - [`KeelClient::resume`] makes its own idempotency key and retries with it, so a lost answer
-//!   never applies a decision twice; reads are retried on transport failures; other writes are not.
+//! - [`KeelClient::resume`] (and [`KeelClient::resume_with_note`], a decision with the decider's
+//!   note) makes its own idempotency key and retries with it, so a lost answer never applies a
+//!   decision twice; reads are retried on transport failures; other writes are not.
+//! - [`KeelClient::list_agents`] lists the server's agents; [`KeelClient::create_conversation_with_agent`]
+//!   starts a conversation with one of them.
 //! - [`KeelClient::with_api_key`] sends `Authorization: Bearer <key>`; the key never shows in
 //!   `Debug` output.
 //!
@@ -47,6 +50,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::time::Duration;
 
+pub use keel_core::agent::{AgentInfo, ToolInfo};
 pub use keel_core::wire::{
     CreateConversation, MessageAccepted, PostMessage, ResumeBody, RunBody, RunList, RunSummary, ToolCallBody, TurnBody,
 };
@@ -136,7 +140,24 @@ pub struct Conversation {
     pub id: ConversationId,
     #[serde(default)]
     pub title: Option<String>,
+    /// The agent it talks to (`None` from a server older than agents).
+    #[serde(default)]
+    pub agent_id: Option<String>,
     pub created_at: Timestamp,
+}
+
+/// `GET /v1/agents` → 200: the agents the server runs, one of them the default.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AgentList {
+    pub agents: Vec<AgentInfo>,
+}
+
+impl AgentList {
+    /// The agent conversations that name none talk to.
+    pub fn default_agent(&self) -> Option<&AgentInfo> {
+        self.agents.iter().find(|a| a.default)
+    }
 }
 
 /// `POST /v1/conversations/{id}/messages` → 202 `{messageId, runId}`.
@@ -200,10 +221,26 @@ impl KeelClient {
         &self.base
     }
 
-    /// `POST /v1/conversations {"title"}`.
+    /// `POST /v1/conversations {"title"}`: a conversation with the server's default agent.
     pub async fn create_conversation(&self, title: &str) -> Result<Conversation, ClientError> {
-        let body = CreateConversation { title: Some(title.to_owned()) };
+        let body = CreateConversation { title: Some(title.to_owned()), agent_id: None };
         send_json(self.request(Method::POST, "/v1/conversations").json(&body), "create_conversation").await
+    }
+
+    /// `POST /v1/conversations {"title", "agentId"}`: a conversation with the agent `agent_id` (one
+    /// of [`KeelClient::list_agents`]). An id the server does not run is a 422 `UNKNOWN_AGENT`.
+    pub async fn create_conversation_with_agent(
+        &self,
+        title: &str,
+        agent_id: &str,
+    ) -> Result<Conversation, ClientError> {
+        let body = CreateConversation { title: Some(title.to_owned()), agent_id: Some(agent_id.to_owned()) };
+        send_json(self.request(Method::POST, "/v1/conversations").json(&body), "create_conversation").await
+    }
+
+    /// `GET /v1/agents`: every agent of the server, with its description, suggestions and tools.
+    pub async fn list_agents(&self) -> Result<AgentList, ClientError> {
+        self.get_json(self.request(Method::GET, "/v1/agents"), "list_agents").await
     }
 
     /// `GET /v1/conversations/{id}`: the conversation with recent messages, facts, active run.
@@ -255,10 +292,29 @@ impl KeelClient {
         interrupt_id: &InterruptId,
         decision: Value,
     ) -> Result<ResumeAccepted, ClientError> {
+        self.resume_with_note(run_id, interrupt_id, decision, None).await
+    }
+
+    /// [`KeelClient::resume`] with a `note`: why, in the decider's words (at most 2,000
+    /// characters). The server stores it, masked, with the decision; the `resumed` event and the
+    /// run's interrupts show it. `None` sends no note.
+    pub async fn resume_with_note(
+        &self,
+        run_id: &RunId,
+        interrupt_id: &InterruptId,
+        decision: Value,
+        note: Option<&str>,
+    ) -> Result<ResumeAccepted, ClientError> {
         let key = format!("keel-client-{interrupt_id}-{}", uuid::Uuid::now_v7().simple());
+        let body = ResumeBody {
+            interrupt_id: interrupt_id.to_string(),
+            decision: Some(decision),
+            idempotency_key: Some(key),
+            note: note.map(str::to_owned),
+        };
         let mut failures = 0;
         loop {
-            match self.resume_with_key(run_id, interrupt_id, decision.clone(), &key).await {
+            match self.send_resume(run_id, &body).await {
                 Err(err) if failures < self.reconnect.max_attempts && retry_resume(&err) => {
                     failures += 1;
                     tokio::time::sleep(self.reconnect.backoff(failures, None)).await;
@@ -283,7 +339,13 @@ impl KeelClient {
             idempotency_key: Some(idempotency_key.to_owned()),
             note: None,
         };
-        let req = self.request(Method::POST, &format!("/v1/runs/{run_id}/resume")).json(&body);
+        self.send_resume(run_id, &body).await
+    }
+
+    /// `POST /v1/runs/{id}/resume` with this body, once: the caller's idempotency key (or none, if
+    /// it sends one another way), decision and note.
+    pub async fn send_resume(&self, run_id: &RunId, body: &ResumeBody) -> Result<ResumeAccepted, ClientError> {
+        let req = self.request(Method::POST, &format!("/v1/runs/{run_id}/resume")).json(body);
         send_json(req, "resume").await
     }
 

@@ -605,3 +605,80 @@ async fn a_read_cut_off_before_its_answer_is_sent_again_but_a_write_is_not() {
     assert!(matches!(err, ClientError::Http(_)), "{err:?}");
     assert_eq!(server.requests().len(), 1);
 }
+
+#[tokio::test]
+async fn agents_a_chosen_agent_and_a_note_send_the_contract_shapes() {
+    let server = FakeServer::start(vec![
+        json_reply(
+            200,
+            json!({"agents": [
+                {"id": "helper", "name": "Helper", "description": "", "default": false, "suggestions": [], "tools": []},
+                {"id": "ops", "name": "Ops", "description": "Restarts services.", "default": true,
+                 "suggestions": ["Is checkout healthy?"],
+                 "tools": [{"name": "restart_service", "description": "Restart a service", "sideEffect": true,
+                            "idempotent": true, "policies": {"viewer": "deny", "operator": "ask"}}]}
+            ]}),
+        ),
+        json_reply(
+            201,
+            json!({ "id": "conv_1", "title": "checkout", "agentId": "ops", "createdAt": "2025-01-01T00:00:00Z" }),
+        ),
+        error_reply(422, "UNKNOWN_AGENT", "agentId: this server runs no such agent (GET /v1/agents lists them)"),
+        json_reply(200, resume_answer()),
+        json_reply(200, resume_answer()),
+    ])
+    .await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+
+    let list = client.list_agents().await.unwrap();
+    assert_eq!(list.agents.len(), 2);
+    let ops = list.default_agent().expect("a default");
+    assert_eq!((ops.id.as_str(), ops.suggestions.as_slice()), ("ops", &["Is checkout healthy?".to_owned()][..]));
+    assert!(ops.tools[0].side_effect);
+
+    let conv = client.create_conversation_with_agent("checkout", "ops").await.unwrap();
+    assert_eq!(conv.agent_id.as_deref(), Some("ops"));
+    let err = client.create_conversation_with_agent("checkout", "nobody").await.unwrap_err();
+    assert_eq!((err.status().map(|s| s.as_u16()), err.code()), (Some(422), Some("UNKNOWN_AGENT")));
+    assert!(!err.is_retryable());
+
+    let interrupt = InterruptId::parse("int_1").unwrap();
+    client.resume_with_note(&run_id(), &interrupt, json!("mark_done"), Some("it restarted at 12:03")).await.unwrap();
+    client.resume_with_note(&run_id(), &interrupt, decision::reject(), None).await.unwrap();
+
+    let reqs = server.requests();
+    let shapes: Vec<(&str, &str)> = reqs.iter().map(|r| (r.method.as_str(), r.path.as_str())).collect();
+    assert_eq!(
+        shapes,
+        vec![
+            ("GET", "/v1/agents"),
+            ("POST", "/v1/conversations"),
+            ("POST", "/v1/conversations"),
+            ("POST", "/v1/runs/run_1/resume"),
+            ("POST", "/v1/runs/run_1/resume"),
+        ]
+    );
+    assert_eq!(reqs[1].json(), json!({ "title": "checkout", "agentId": "ops" }));
+    assert_eq!(reqs[2].json(), json!({ "title": "checkout", "agentId": "nobody" }));
+    let with_note = reqs[3].json();
+    assert_eq!(with_note["interruptId"], "int_1");
+    assert_eq!(with_note["decision"], "mark_done");
+    assert_eq!(with_note["note"], "it restarted at 12:03");
+    assert!(with_note["idempotencyKey"].as_str().unwrap().starts_with("keel-client-int_1-"), "{with_note}");
+    let without = reqs[4].json();
+    assert!(without.get("note").is_none(), "no note, no field: {without}");
+    assert_ne!(with_note["idempotencyKey"], without["idempotencyKey"]);
+}
+
+#[tokio::test]
+async fn a_resume_with_a_note_is_retried_with_the_same_key_and_note() {
+    let server =
+        FakeServer::start(vec![error_reply(503, "SHUTTING_DOWN", "draining"), json_reply(200, resume_answer())]).await;
+    let client = KeelClient::new(&server.base).reconnect_policy(fast());
+    let interrupt = InterruptId::parse("int_1").unwrap();
+    client.resume_with_note(&run_id(), &interrupt, decision::approve(), Some("looks fine")).await.unwrap();
+    let bodies: Vec<Value> = server.requests().iter().map(Request::json).collect();
+    assert_eq!(bodies.len(), 2);
+    assert_eq!(bodies[0], bodies[1], "the retry is the same request: key, decision and note");
+    assert_eq!(bodies[1]["note"], "looks fine");
+}

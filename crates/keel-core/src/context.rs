@@ -32,17 +32,24 @@ pub struct ContextConfig {
     /// Have the model write the summary of older turns (a separate call without tools) instead of
     /// the extractive one. If that call fails, the extractive summary is used.
     pub summarize_with_model: bool,
+    /// The largest tool result (as JSON text) that reaches the store, the context and events; a
+    /// larger one is cut to this with an explicit marker and its total size.
+    pub tool_result_max_bytes: usize,
 }
+
+/// [`ContextConfig::tool_result_max_bytes`]'s default: 16 KiB.
+pub const DEFAULT_TOOL_RESULT_MAX_BYTES: usize = 16 * 1024;
 
 impl Default for ContextConfig {
     fn default() -> Self {
         Self {
-            system_prompt: "You are an operations assistant. Use the tools to look at the fleet; never invent \
-                            instance names or numbers. Actions that change the fleet need a human's approval."
+            system_prompt: "You are a helpful assistant. Use the tools to find out what you are asked; never \
+                            invent names or numbers. Actions that change things may need a human's approval."
                 .to_owned(),
             context_budget_tokens: 4000,
             summary_max_chars: 2000,
             summarize_with_model: false,
+            tool_result_max_bytes: DEFAULT_TOOL_RESULT_MAX_BYTES,
         }
     }
 }
@@ -416,17 +423,18 @@ mod tests {
         let calls = vec![ToolCall {
             id: call.clone(),
             run_id: RunId::new(),
-            name: "restart_instance".into(),
-            args: json!({"instanceId": "pay-prod-2"}).into(),
+            name: "cancel_order".into(),
+            args: json!({"orderId": "ord-2"}).into(),
             state: crate::domain::ToolCallState::Succeeded,
             result: None,
             summary: None,
+            attempts: 1,
             started_at: None,
             finished_at: None,
         }];
         let facts = vec![Fact {
-            key: "instance".into(),
-            value: "pay-prod-2".into(),
+            key: "order".into(),
+            value: "ord-2".into(),
             source: FactSource::ToolResult,
             updated_at: Utc::now(),
         }];
@@ -434,7 +442,7 @@ mod tests {
         let input = ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: None };
         let out = assemble(&config, input);
         let content = system_of(&out.messages);
-        assert!(content.contains("- instance: pay-prod-2"));
+        assert!(content.contains("- order: ord-2"));
         assert!(content.contains(SUMMARY_LABEL));
         let summary = out.new_summary.expect("older turns summarised");
         // Bounded, keeping the most recent of the older turns.
@@ -448,7 +456,7 @@ mod tests {
             matches!(&out.messages[out.messages.len() - 3], ModelMessage::User { content } if content == "restart it")
         );
         assert!(matches!(&out.messages[out.messages.len() - 2],
-            ModelMessage::Assistant { tool_calls, .. } if tool_calls[0].name == "restart_instance"));
+            ModelMessage::Assistant { tool_calls, .. } if tool_calls[0].name == "cancel_order"));
         // The summary covers exactly the turns before the first verbatim one.
         let first_recent = user_texts(&out.messages[1..])[0];
         let n: usize = first_recent.split(' ').nth(1).unwrap().parse().unwrap();
@@ -486,7 +494,7 @@ mod tests {
         let mut stored: Option<Summary> = None;
         let mut summaries = 0;
         for i in 0..200 {
-            messages.push(msg(&conv, Role::User, &format!("question {i} about pay-prod-{}", i % 7), None));
+            messages.push(msg(&conv, Role::User, &format!("question {i} about ord-{}", i % 7), None));
             let input = ContextInput { messages: &messages, tool_calls: &[], facts: &[], summary: stored.as_ref() };
             let plan = plan(&config, input);
             let text = if plan.needs_summary() {

@@ -108,10 +108,15 @@ impl RunStatus {
 }
 
 string_enum!(
+    /// What an interrupt asks a human: to confirm actions; to pick an option; to provide values; what
+    /// became of an action whose outcome is unknown (retry it with the same key, or say it was done,
+    /// or that it failed); to run a client-side tool and give its result.
     InterruptKind {
         ConfirmAction => "confirm_action",
         SelectOption => "select_option",
         ProvideInput => "provide_input",
+        OutcomeUnknown => "outcome_unknown",
+        ToolCall => "tool_call",
     }
 );
 
@@ -177,9 +182,12 @@ impl ToolCallState {
                 | (Executing, Executing)
                 | (Suspended, Succeeded)
                 | (Suspended, Failed)
-                // a human decides what to do with a call whose outcome is unknown
+                // a human decides what to do with a call whose outcome is unknown: run it again with
+                // the same key, or record that it was done, or that it failed
                 | (Unknown, Allowed)
                 | (Unknown, Denied)
+                | (Unknown, Succeeded)
+                | (Unknown, Failed)
         )
     }
 
@@ -229,6 +237,10 @@ pub struct Conversation {
     pub user_id: String,
     #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub title: Masked<String>,
+    /// The agent the conversation talks to; `None` for a conversation made before agents, which
+    /// talks to the default agent.
+    #[serde(default)]
+    pub agent_id: Option<String>,
     /// Bumps on every message, so a resume notices a conversation that changed while it waited.
     pub version: i64,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
@@ -314,6 +326,9 @@ pub struct Run {
     pub conversation_id: ConversationId,
     pub user_message_id: MessageId,
     pub user_id: String,
+    /// The agent that runs it (its conversation's); `None` for a run made before agents.
+    #[serde(default)]
+    pub agent_id: Option<String>,
     pub status: RunStatus,
     pub reason: Option<String>,
     pub cancel_on_disconnect: bool,
@@ -349,7 +364,7 @@ pub struct Interrupt {
     pub created_at: Timestamp,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub expires_at: Timestamp,
-    #[cfg_attr(feature = "openapi", schema(value_type = Option<Object>))]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<serde_json::Value>))]
     pub decision: Option<Masked<Value>>,
     /// What the human who decided wrote with the decision.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -373,6 +388,9 @@ pub struct ToolCall {
     /// The full result as the model sees it. Never streamed: events carry `summary`.
     pub result: Option<Masked<Value>>,
     pub summary: Option<Masked<String>>,
+    /// Attempts started so far (each committed `executing` before the tool is called).
+    #[serde(default)]
+    pub attempts: u32,
     pub started_at: Option<Timestamp>,
     pub finished_at: Option<Timestamp>,
 }

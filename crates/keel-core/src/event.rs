@@ -93,6 +93,10 @@ pub enum EventKind {
         status: ToolOutcomeStatus,
         #[cfg_attr(feature = "openapi", schema(value_type = String))]
         summary: Masked<String>,
+        /// Why a call failed, when it did: `timeout`, `unreachable`, `http_503`, `bad_response`,
+        /// `too_large`, `invalid`, `precondition`, `marked_failed`, … (docs/tools.md).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error_code: Option<String>,
     },
     #[serde(rename_all = "camelCase")]
     FactsUpdated {
@@ -111,7 +115,7 @@ pub enum EventKind {
     #[serde(rename_all = "camelCase")]
     Resumed {
         interrupt_id: InterruptId,
-        #[cfg_attr(feature = "openapi", schema(value_type = Object))]
+        #[cfg_attr(feature = "openapi", schema(value_type = serde_json::Value))]
         decision: Masked<Value>,
         /// What the human wrote with the decision, if anything.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -215,9 +219,10 @@ mod tests {
         let e = Event {
             kind: EventKind::ToolFinished {
                 call_id: CallId::parse("call_1").unwrap(),
-                tool: "get_instance".into(),
+                tool: "get_order".into(),
                 status: ToolOutcomeStatus::Success,
                 summary: "ok".into(),
+                error_code: None,
             },
             run_id: RunId::parse("run_1").unwrap(),
             sequence: 3,

@@ -128,25 +128,6 @@ typed_id!(
     CallId, "call_", "tool call"
 );
 
-impl CallId {
-    /// Maps a model-provided call id (which may use any alphabet) to a Keel call id. Ids that are
-    /// already valid are kept, so the id the model sees back is the one it sent.
-    pub fn from_model(raw: &str) -> Self {
-        match Self::parse(raw) {
-            Ok(id) => id,
-            Err(_) => {
-                let clean: String =
-                    raw.chars().filter(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '-').take(58).collect();
-                if clean.is_empty() {
-                    Self::new()
-                } else {
-                    Self(format!("call_{clean}"))
-                }
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,12 +148,5 @@ mod tests {
         assert!(RunId::parse("run_a b").is_err());
         assert!(RunId::parse("run_../../etc").is_err());
         assert!(serde_json::from_str::<InterruptId>("\"run_x\"").is_err());
-    }
-
-    #[test]
-    fn model_call_ids_are_normalised() {
-        assert_eq!(CallId::from_model("call_abc").as_str(), "call_abc");
-        assert_eq!(CallId::from_model("toolu_01:x").as_str(), "call_toolu_01x");
-        assert!(CallId::from_model("::").as_str().starts_with("call_"));
     }
 }

@@ -2,13 +2,13 @@
 //! tool contracts, and the durable agent loop. Knows nothing of HTTP or SQL.
 #![forbid(unsafe_code)]
 
+pub mod agent;
 pub mod bus;
 pub mod clock;
 pub mod context;
 pub mod domain;
 pub mod engine;
 pub mod event;
-pub mod fleet;
 pub mod ids;
 pub mod mask;
 pub mod metrics;

@@ -528,9 +528,9 @@ mod tests {
 
     #[test]
     fn secrets_are_masked() {
-        let v = mask_value(&json!({"instanceId": "pay-prod-2", "apiKey": "sk-1", "nested": {"db_password": "x"},
+        let v = mask_value(&json!({"orderId": "ord-2", "apiKey": "sk-1", "nested": {"db_password": "x"},
             "url": "postgres://u:p@db/x", "note": "use Bearer abc.def now", "list": ["AKIAIOSFODNN7EXAMPLE"]}));
-        assert_eq!(v["instanceId"], "pay-prod-2");
+        assert_eq!(v["orderId"], "ord-2");
         assert_eq!(v["apiKey"], "***");
         assert_eq!(v["nested"]["db_password"], "***");
         assert_eq!(v["url"], "postgres://***@db/x");
@@ -595,7 +595,7 @@ mod tests {
             (&format!("?ticket=kst_{}", "f1".repeat(32)), "?ticket=***"),
             // Not tokens.
             ("keel_core and kst_x", "keel_core and kst_x"),
-            ("sk-learn and pay-prod-2", "sk-learn and pay-prod-2"),
+            ("sk-learn and ord-2", "sk-learn and ord-2"),
             ("AKIA is a prefix", "AKIA is a prefix"),
             ("tokenizer-free text with v1.2.3", "tokenizer-free text with v1.2.3"),
         ];
@@ -616,7 +616,7 @@ mod tests {
     fn facts_with_secret_keys_are_masked_whole() {
         assert_eq!(mask_fact("db_password", "hunter2"), "***");
         assert_eq!(mask_fact("dsn", "postgres://admin:pw@db/x"), "postgres://***@db/x");
-        assert_eq!(mask_fact("instance", "pay-prod-2"), "pay-prod-2");
+        assert_eq!(mask_fact("order", "ord-2"), "ord-2");
     }
 
     #[test]
@@ -624,7 +624,7 @@ mod tests {
         for secret in ["token", "access_token", "refreshToken", "X-Auth-Token", "csrftoken", "API_TOKEN"] {
             assert!(is_secret_key(secret), "{secret}");
         }
-        for plain in ["max_tokens", "maxTokens", "tokenizer", "tokens_used", "instanceId"] {
+        for plain in ["max_tokens", "maxTokens", "tokenizer", "tokens_used", "orderId"] {
             assert!(!is_secret_key(plain), "{plain}");
         }
     }

@@ -13,7 +13,6 @@ use crate::domain::{
     Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use crate::event::{Event, EventKind};
-use crate::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
 use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use crate::mask::Masked;
 
@@ -28,14 +27,15 @@ pub enum StoreError {
     /// row first. Nothing of the commit was applied.
     #[error("conflict: {0}")]
     Conflict(String),
-    /// A side effect's condition no longer holds. Nothing of the commit was applied.
-    #[error("effect refused: {0}")]
-    EffectRefused(String),
     /// A duplicate key where one must be unique (an id reused).
     #[error("duplicate: {0}")]
     Duplicate(String),
     #[error("storage backend error: {0}")]
     Backend(String),
+    /// The store has more writes waiting than it queues; this one was refused at once and nothing
+    /// of it was written (the writes already accepted are unaffected). Retry shortly.
+    #[error("the store is overloaded: too many writes are waiting")]
+    Overloaded,
 }
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -65,31 +65,45 @@ pub struct RunChange {
 pub enum ToolCallChange {
     Insert(ToolCall),
     /// Conditional on the current state being `from`.
-    Update {
-        id: CallId,
-        from: ToolCallState,
-        to: ToolCallState,
-        /// Replaces the args (an approved edit).
-        args: Option<Masked<Value>>,
-        result: Option<Masked<Value>>,
-        summary: Option<Masked<String>>,
-        started_at: Option<Timestamp>,
-        finished_at: Option<Timestamp>,
-    },
+    Update(ToolCallUpdate),
 }
 
-impl ToolCallChange {
-    pub fn transition(id: &CallId, from: ToolCallState, to: ToolCallState) -> Self {
-        ToolCallChange::Update {
+/// A tool call's move from one state to another, with what it sets on the way (`None`: unchanged).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCallUpdate {
+    pub id: CallId,
+    pub from: ToolCallState,
+    pub to: ToolCallState,
+    /// Replaces the args (an approved edit).
+    pub args: Option<Masked<Value>>,
+    pub result: Option<Masked<Value>>,
+    pub summary: Option<Masked<String>>,
+    /// Attempts started, counting the one this move starts.
+    pub attempts: Option<u32>,
+    pub started_at: Option<Timestamp>,
+    pub finished_at: Option<Timestamp>,
+}
+
+impl ToolCallUpdate {
+    /// `from → to`, nothing else changed.
+    pub fn new(id: &CallId, from: ToolCallState, to: ToolCallState) -> Self {
+        Self {
             id: id.clone(),
             from,
             to,
             args: None,
             result: None,
             summary: None,
+            attempts: None,
             started_at: None,
             finished_at: None,
         }
+    }
+}
+
+impl ToolCallChange {
+    pub fn transition(id: &CallId, from: ToolCallState, to: ToolCallState) -> Self {
+        ToolCallChange::Update(ToolCallUpdate::new(id, from, to))
     }
 }
 
@@ -130,7 +144,6 @@ pub struct Commit {
     /// Upserted into the run's conversation.
     pub facts: Vec<Fact>,
     pub summary: Option<Summary>,
-    pub effects: Vec<Effect>,
     /// Sequenced in order after the run's last event.
     pub events: Vec<EventKind>,
     /// The answer of the request that made this commit, stored under its (in-flight) idempotency
@@ -166,7 +179,6 @@ impl Commit {
             interrupt_changes: Vec::new(),
             facts: Vec::new(),
             summary: None,
-            effects: Vec::new(),
             events: Vec::new(),
             idempotency: None,
         }
@@ -189,6 +201,8 @@ pub struct Committed {
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewRun {
     pub conversation_id: ConversationId,
+    /// The conversation's agent, copied onto the run so its workers need not read the conversation.
+    pub agent_id: String,
     pub user_id: String,
     pub content: Masked<String>,
     pub cancel_on_disconnect: bool,
@@ -216,30 +230,10 @@ pub enum IdempotencyBegin {
     Mismatch,
 }
 
+/// Runs and everything a run's writers change: leases, the commit, events, interrupts, tool calls,
+/// and the idempotency keys of requests that act on runs.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
-    /// The store answers (readiness).
-    async fn ping(&self) -> StoreResult<()>;
-    /// The database's clock. Instances sharing a database take lease and expiry times from it
-    /// (through [`crate::clock::StoreClock`]), so a skewed instance clock can't steal live leases.
-    async fn db_now(&self) -> StoreResult<Timestamp>;
-
-    // --- conversations and messages
-    async fn create_conversation(
-        &self,
-        user_id: &str,
-        title: &Masked<String>,
-        now: Timestamp,
-    ) -> StoreResult<Conversation>;
-    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>>;
-    /// Newest first.
-    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>>;
-    /// In the order they were written.
-    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>>;
-    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
-    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>>;
-
-    // --- runs
+pub trait RunStore: Send + Sync {
     /// Stores the user message, bumps the conversation's version and creates a `queued` run with its
     /// first events, in one transaction. `RunActive` if the conversation has an active run.
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun>;
@@ -265,23 +259,28 @@ pub trait Store: Send + Sync + 'static {
     async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run>;
     /// One transaction: see [`Commit`]. On any error nothing was written.
     async fn commit(&self, commit: Commit) -> StoreResult<Committed>;
+    /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with
+    /// `status` when given.
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>>;
 
-    // --- events
     /// Events with `sequence > after`, ascending, at most `limit`.
     async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>>;
 
-    // --- interrupts and tool calls
     async fn get_interrupt(&self, id: &InterruptId) -> StoreResult<Option<Interrupt>>;
     async fn pending_interrupt(&self, run_id: &RunId) -> StoreResult<Option<Interrupt>>;
     /// Pending interrupts whose `expires_at <= now`.
     async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>>;
+    /// Every interrupt of the run, whatever its status, oldest first.
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>>;
+
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>>;
     /// Every call of every run of the conversation, in the order they were requested.
     async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>>;
-    /// Ids of instances named by a `restart_instance` call that is waiting for a human (`asking`).
-    async fn instances_awaiting_restart(&self) -> StoreResult<Vec<String>>;
+    /// Calls of the tool `name` waiting for a human (`asking`), over every run: what a tool looks at
+    /// to leave out the resources another run is about to act on.
+    async fn asking_calls(&self, name: &str) -> StoreResult<Vec<ToolCall>>;
 
-    // --- idempotency keys (scoped per user)
+    // idempotency keys (scoped per user)
     async fn idempotency_begin(
         &self,
         user_id: &str,
@@ -296,14 +295,35 @@ pub trait Store: Send + Sync + 'static {
     /// Forgets every in-flight key (their requests died with a previous process). Only for a store
     /// one process opens, at start-up; shared stores let in-flight keys expire instead.
     async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64>;
+}
 
-    // --- users
+/// Conversations and what their context is made of: messages, facts, the summary.
+#[async_trait]
+pub trait ConversationStore: Send + Sync {
+    /// A conversation of `user_id` with `agent_id` (which the engine checked exists).
+    async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &Masked<String>,
+        agent_id: &str,
+        now: Timestamp,
+    ) -> StoreResult<Conversation>;
+    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>>;
+    /// Newest first.
+    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>>;
+    /// In the order they were written.
+    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>>;
+    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
+    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>>;
+}
+
+/// Users, their API keys and stream tickets (only hashes of secrets are stored).
+#[async_trait]
+pub trait IdentityStore: Send + Sync {
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>>;
     async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()>;
     /// Every user, by id.
     async fn list_users(&self) -> StoreResult<Vec<User>>;
-
-    // --- credentials (only hashes of secrets are stored)
     /// Stores a key for an existing user (`NotFound("user")` otherwise); `Duplicate` if the hash or
     /// id is taken.
     async fn insert_api_key(&self, key: &ApiKey) -> StoreResult<()>;
@@ -318,45 +338,40 @@ pub trait Store: Send + Sync + 'static {
     /// Uses a ticket: `Some` exactly once, for an unexpired ticket with this hash; `None` for one that
     /// is unknown, used or expired. One conditional update, so two concurrent uses can't both win.
     async fn redeem_stream_ticket(&self, ticket_hash: &str, now: Timestamp) -> StoreResult<Option<StreamTicket>>;
+}
 
-    // --- the OpsPilot fleet
-    /// Replaces the fleet with the seeded one.
-    async fn seed_fleet(&self, seed: FleetSeed, now: Timestamp) -> StoreResult<()>;
-    async fn list_instances(&self, service: Option<&str>, env: Option<&str>) -> StoreResult<Vec<Instance>>;
-    async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>>;
-    /// Error log entries of `service` in `env` at or after `since`, newest first.
-    async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>>;
-
-    // --- run history (`GET /v1/runs`, `keel runs`)
-    /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with
-    /// `status` when given.
-    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>>;
-    /// Every interrupt of the run, whatever its status, oldest first.
-    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>>;
-    // --- AG-UI threads and client message ids (docs/ag-ui.md)
-    /// The conversation bound to an AG-UI `threadId` of `user_id`.
-    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>>;
-    /// Binds `thread_id` to `conversation_id` unless it is bound already; returns the conversation
-    /// the thread is bound to now (the first binding wins a race).
-    async fn bind_ag_ui_thread(
+/// Ids that clients choose, bound to Keel's: an AG-UI `threadId` to a conversation, a client's
+/// message id to the message stored for it. The protocol layers own their namespaces
+/// (`ag_ui.thread`, …); `scope` is what an id is unique within (a user, a conversation).
+#[async_trait]
+pub trait BindingStore: Send + Sync {
+    /// What `external_id` is bound to in `namespace` and `scope`.
+    async fn binding(&self, namespace: &str, scope: &str, external_id: &str) -> StoreResult<Option<String>>;
+    /// Binds `external_id` to `value` unless it is bound already; returns the value it is bound to
+    /// now (the first binding wins a race).
+    async fn bind(
         &self,
-        user_id: &str,
-        thread_id: &str,
-        conversation_id: &ConversationId,
+        namespace: &str,
+        scope: &str,
+        external_id: &str,
+        value: &str,
         now: Timestamp,
-    ) -> StoreResult<ConversationId>;
-    /// The Keel message stored for an AG-UI client's message id in a conversation.
-    async fn ag_ui_message(
-        &self,
-        conversation_id: &ConversationId,
-        client_message_id: &str,
-    ) -> StoreResult<Option<MessageId>>;
-    /// Remembers that `client_message_id` was stored as `message_id` (a second call for the same
-    /// client id keeps the first).
-    async fn record_ag_ui_message(
-        &self,
-        conversation_id: &ConversationId,
-        client_message_id: &str,
-        message_id: &MessageId,
-    ) -> StoreResult<()>;
+    ) -> StoreResult<String>;
+}
+
+/// Everything a backend stores, each concern behind its own trait: a component takes the one it
+/// needs (`Arc<dyn RunStore>`, …), the backend implements them all.
+#[async_trait]
+pub trait Store: RunStore + ConversationStore + IdentityStore + BindingStore + 'static {
+    /// The store answers (readiness).
+    async fn ping(&self) -> StoreResult<()>;
+    /// The database's clock. Instances sharing a database take lease and expiry times from it
+    /// (through [`crate::clock::StoreClock`]), so a skewed instance clock can't steal live leases.
+    async fn db_now(&self) -> StoreResult<Timestamp>;
+}
+
+/// Every store trait, for code that calls a concrete backend's methods (`use
+/// keel_core::store::prelude::*;`).
+pub mod prelude {
+    pub use super::{BindingStore, ConversationStore, IdentityStore, RunStore, Store};
 }

@@ -20,6 +20,10 @@ pub struct CreateConversation {
     /// At most 200 characters once trimmed; empty or absent is "New conversation".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
+    /// The agent the conversation talks to (`GET /v1/agents`); the default agent when absent. An
+    /// unknown one is 422 `UNKNOWN_AGENT`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
 }
 
 /// `POST /v1/conversations/{id}/messages`.
@@ -44,8 +48,9 @@ pub struct PostMessage {
 pub struct ResumeBody {
     #[cfg_attr(feature = "openapi", schema(pattern = "^int_[A-Za-z0-9_-]{1,64}$"))]
     pub interrupt_id: String,
-    /// `"approve"`, `"reject"`, `{"edit": {callId: args}}`, `{"calls": {…}}`, `{"select": …}`,
-    /// `{"provide": …}`.
+    /// `"approve"`, `"reject"`, `{"edit": {callId: args}}` (a `confirm_action`); `"retry"`,
+    /// `"mark_done"`, `"mark_failed"` (an `outcome_unknown`); `{"calls": {callId: decision}}` (either);
+    /// `{"select": …}`, `{"provide": …}`.
     #[serde(default)]
     #[cfg_attr(feature = "openapi", schema(schema_with = decision_schema, required = true))]
     pub decision: Option<Value>,
@@ -66,8 +71,8 @@ fn decision_schema() -> utoipa::openapi::schema::Object {
     ObjectBuilder::new()
         .schema_type(SchemaType::from_iter([Type::String, Type::Object]))
         .description(Some(
-            "`\"approve\"`, `\"reject\"`, `{\"edit\": {callId: args}}`, `{\"calls\": {…}}`, `{\"select\": …}`, \
-             `{\"provide\": …}` (docs/api.md, \"Decisions\").",
+            "`\"approve\"`, `\"reject\"`, `{\"edit\": {callId: args}}`, `\"retry\"`, `\"mark_done\"`, \
+             `\"mark_failed\"`, `{\"calls\": {…}}`, `{\"select\": …}`, `{\"provide\": …}` (docs/api.md, \"Decisions\").",
         ))
         .build()
 }
@@ -91,6 +96,9 @@ pub struct MessageAccepted {
 pub struct RunBody {
     pub id: RunId,
     pub conversation_id: ConversationId,
+    /// The agent it runs (its conversation's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
     pub user_message_id: MessageId,
     pub status: RunStatus,
     pub reason: Option<String>,
@@ -122,6 +130,13 @@ pub struct ToolCallBody {
     pub state: ToolCallState,
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub summary: Option<crate::mask::Masked<String>>,
+    /// Attempts started (each with the call's one idempotency key).
+    #[serde(default)]
+    pub attempts: u32,
+    /// Why a failed call failed, as `tool_finished.errorCode` says it (`timeout`, `http_500`,
+    /// `marked_failed`, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_code: Option<String>,
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
     pub started_at: Option<Timestamp>,
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>, format = DateTime))]
@@ -136,6 +151,7 @@ impl From<RunView> for RunBody {
             trace_id: run.checkpoint.trace_id.clone(),
             id: run.id,
             conversation_id: run.conversation_id,
+            agent_id: run.agent_id,
             user_message_id: run.user_message_id,
             status: run.status,
             reason: run.reason,
@@ -146,10 +162,14 @@ impl From<RunView> for RunBody {
             tool_calls: tool_calls
                 .into_iter()
                 .map(|c| ToolCallBody {
+                    error_code: (c.state == ToolCallState::Failed)
+                        .then(|| c.result.as_ref().and_then(|r| r["code"].as_str().map(str::to_owned)))
+                        .flatten(),
                     id: c.id,
                     name: c.name,
                     state: c.state,
                     summary: c.summary,
+                    attempts: c.attempts,
                     started_at: c.started_at,
                     finished_at: c.finished_at,
                 })
@@ -188,6 +208,8 @@ pub struct RunList {
 pub struct RunSummary {
     pub id: RunId,
     pub conversation_id: ConversationId,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<String>,
     pub status: RunStatus,
     pub reason: Option<String>,
     pub last_sequence: i64,
@@ -203,6 +225,7 @@ impl From<Run> for RunSummary {
             last_sequence: run.last_sequence(),
             id: run.id,
             conversation_id: run.conversation_id,
+            agent_id: run.agent_id,
             status: run.status,
             reason: run.reason,
             created_at: run.created_at,

@@ -14,7 +14,7 @@ use axum::routing::post;
 use axum::Router;
 use futures::StreamExt;
 use keel_core::model::{Model, ModelChunk, ModelError, ModelMessage, ModelRequest, ModelToolCall};
-use keel_core::tool::{validate_args, ToolSpec};
+use keel_core::tool::{JsonSchema, ToolSpec};
 use keel_models::openai::INVALID_JSON_KEY;
 use keel_models::{OpenAiCompatible, OpenAiConfig, Usage};
 use serde_json::{json, Value};
@@ -344,7 +344,7 @@ async fn malformed_tool_arguments_become_an_invalid_json_call() {
     assert_eq!(calls[0].name, "restart_instance");
     assert_eq!(calls[0].arguments, json!({INVALID_JSON_KEY: "{\"instanceId\": \"pay-prod-2', oops"}));
     // The engine's schema check turns it into an error for the model.
-    assert!(validate_args(&instance_schema(), &calls[0].arguments).is_err());
+    assert!(JsonSchema::compile(&instance_schema()).unwrap().validate(&calls[0].arguments).is_err());
 }
 
 #[tokio::test]

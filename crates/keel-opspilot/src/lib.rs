@@ -1,34 +1,68 @@
-//! OpsPilot: the demo ops agent's tools over a simulated fleet kept in Keel's own database.
+//! OpsPilot: the demo ops agent, built on Keel's library API like any user's agent — its tools, its
+//! fleet in tables of its own, its system prompt and its two routes.
 //!
 //! Read-only tools (`list_services`, `get_recent_errors`, `find_abnormal_instances`,
 //! `get_instance`) are allowed for everyone. `restart_instance` and `rollback_release` change the
 //! fleet: their policy is `ask`, their precheck re-reads the resource and the caller's role just
-//! before they run, and their effect is applied by the store in the same transaction that records
-//! the tool result — so the effect happens once or not at all.
+//! before they run, and the fleet applies each effect **once per idempotency key** (the call's id,
+//! the same on every attempt), in the transaction that records its answer — so the tools are
+//! idempotent, and the engine may retry one that a crash cut off.
 #![forbid(unsafe_code)]
 
-use std::collections::BTreeMap;
+pub mod fleet;
+pub mod routes;
+
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use keel_core::fleet::{Effect, Instance};
+use keel_core::agent::Agent;
+use keel_core::model::Model;
+use keel_core::store::RunStore;
 use keel_core::tool::{ActionDescription, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry, ToolSpec};
 use keel_core::UserRole;
 use serde_json::{json, Value};
 
+pub use fleet::{Fleet, FleetError, FleetSeed, Instance, PostgresFleet, SqliteFleet};
+
+/// The agent's id: `keel demo`'s default agent.
+pub const AGENT_ID: &str = "opspilot";
+
+pub const SYSTEM_PROMPT: &str = "You are OpsPilot, an operations assistant. Use the tools to look at the fleet; \
+never invent instance names or numbers. Actions that change the fleet need a human's approval.";
+
+/// What the page suggests asking.
+pub const SUGGESTIONS: &[&str] = &[
+    "Look at the recent errors of payment-api",
+    "Continue investigating its recent error logs",
+    "Restart this abnormal instance",
+    "List the services",
+];
+
 pub const SERVICES: &[&str] = &["payment-api", "order-api", "inventory-api"];
 pub const ENVS: &[&str] = &["prod", "staging"];
 
+/// The most abnormal instances `find_abnormal_instances` lists; it says how many there are in all.
+pub const ABNORMAL_LIMIT: u32 = 20;
+
+/// The OpsPilot agent over `fleet`; `calls` lets it leave out instances another run is about to
+/// restart.
+pub fn agent(fleet: Arc<dyn Fleet>, calls: Arc<dyn RunStore>, model: Arc<dyn Model>) -> Agent {
+    Agent::new(AGENT_ID, "OpsPilot", model, SYSTEM_PROMPT)
+        .expect("a valid agent id")
+        .description("An on-call assistant over a simulated fleet: it reads errors and instances; restarts and rollbacks wait for your approval.")
+        .suggestions(SUGGESTIONS.iter().map(|s| (*s).to_owned()).collect())
+        .tools(registry(fleet, calls))
+}
+
 /// Every OpsPilot tool.
-pub fn registry() -> ToolRegistry {
-    let mut r = ToolRegistry::new();
-    r.register(Arc::new(ListServices::new()));
-    r.register(Arc::new(GetRecentErrors::new()));
-    r.register(Arc::new(FindAbnormalInstances::new()));
-    r.register(Arc::new(GetInstance::new()));
-    r.register(Arc::new(RestartInstance::new()));
-    r.register(Arc::new(RollbackRelease::new()));
-    r
+pub fn registry(fleet: Arc<dyn Fleet>, calls: Arc<dyn RunStore>) -> ToolRegistry {
+    ToolRegistry::new()
+        .with(Arc::new(ListServices::new(fleet.clone())))
+        .with(Arc::new(GetRecentErrors::new(fleet.clone())))
+        .with(Arc::new(FindAbnormalInstances::new(fleet.clone(), calls)))
+        .with(Arc::new(GetInstance::new(fleet.clone())))
+        .with(Arc::new(RestartInstance::new(fleet.clone())))
+        .with(Arc::new(RollbackRelease::new(fleet)))
 }
 
 fn service_env_schema() -> Value {
@@ -56,14 +90,21 @@ fn str_arg<'a>(args: &'a Value, key: &str) -> Result<&'a str, ToolError> {
     args.get(key).and_then(Value::as_str).ok_or_else(|| ToolError::Invalid(format!("{key} is required")))
 }
 
-/// The store's error text may name internals: the model and the events see a generic message.
-fn backend(e: keel_core::store::StoreError) -> ToolError {
-    tracing::error!(error = %e, "fleet store failed");
-    ToolError::Failed("the fleet database is unavailable".into())
+/// The fleet's errors, as the model and the events see them: a storage failure's text may name
+/// internals, so it goes to the log and the model gets a generic message.
+fn tool_error(e: FleetError) -> ToolError {
+    match e {
+        FleetError::NotFound(m) => ToolError::Invalid(m),
+        FleetError::Precondition(m) => ToolError::Precondition(m),
+        FleetError::Backend(m) => {
+            tracing::error!(error = %m, "the fleet's database failed");
+            ToolError::Failed("the fleet database is unavailable".into())
+        }
+    }
 }
 
-async fn load_instance(ctx: &ToolContext, id: &str) -> Result<Instance, ToolError> {
-    ctx.store.get_instance(id).await.map_err(backend)?.ok_or_else(|| ToolError::Invalid(format!("no instance {id}")))
+async fn load_instance(fleet: &dyn Fleet, id: &str) -> Result<Instance, ToolError> {
+    fleet.instance(id).await.map_err(tool_error)?.ok_or_else(|| ToolError::Invalid(format!("no instance {id}")))
 }
 
 fn instance_json(i: &Instance) -> Value {
@@ -73,20 +114,18 @@ fn instance_json(i: &Instance) -> Value {
     })
 }
 
-pub struct ListServices(ToolSpec);
+pub struct ListServices(ToolSpec, Arc<dyn Fleet>);
 impl ListServices {
-    pub fn new() -> Self {
-        Self(ToolSpec::new(
-            "list_services",
-            "List the services, their environments and how many instances are abnormal.",
-            json!({"type": "object", "properties": {}, "additionalProperties": false}),
-            false,
-        ))
-    }
-}
-impl Default for ListServices {
-    fn default() -> Self {
-        Self::new()
+    pub fn new(fleet: Arc<dyn Fleet>) -> Self {
+        Self(
+            ToolSpec::new(
+                "list_services",
+                "List the services, their environments and how many instances are abnormal.",
+                json!({"type": "object", "properties": {}, "additionalProperties": false}),
+                false,
+            ),
+            fleet,
+        )
     }
 }
 
@@ -95,43 +134,34 @@ impl Tool for ListServices {
     fn spec(&self) -> &ToolSpec {
         &self.0
     }
-    async fn execute(&self, ctx: &ToolContext, _args: &Value) -> Result<ToolOutput, ToolError> {
-        let instances = ctx.store.list_instances(None, None).await.map_err(backend)?;
-        let mut by: BTreeMap<(String, String), (u32, u32)> = BTreeMap::new();
-        for i in &instances {
-            let e = by.entry((i.service.clone(), i.env.clone())).or_default();
-            e.0 += 1;
-            if i.status == "abnormal" {
-                e.1 += 1;
-            }
-        }
-        let services: Vec<Value> =
-            by.iter().map(|((s, e), (n, a))| json!({"service": s, "env": e, "instances": n, "abnormal": a})).collect();
-        let abnormal: u32 = by.values().map(|v| v.1).sum();
+    async fn execute(&self, _ctx: &ToolContext, _args: &Value) -> Result<ToolOutput, ToolError> {
+        let services = self.1.services().await.map_err(tool_error)?;
+        let abnormal: i64 = services.iter().map(|s| s.abnormal).sum();
+        let count = services.iter().map(|s| s.service.as_str()).collect::<std::collections::BTreeSet<_>>().len();
         Ok(ToolOutput {
-            summary: format!("{} services, {} abnormal instances", SERVICES.len(), abnormal),
-            result: json!({"services": services}),
+            summary: format!("{count} services, {abnormal} abnormal instances"),
+            result: json!({"services": services.iter().map(|s| json!({
+                "service": s.service, "env": s.env, "instances": s.instances, "abnormal": s.abnormal
+            })).collect::<Vec<_>>()}),
             ..Default::default()
         })
     }
 }
 
-pub struct GetRecentErrors(ToolSpec);
+pub struct GetRecentErrors(ToolSpec, Arc<dyn Fleet>);
 impl GetRecentErrors {
-    pub fn new() -> Self {
+    pub fn new(fleet: Arc<dyn Fleet>) -> Self {
         let mut schema = service_env_schema();
         schema["properties"]["minutes"] = json!({"type": "integer", "minimum": 1, "maximum": 1440});
-        Self(ToolSpec::new(
-            "get_recent_errors",
-            "Count and sample the 5xx errors of a service in an environment over the last N minutes (default 15).",
-            schema,
-            false,
-        ))
-    }
-}
-impl Default for GetRecentErrors {
-    fn default() -> Self {
-        Self::new()
+        Self(
+            ToolSpec::new(
+                "get_recent_errors",
+                "Count and sample the 5xx errors of a service in an environment over the last N minutes (default 15).",
+                schema,
+                false,
+            ),
+            fleet,
+        )
     }
 }
 
@@ -145,46 +175,40 @@ impl Tool for GetRecentErrors {
         let env = str_arg(args, "env")?;
         let minutes = args.get("minutes").and_then(Value::as_i64).unwrap_or(15);
         let since = ctx.now - chrono::Duration::minutes(minutes);
-        let errors = ctx.store.recent_errors(service, env, since).await.map_err(backend)?;
-        let mut by_instance: BTreeMap<&str, u32> = BTreeMap::new();
-        let mut by_status: BTreeMap<String, u32> = BTreeMap::new();
-        for e in &errors {
-            *by_instance.entry(e.instance_id.as_str()).or_default() += 1;
-            *by_status.entry(e.status_code.to_string()).or_default() += 1;
-        }
-        let top = by_instance.iter().max_by_key(|(_, n)| **n).map(|(i, n)| json!({"instanceId": i, "errors": n}));
-        let samples: Vec<Value> = errors
+        let stats = self.1.errors(service, env, since, 3).await.map_err(tool_error)?;
+        let by_status: serde_json::Map<String, Value> =
+            stats.by_status.iter().map(|(code, n)| (code.to_string(), json!(n))).collect();
+        let top = stats.top_instance.as_ref().map(|(i, n)| json!({"instanceId": i, "errors": n}));
+        let samples: Vec<Value> = stats
+            .samples
             .iter()
-            .take(3)
             .map(|e| json!({"instanceId": e.instance_id, "status": e.status_code, "message": e.message}))
             .collect();
         Ok(ToolOutput {
-            summary: format!("{} 5xx errors in {service}/{env} in the last {minutes} min", errors.len()),
+            summary: format!("{} 5xx errors in {service}/{env} in the last {minutes} min", stats.count),
             result: json!({
-                "service": service, "env": env, "minutes": minutes, "count": errors.len(),
+                "service": service, "env": env, "minutes": minutes, "count": stats.count,
                 "byStatus": by_status, "topInstance": top, "samples": samples
             }),
             facts: vec![("service".into(), service.into()), ("env".into(), env.into())],
-            effects: vec![],
         })
     }
 }
 
-pub struct FindAbnormalInstances(ToolSpec);
+pub struct FindAbnormalInstances(ToolSpec, Arc<dyn Fleet>, Arc<dyn RunStore>);
 impl FindAbnormalInstances {
-    pub fn new() -> Self {
-        Self(ToolSpec::new(
-            "find_abnormal_instances",
-            "Find the abnormal instances of a service in an environment (those already waiting for a restart \
-             approval in another run are left out).",
-            service_env_schema(),
-            false,
-        ))
-    }
-}
-impl Default for FindAbnormalInstances {
-    fn default() -> Self {
-        Self::new()
+    pub fn new(fleet: Arc<dyn Fleet>, calls: Arc<dyn RunStore>) -> Self {
+        Self(
+            ToolSpec::new(
+                "find_abnormal_instances",
+                "Find the abnormal instances of a service in an environment (those already waiting for a restart \
+                 approval in another run are left out; at most 20 are listed, with how many there are in all).",
+                service_env_schema(),
+                false,
+            ),
+            fleet,
+            calls,
+        )
     }
 }
 
@@ -193,48 +217,50 @@ impl Tool for FindAbnormalInstances {
     fn spec(&self) -> &ToolSpec {
         &self.0
     }
-    async fn execute(&self, ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError> {
+    async fn execute(&self, _ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError> {
         let service = str_arg(args, "service")?;
         let env = str_arg(args, "env")?;
-        let awaiting = ctx.store.instances_awaiting_restart().await.map_err(backend)?;
-        let instances = ctx.store.list_instances(Some(service), Some(env)).await.map_err(backend)?;
-        let abnormal: Vec<&Instance> =
-            instances.iter().filter(|i| i.status == "abnormal" && !awaiting.contains(&i.id)).collect();
+        let awaiting: Vec<String> = self
+            .2
+            .asking_calls("restart_instance")
+            .await
+            .map_err(|e| tool_error(FleetError::from(e)))?
+            .iter()
+            .filter_map(|c| c.args.get("instanceId").and_then(Value::as_str).map(str::to_owned))
+            .collect();
+        let (abnormal, total) = self.1.abnormal(service, env, &awaiting, ABNORMAL_LIMIT).await.map_err(tool_error)?;
         let mut facts = vec![("service".to_owned(), service.to_owned()), ("env".to_owned(), env.to_owned())];
-        if let [only] = abnormal.as_slice() {
+        if let ([only], 1) = (abnormal.as_slice(), total) {
             facts.push(("instance".into(), only.id.clone()));
         }
-        let summary = match abnormal.as_slice() {
-            [] => format!("no abnormal instance of {service}/{env}"),
-            [one] => format!("{} is abnormal", one.id),
-            many => format!("{} abnormal instances of {service}/{env}", many.len()),
+        let summary = match (abnormal.as_slice(), total) {
+            ([], _) => format!("no abnormal instance of {service}/{env}"),
+            ([one], 1) => format!("{} is abnormal", one.id),
+            (_, n) => format!("{n} abnormal instances of {service}/{env}"),
         };
         Ok(ToolOutput {
             summary,
             result: json!({
-                "service": service, "env": env, "total": instances.len(),
-                "abnormal": abnormal.iter().map(|i| instance_json(i)).collect::<Vec<_>>()
+                "service": service, "env": env, "abnormalTotal": total,
+                "abnormal": abnormal.iter().map(instance_json).collect::<Vec<_>>()
             }),
             facts,
-            effects: vec![],
         })
     }
 }
 
-pub struct GetInstance(ToolSpec);
+pub struct GetInstance(ToolSpec, Arc<dyn Fleet>);
 impl GetInstance {
-    pub fn new() -> Self {
-        Self(ToolSpec::new(
-            "get_instance",
-            "Show one instance: status, restart count, release.",
-            instance_schema(),
-            false,
-        ))
-    }
-}
-impl Default for GetInstance {
-    fn default() -> Self {
-        Self::new()
+    pub fn new(fleet: Arc<dyn Fleet>) -> Self {
+        Self(
+            ToolSpec::new(
+                "get_instance",
+                "Show one instance: status, restart count, release.",
+                instance_schema(),
+                false,
+            ),
+            fleet,
+        )
     }
 }
 
@@ -243,8 +269,8 @@ impl Tool for GetInstance {
     fn spec(&self) -> &ToolSpec {
         &self.0
     }
-    async fn execute(&self, ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError> {
-        let i = load_instance(ctx, str_arg(args, "instanceId")?).await?;
+    async fn execute(&self, _ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError> {
+        let i = load_instance(self.1.as_ref(), str_arg(args, "instanceId")?).await?;
         Ok(ToolOutput {
             summary: format!("{} is {} ({} restarts)", i.id, i.status, i.restart_count),
             result: instance_json(&i),
@@ -253,7 +279,6 @@ impl Tool for GetInstance {
                 ("service".into(), i.service.clone()),
                 ("env".into(), i.env.clone()),
             ],
-            effects: vec![],
         })
     }
 }
@@ -267,20 +292,16 @@ fn require_operator(ctx: &ToolContext) -> Result<(), ToolError> {
     }
 }
 
-pub struct RestartInstance(ToolSpec);
+pub struct RestartInstance(ToolSpec, Arc<dyn Fleet>);
 impl RestartInstance {
-    pub fn new() -> Self {
-        // Not declared idempotent: after a crash mid-call a human decides, as for any tool whose
-        // effect Keel cannot see. (This one's effect commits with its result, so it can't half-happen.)
+    pub fn new(fleet: Arc<dyn Fleet>) -> Self {
+        // Idempotent: the fleet applies a restart once per key, so a retry after a crash answers
+        // what the first attempt did.
         Self(
             ToolSpec::new("restart_instance", "Restart an abnormal instance.", instance_schema(), true)
-                .idempotent(false),
+                .idempotent(true),
+            fleet,
         )
-    }
-}
-impl Default for RestartInstance {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -299,27 +320,26 @@ impl Tool for RestartInstance {
     }
     async fn precheck(&self, ctx: &ToolContext, args: &Value) -> Result<(), ToolError> {
         require_operator(ctx)?;
-        let i = load_instance(ctx, str_arg(args, "instanceId")?).await?;
+        let i = load_instance(self.1.as_ref(), str_arg(args, "instanceId")?).await?;
         if i.status != "abnormal" {
             return Err(ToolError::Precondition(format!("{} is already {}; it was not restarted", i.id, i.status)));
         }
         Ok(())
     }
     async fn execute(&self, ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError> {
-        let i = load_instance(ctx, str_arg(args, "instanceId")?).await?;
-        let count = i.restart_count + 1;
+        let id = str_arg(args, "instanceId")?;
+        let done = self.1.restart(id, &ctx.idempotency_key).await.map_err(tool_error)?;
         Ok(ToolOutput {
-            summary: format!("restarted {} (restart #{count})", i.id),
-            result: json!({"instanceId": i.id, "status": "healthy", "restartCount": count, "restarted": true}),
-            facts: vec![("instance".into(), i.id.clone())],
-            effects: vec![Effect::RestartInstance { instance_id: i.id.clone() }],
+            summary: format!("restarted {} (restart #{})", done.instance_id, done.restart_count),
+            result: json!({"instanceId": done.instance_id, "status": "healthy", "restartCount": done.restart_count, "restarted": true}),
+            facts: vec![("instance".into(), done.instance_id)],
         })
     }
 }
 
-pub struct RollbackRelease(ToolSpec);
+pub struct RollbackRelease(ToolSpec, Arc<dyn Fleet>);
 impl RollbackRelease {
-    pub fn new() -> Self {
+    pub fn new(fleet: Arc<dyn Fleet>) -> Self {
         Self(
             ToolSpec::new(
                 "rollback_release",
@@ -327,27 +347,21 @@ impl RollbackRelease {
                 service_env_schema(),
                 true,
             )
-            .idempotent(false),
+            .idempotent(true),
+            fleet,
         )
     }
 }
-impl Default for RollbackRelease {
-    fn default() -> Self {
-        Self::new()
-    }
-}
 
-async fn current_release(ctx: &ToolContext, service: &str, env: &str) -> Result<(String, String), ToolError> {
-    let instances = ctx.store.list_instances(Some(service), Some(env)).await.map_err(backend)?;
-    let first = instances.first().ok_or_else(|| ToolError::Invalid(format!("no instances of {service}/{env}")))?;
-    if instances.iter().any(|i| i.release != first.release) {
-        return Err(ToolError::Precondition(format!("{service}/{env} is mid-deploy; nothing was rolled back")));
+/// The release every instance of `service` in `env` is on, and the previous one.
+async fn current_release(fleet: &dyn Fleet, service: &str, env: &str) -> Result<(String, String), ToolError> {
+    let releases = fleet.releases(service, env).await.map_err(tool_error)?;
+    match releases.as_slice() {
+        [] => Err(ToolError::Invalid(format!("no instances of {service}/{env}"))),
+        [(release, Some(previous))] => Ok((release.clone(), previous.clone())),
+        [(_, None)] => Err(ToolError::Precondition(format!("{service}/{env} has no previous release"))),
+        _ => Err(ToolError::Precondition(format!("{service}/{env} is mid-deploy; nothing was rolled back"))),
     }
-    let previous = first
-        .previous_release
-        .clone()
-        .ok_or_else(|| ToolError::Precondition(format!("{service}/{env} has no previous release")))?;
-    Ok((first.release.clone(), previous))
 }
 
 #[async_trait]
@@ -366,17 +380,46 @@ impl Tool for RollbackRelease {
     }
     async fn precheck(&self, ctx: &ToolContext, args: &Value) -> Result<(), ToolError> {
         require_operator(ctx)?;
-        current_release(ctx, str_arg(args, "service")?, str_arg(args, "env")?).await.map(|_| ())
+        current_release(self.1.as_ref(), str_arg(args, "service")?, str_arg(args, "env")?).await.map(|_| ())
     }
     async fn execute(&self, ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError> {
         let service = str_arg(args, "service")?;
         let env = str_arg(args, "env")?;
-        let (from, to) = current_release(ctx, service, env).await?;
+        let (from, _) = current_release(self.1.as_ref(), service, env).await?;
+        let done = self.1.rollback(service, env, &from, &ctx.idempotency_key).await.map_err(tool_error)?;
         Ok(ToolOutput {
-            summary: format!("rolled back {service}/{env} from {from} to {to}"),
-            result: json!({"service": service, "env": env, "from": from, "to": to, "rolledBack": true}),
+            summary: format!("rolled back {service}/{env} from {} to {}", done.from, done.to),
+            result: json!({"service": service, "env": env, "from": done.from, "to": done.to, "rolledBack": true}),
             facts: vec![("service".into(), service.into()), ("env".into(), env.into())],
-            effects: vec![Effect::RollbackRelease { service: service.into(), env: env.into(), from_release: from }],
         })
     }
+}
+
+/// OpsPilot over Keel's SQLite database: its fleet opened (and seeded with `seed` when empty), and
+/// the agent with `model`. What the binary's demo mode does, for tests and examples.
+pub async fn on_sqlite(
+    store: &keel_store::SqliteStore,
+    model: Arc<dyn Model>,
+    seed: FleetSeed,
+) -> Result<(Agent, Arc<dyn Fleet>), FleetError> {
+    let fleet: Arc<dyn Fleet> = Arc::new(SqliteFleet::open(store).await?);
+    if fleet.instances(1).await?.is_empty() {
+        fleet.seed(seed, chrono::Utc::now()).await?;
+    }
+    let calls: Arc<dyn RunStore> = Arc::new(store.clone());
+    Ok((agent(fleet.clone(), calls, model), fleet))
+}
+
+/// The same over Postgres.
+pub async fn on_postgres(
+    store: &keel_store::PostgresStore,
+    model: Arc<dyn Model>,
+    seed: FleetSeed,
+) -> Result<(Agent, Arc<dyn Fleet>), FleetError> {
+    let fleet: Arc<dyn Fleet> = Arc::new(PostgresFleet::open(store).await?);
+    if fleet.instances(1).await?.is_empty() {
+        fleet.seed(seed, chrono::Utc::now()).await?;
+    }
+    let calls: Arc<dyn RunStore> = Arc::new(store.clone());
+    Ok((agent(fleet.clone(), calls, model), fleet))
 }

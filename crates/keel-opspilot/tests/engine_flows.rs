@@ -144,17 +144,21 @@ async fn two_calls_in_one_interrupt_with_per_call_decisions() {
     assert_eq!(payload["actions"].as_array().unwrap().len(), 2);
     assert_eq!(payload["title"], "Confirm 2 actions");
 
-    let partial = h.resume(&run, &interrupt, json!({"calls": {"call_a": "approve"}}), "k-partial").await;
+    // The calls' ids are Keel's, in the model's order.
+    let id = |i: usize| payload["actions"][i]["callId"].as_str().unwrap().to_owned();
+    let (a, b) = (id(0), id(1));
+    assert_eq!(payload["actions"][0]["args"]["instanceId"], "pay-prod-2");
+    let partial = h.resume(&run, &interrupt, json!({"calls": {&a: "approve"}}), "k-partial").await;
     assert!(matches!(partial, Err(EngineError::InvalidDecision(_))), "every call needs a decision: {partial:?}");
 
-    let after = h.decide(&run, &interrupt, json!({"calls": {"call_a": "approve", "call_b": "reject"}})).await;
+    let after = h.decide(&run, &interrupt, json!({"calls": {&a: "approve", &b: "reject"}})).await;
     assert_eq!(last_type(&after), "done");
     assert_eq!(h.restart_count("pay-prod-2").await, 1);
     assert_eq!(h.restart_count("pay-prod-a1").await, 0);
     let calls = h.store.list_tool_calls(&run).await.unwrap();
     let state = |id: &str| calls.iter().find(|c| c.id.as_str() == id).unwrap().state;
-    assert_eq!(state("call_a"), ToolCallState::Succeeded);
-    assert_eq!(state("call_b"), ToolCallState::Denied);
+    assert_eq!(state(&a), ToolCallState::Succeeded);
+    assert_eq!(state(&b), ToolCallState::Denied);
 }
 
 #[tokio::test]
@@ -279,7 +283,7 @@ async fn a_viewer_is_denied_by_policy_without_asking() {
     let dir = TempDir::new().unwrap();
     let h = Harness::new(dir.path(), Options::default()).await;
     h.store.set_user_role("vera", UserRole::Viewer).await.unwrap();
-    let conv = h.engine.create_conversation("vera", "viewer").await.unwrap().id;
+    let conv = h.engine.create_conversation("vera", "viewer", None).await.unwrap().id;
     let (_, ev) = h.say_as("vera", &conv, "restart pay-prod-2").await;
     assert_eq!(last_type(&ev), "done");
     assert!(!ev.iter().any(|e| e.type_name() == "interrupt"));
@@ -321,7 +325,7 @@ async fn a_new_engine_on_the_same_file_continues_a_paused_run() {
     let (interrupt, _) = interrupt_of(&ev);
     drop(h);
 
-    let h = Harness::open(dir.path(), clock, Arc::new(DemoModel::new(Duration::ZERO)), keel_opspilot::registry()).await;
+    let h = Harness::open(dir.path(), clock, Arc::new(DemoModel::new(Duration::ZERO)), opspilot()).await;
     let after = h.decide(&run, &interrupt, json!("approve")).await;
     assert_eq!(last_type(&after), "done");
     assert_eq!(h.restart_count("pay-prod-2").await, 1);
@@ -357,7 +361,7 @@ async fn a_crash_mid_stream_is_recovered_without_duplicated_text() {
     }
     drop(h); // a crash: workers aborted with events in flight
 
-    let h = Harness::open(dir.path(), clock, Arc::new(DemoModel::new(Duration::ZERO)), keel_opspilot::registry()).await;
+    let h = Harness::open(dir.path(), clock, Arc::new(DemoModel::new(Duration::ZERO)), opspilot()).await;
     let events = h.settle(&run, 0).await;
     assert_eq!(last_type(&events), "done");
     assert_contiguous(&events);
@@ -459,7 +463,7 @@ async fn unknown_tools_and_bad_arguments_are_reported_to_the_model() {
     let tool_messages: Vec<_> =
         h.store.list_messages(&conv).await.unwrap().into_iter().filter(|m| m.role == Role::Tool).collect();
     assert!(tool_messages[0].content.contains("unknown tool drop_database"));
-    assert!(tool_messages[1].content.contains("env: is required"), "{}", tool_messages[1].content);
+    assert!(tool_messages[1].content.contains("the property env is required"), "{}", tool_messages[1].content);
 }
 
 #[tokio::test]
@@ -542,7 +546,7 @@ async fn another_users_objects_are_not_found() {
             &run,
             keel_core::engine::ResumeRequest {
                 interrupt_id: interrupt,
-                decision: json!("approve"),
+                decision: keel_core::engine::Decision::Approve,
                 idempotency_key: "k".into(),
                 note: None,
             },

@@ -19,7 +19,7 @@ use axum::serve::ListenerExt;
 use axum::Router;
 use common::*;
 use keel_core::context::{estimate_tokens, ContextConfig, SUMMARIZER_PROMPT, SUMMARY_LABEL};
-use keel_core::engine::{EngineConfig, SendMessage};
+use keel_core::engine::SendMessage;
 use keel_core::model::{Model, ModelChunk, ModelError, ModelMessage, ModelRequest, ModelStream};
 use keel_core::tool::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use keel_core::{ConversationId, RunId, RunStatus};
@@ -220,15 +220,12 @@ fn conversation_responder(body: &Value) -> Reply {
     }
 }
 
-fn small_context(budget: usize) -> EngineConfig {
-    EngineConfig {
-        context: ContextConfig {
-            context_budget_tokens: budget,
-            summary_max_chars: 600,
-            summarize_with_model: true,
-            ..Default::default()
-        },
-        ..engine_config()
+fn small_context(budget: usize) -> ContextConfig {
+    ContextConfig {
+        context_budget_tokens: budget,
+        summary_max_chars: 600,
+        summarize_with_model: true,
+        ..opspilot_context()
     }
 }
 
@@ -265,7 +262,9 @@ async fn restart_with_approval_through_the_openai_client() {
     assert_eq!(last_type(&events), "interrupt");
     let (interrupt, payload) = interrupt_of(&events);
     assert_eq!(payload["actions"][0]["tool"], "restart_instance");
-    assert_eq!(payload["actions"][0]["callId"], "call_restart1");
+    // The call's id is Keel's own (it is the idempotency key), not the model's.
+    let call_id = payload["actions"][0]["callId"].as_str().unwrap().to_owned();
+    assert!(call_id.starts_with("call_") && call_id != "call_restart1", "{call_id}");
     assert_eq!(payload["actions"][0]["args"], json!({"instanceId": "pay-prod-2"}));
     assert_eq!(h.engine.run("demo", &run).await.unwrap().status, RunStatus::Interrupted);
     assert_eq!(h.restart_count("pay-prod-2").await, 0, "nothing happens before approval");
@@ -288,18 +287,18 @@ async fn restart_with_approval_through_the_openai_client() {
     let tools: Vec<&str> =
         first["tools"].as_array().unwrap().iter().map(|t| t["function"]["name"].as_str().unwrap()).collect();
     assert!(tools.contains(&"restart_instance"), "{tools:?}");
-    // The second: the call as the model made it, then its result under the same id.
+    // The second: the call as the model made it, then its result under the same id (Keel's).
     let second = messages(&received[1]);
     let n = second.len();
     let call = &second[n - 2];
     assert_eq!(call["role"], "assistant");
-    assert_eq!(call["tool_calls"][0]["id"], "call_restart1");
+    assert_eq!(call["tool_calls"][0]["id"], call_id.as_str());
     assert_eq!(call["tool_calls"][0]["function"]["name"], "restart_instance");
     let args: Value = serde_json::from_str(call["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
     assert_eq!(args, json!({"instanceId": "pay-prod-2"}));
     let result = &second[n - 1];
     assert_eq!(result["role"], "tool");
-    assert_eq!(result["tool_call_id"], "call_restart1");
+    assert_eq!(result["tool_call_id"], call_id.as_str());
     assert!(content(result).contains("pay-prod-2"), "{result}");
 }
 
@@ -310,7 +309,7 @@ async fn two_hundred_turns_stay_within_the_budget_with_model_summaries() {
     let mock = Mock::start(conversation_responder).await;
     let dir = TempDir::new().unwrap();
     let h =
-        Harness::new(dir.path(), Options { model: mock.model(), config: small_context(BUDGET), ..Default::default() })
+        Harness::new(dir.path(), Options { model: mock.model(), context: small_context(BUDGET), ..Default::default() })
             .await;
     let conv = h.conversation().await;
     talk(&h, &conv, 0..TURNS).await;
@@ -393,8 +392,9 @@ async fn a_failing_summary_call_falls_back_to_the_extractive_summary() {
     })
     .await;
     let dir = TempDir::new().unwrap();
-    let h = Harness::new(dir.path(), Options { model: mock.model(), config: small_context(500), ..Default::default() })
-        .await;
+    let h =
+        Harness::new(dir.path(), Options { model: mock.model(), context: small_context(500), ..Default::default() })
+            .await;
     let conv = h.conversation().await;
     let runs = talk(&h, &conv, 0..30).await;
     for run in &runs {
@@ -441,7 +441,7 @@ async fn a_run_waiting_for_its_summary_can_be_cancelled() {
     let model = Arc::new(StuckSummaries { summary_started: tokio::sync::Notify::new() });
     let dir = TempDir::new().unwrap();
     let h =
-        Harness::new(dir.path(), Options { model: model.clone(), config: small_context(400), ..Default::default() })
+        Harness::new(dir.path(), Options { model: model.clone(), context: small_context(400), ..Default::default() })
             .await;
     let conv = h.conversation().await;
     let mut i = 0;
@@ -505,7 +505,6 @@ impl Tool for ReadDbConfig {
                 ("db_auth".into(), "Bearer sk-live-123".into()),
                 ("db_password".into(), "hunter2".into()),
             ],
-            effects: Vec::new(),
         })
     }
 }
@@ -528,12 +527,12 @@ async fn secrets_in_a_tool_result_reach_no_prompt_event_or_row() {
         }
     })
     .await;
-    let mut tools = keel_opspilot::registry();
-    tools.register(Arc::new(ReadDbConfig::new()));
+    let tools: Tools =
+        Arc::new(|fleet, calls| keel_opspilot::registry(fleet, calls).with(Arc::new(ReadDbConfig::new())));
     let dir = TempDir::new().unwrap();
     let h = Harness::new(
         dir.path(),
-        Options { model: mock.model(), tools, config: small_context(700), ..Default::default() },
+        Options { model: mock.model(), tools, context: small_context(700), ..Default::default() },
     )
     .await;
     let conv = h.conversation().await;
@@ -547,7 +546,8 @@ async fn secrets_in_a_tool_result_reach_no_prompt_event_or_row() {
     // The tool ran, and what reached the model was its masked result.
     let second = &mock.main_requests()[1];
     let result = messages(second).iter().find(|m| m["role"] == "tool").expect("the tool result");
-    assert_eq!(result["tool_call_id"], "call_db1");
+    let call = messages(second).iter().find(|m| m["role"] == "assistant" && m["tool_calls"].is_array()).unwrap();
+    assert_eq!(result["tool_call_id"], call["tool_calls"][0]["id"], "the result answers the call");
     let shown: Value = serde_json::from_str(content(result)).unwrap();
     assert_eq!(shown["password"], "***");
     assert_eq!(shown["auth"], "Bearer ***");

@@ -1,6 +1,6 @@
-// Keel's page: conversations, streamed runs, tool steps, confirmation cards, the execution graph
-// and the confirmed facts. Plain JavaScript, no build step, no dependency. Every piece of data is
-// inserted as text (h() appends strings as text nodes), never as HTML.
+// Keel's page: the server's agents, conversations, streamed runs, tool steps, confirmation cards,
+// the execution graph and the confirmed facts. Plain JavaScript, no build step, no dependency. Every
+// piece of data is inserted as text (h() appends strings as text nodes), never as HTML.
 'use strict';
 
 const $ = (id) => document.getElementById(id);
@@ -8,16 +8,21 @@ const ui = {
   app: $('app'), list: $('conv-list'), messages: $('messages'), title: $('conv-title'), conn: $('conn'),
   form: $('composer'), input: $('input'), send: $('send'), stop: $('stop'), graph: $('graph'),
   caption: $('graph-caption'), facts: $('facts'), newConv: $('new-conv'), scrim: $('scrim'),
-  sidebar: $('sidebar'), inspector: $('inspector'),
+  sidebar: $('sidebar'), inspector: $('inspector'), agentTag: $('conv-agent'), brandAgent: $('brand-agent'),
   toggles: { sidebar: $('toggle-sidebar'), inspector: $('toggle-inspector') },
 };
 const LEAVE = 'leaving this conversation';
 const TERMINAL = new Set(['done', 'error', 'cancelled']);
-const SUGGESTIONS = ['Look at the recent errors of payment-api', 'Continue investigating its recent error logs',
-  'Restart this abnormal instance', 'List the services'];
+// The most a decision's note may hold (the server's limit).
+const NOTE_MAX = 2000;
 
 // `epoch` changes when another conversation is opened; work begun for the old one then stops.
-const state = { convId: null, epoch: 0, runs: [], active: null, shown: null, facts: {}, retryMs: 2000 };
+// `agents` is GET /v1/agents once read; `draftAgent` the one picked for the next new conversation;
+// `convAgent` the agent of the open conversation (its `agentId`; null: the server's default).
+const state = {
+  convId: null, epoch: 0, runs: [], active: null, shown: null, facts: {}, retryMs: 2000,
+  agents: null, draftAgent: null, convAgent: null,
+};
 
 // ------------------------------------------------------------------ helpers
 
@@ -61,8 +66,11 @@ function askForKey(message) {
 
 async function authedFetch(path, init = {}) {
   for (;;) {
+    const sentWith = sessionStorage.getItem(KEY_SLOT);
     const res = await fetch(path, { ...init, headers: withAuth(init.headers || {}) });
     if (res.status !== 401) return res;
+    // Another request asked for a key while this one was out: try that key before asking again.
+    if (sessionStorage.getItem(KEY_SLOT) !== sentWith) continue;
     const data = await res.clone().json().catch(() => null);
     if (!askForKey(data?.error?.message || 'Not signed in.')) return res;
   }
@@ -95,13 +103,93 @@ function setConn(mode) {
   ui.conn.textContent = { live: 'live', reconnecting: 'reconnecting…', '': '' }[mode];
 }
 
+// ------------------------------------------------------------------ agents
+
+// GET /v1/agents, read once (again after a failure). The page names no agent of its own: names,
+// descriptions and suggestions all come from here.
+let agentsRead = null;
+function loadAgents() {
+  agentsRead ??= api('GET', '/v1/agents').then(({ agents }) => {
+    state.agents = Array.isArray(agents) ? agents : [];
+    const brand = state.agents.length === 1 ? state.agents[0].name : state.agents.length > 1 ? `${state.agents.length} agents` : '';
+    ui.brandAgent.textContent = brand;
+    return state.agents;
+  }, (e) => {
+    agentsRead = null;
+    throw e;
+  });
+  return agentsRead;
+}
+
+const defaultAgent = () => state.agents?.find((a) => a.default) || state.agents?.[0] || null;
+/** The agent of this id; null or undefined: the server's default. Null when the server runs none such. */
+const agentOf = (id) => (id ? state.agents?.find((a) => a.id === id) : defaultAgent()) || null;
+/** The name to show for an agent id (a conversation's `agentId`): its name, else the id itself. */
+const agentName = (id) => agentOf(id)?.name || id || '';
+/** The agent the page is talking to now: the open conversation's, or the one picked for a new one. */
+const currentAgentName = () => agentName(state.convId ? state.convAgent : state.draftAgent);
+
+/** The header's agent tag, the tab's title and the composer's wording follow the current agent. */
+function showAgent() {
+  const name = currentAgentName();
+  ui.agentTag.hidden = !name;
+  ui.agentTag.replaceChildren(h('span', { class: 'visually-hidden' }, 'Agent: '), h('span', { class: 'agent-tag-name' }, name));
+  document.title = name ? `Keel · ${name}` : 'Keel';
+  updateComposer();
+}
+
+/**
+ * The welcome of a new conversation: the picked agent's name, description and suggestions, and,
+ * when the server runs several agents, a picker (a group of radio buttons: Tab reaches it, the
+ * arrow keys move the choice).
+ */
+function welcome(error) {
+  const agents = state.agents || [];
+  if (!agents.some((a) => a.id === state.draftAgent)) state.draftAgent = defaultAgent()?.id ?? null;
+  const name = h('h2', {});
+  const description = h('p', { class: 'welcome-description' });
+  const chips = h('div', { class: 'suggestions', role: 'group', 'aria-label': 'Suggestions' });
+  const fill = () => {
+    const agent = agentOf(state.draftAgent);
+    name.textContent = agent?.name || 'New conversation';
+    description.textContent = agent?.description || (agent ? '' : 'Write a message to start.');
+    description.hidden = !description.textContent;
+    chips.replaceChildren(...(agent?.suggestions || []).map((s) => h('button', {
+      type: 'button', class: 'chip', onclick: () => { ui.input.value = s; autogrow(); ui.input.focus(); },
+    }, s)));
+    chips.hidden = !chips.childElementCount;
+    showAgent();
+  };
+  const picker = agents.length > 1 && h('fieldset', { class: 'agent-picker' },
+    h('legend', {}, 'Agent'),
+    agents.map((a) => {
+      const nameId = `agent-name-${a.id}`;
+      const descId = `agent-desc-${a.id}`;
+      return h('label', { class: 'agent-option', 'data-agent': a.id },
+        h('input', {
+          type: 'radio', name: 'agent', value: a.id, checked: a.id === state.draftAgent, 'aria-labelledby': nameId,
+          'aria-describedby': a.description ? descId : null, onchange: () => { state.draftAgent = a.id; fill(); },
+        }),
+        h('span', { class: 'agent-text' }, h('span', { class: 'agent-name', id: nameId }, a.name),
+          a.description && h('span', { class: 'agent-description', id: descId }, a.description)));
+    }));
+  const el = h('div', { class: 'welcome' }, picker, name, description, chips,
+    error && h('p', { class: 'notice error' }, `Cannot list the agents: ${error.message}`));
+  fill();
+  return el;
+}
+
 // ------------------------------------------------------------------ conversations
 
 async function loadList() {
+  await loadAgents().catch(() => null); // named per conversation when there are several
   const { conversations } = await api('GET', '/v1/conversations');
+  const several = (state.agents?.length || 0) > 1;
   ui.list.replaceChildren(...conversations.map((c) => h('li', {},
     h('a', { href: `#${c.id}`, 'aria-current': c.id === state.convId ? 'page' : null },
-      h('span', { class: 'conv-title' }, c.title), h('time', { datetime: c.createdAt }, new Date(c.createdAt).toLocaleString())))));
+      h('span', { class: 'conv-title' }, c.title),
+      several && h('span', { class: 'conv-agent' }, agentName(c.agentId)),
+      h('time', { datetime: c.createdAt }, new Date(c.createdAt).toLocaleString())))));
 }
 
 function leave() {
@@ -116,14 +204,17 @@ function leave() {
 }
 
 function showDraft() {
+  // From a conversation, a new one starts with the same agent.
+  if (state.convId) state.draftAgent = state.convAgent;
   leave();
   state.convId = null;
+  state.convAgent = null;
   ui.title.textContent = 'New conversation';
-  ui.messages.append(h('div', { class: 'welcome' },
-    h('h2', {}, 'OpsPilot'),
-    h('p', {}, 'An on-call assistant running on Keel with the offline demo model. It reads the simulated fleet; changes wait for your approval.'),
-    h('div', { class: 'suggestions' }, SUGGESTIONS.map((s) => h('button', { type: 'button', class: 'chip', onclick: () => { ui.input.value = s; ui.input.focus(); } }, s)))));
-  updateComposer();
+  const epoch = state.epoch;
+  showAgent();
+  loadAgents().then(() => welcome(), (e) => welcome(e)).then((el) => {
+    if (epoch === state.epoch) ui.messages.append(el);
+  });
   loadList().catch(() => {});
 }
 
@@ -141,6 +232,10 @@ async function openConversation(id) {
   }
   if (epoch !== state.epoch) return;
   ui.title.textContent = conv.title;
+  state.convAgent = conv.agentId ?? null;
+  await loadAgents().catch(() => null);
+  if (epoch !== state.epoch) return;
+  showAgent();
   // One turn per run, in the order of the messages; each turn is rebuilt from its run's events.
   const byId = new Map();
   for (const m of conv.messages) {
@@ -177,11 +272,16 @@ async function send(text) {
   ui.send.disabled = true;
   try {
     if (!state.convId) {
-      const conv = await api('POST', '/v1/conversations', { title: text.length > 60 ? `${text.slice(0, 57)}…` : text });
+      const body = { title: text.length > 60 ? `${text.slice(0, 57)}…` : text };
+      if (state.draftAgent) body.agentId = state.draftAgent;
+      const conv = await api('POST', '/v1/conversations', body);
+      if (epoch !== state.epoch) return;
       state.convId = conv.id;
+      state.convAgent = conv.agentId ?? null;
       history.replaceState(null, '', `#${conv.id}`);
       ui.title.textContent = conv.title;
       ui.messages.replaceChildren();
+      showAgent();
       loadList().catch(() => {});
     }
     const { runId } = await api('POST', `/v1/conversations/${state.convId}/messages`, { content: text });
@@ -210,7 +310,8 @@ function userBubble(text) {
 // ------------------------------------------------------------------ runs and their events
 
 function addRun(id) {
-  const typing = h('div', { class: 'typing', role: 'img', 'aria-label': 'OpsPilot is writing' }, h('i'), h('i'), h('i'));
+  const typing = h('div', { class: 'typing', role: 'img', 'aria-label': `${currentAgentName() || 'The agent'} is writing` },
+    h('i'), h('i'), h('i'));
   const meta = h('div', { class: 'turn-meta' });
   const el = h('div', { class: 'turn assistant', 'data-run': id }, typing, meta);
   const run = {
@@ -280,7 +381,7 @@ function apply(run, ev, live) {
     case 'tool_finished': step(run, ev, ev.status); break;
     case 'facts_updated': if (live) renderFacts(ev.facts); break;
     case 'interrupt': run.paused = true; showCard(run, ev); break;
-    case 'resumed': run.paused = false; resolveCard(run, ev.interruptId, 'resolved', describeDecision(ev)); break;
+    case 'resumed': run.paused = false; resolveCard(run, ev.interruptId, 'resolved', describeDecision(ev), ev.note); break;
     case 'done': case 'error': case 'cancelled': finish(run, ev); break;
     default: break; // a type this page does not know yet: ignore it, as the contract says
   }
@@ -300,30 +401,41 @@ function finish(run, ev) {
   run.current = null;
   if (ev.type === 'error') run.el.insertBefore(h('p', { class: 'notice error' }, `The run failed: ${ev.message} (${ev.code})`), run.typing);
   if (ev.type === 'cancelled') {
+    const unknown = [...run.cards.values()].some((c) => c.state === 'pending' && c.kind === 'outcome_unknown');
+    const expired = unknown ? 'The question expired, so the run was cancelled. The outcome of the interrupted action is still unknown.'
+      : 'The confirmation expired, so the run was cancelled. Nothing was changed.';
     const why = { cancelled_by_user: 'Stopped.', client_disconnected: 'Stopped: the client went away.',
-      interrupt_expired: 'The confirmation expired, so the run was cancelled. Nothing was changed.' }[ev.reason] || `Cancelled (${ev.reason}).`;
+      interrupt_expired: expired }[ev.reason] || `Cancelled (${ev.reason}).`;
     run.el.insertBefore(h('p', { class: 'notice' }, why), run.typing);
   }
   for (const [id, card] of run.cards) {
     if (card.state !== 'pending') continue;
-    if (ev.reason === 'interrupt_expired') resolveCard(run, id, 'expired', 'This confirmation expired; nothing was done.');
+    if (ev.reason === 'interrupt_expired') resolveCard(run, id, 'expired', expiredText(card));
     else resolveCard(run, id, 'closed', 'The run ended before a decision was made.');
   }
   if (state.active === run) state.active = null;
 }
 
+const STEP_STATES = { running: 'running', success: 'done', error: 'failed', denied: 'denied', unknown: 'outcome unknown' };
+
+/** A tool step, keyed by its call id. A failed step shows why (`errorCode`: "failed: timeout"). */
 function step(run, ev, status) {
   let li = run.steps.get(ev.callId);
   if (!li) {
     li = h('li', { class: 'step', 'data-call': ev.callId },
       h('span', { class: 'step-icon', 'aria-hidden': 'true' }),
-      h('span', { class: 'step-line' }, h('code', { class: 'step-tool' }, ev.tool), ' ', h('span', { class: 'step-args' }, ev.argsSummary || '')),
-      h('span', { class: 'step-state' }), h('span', { class: 'step-summary' }));
+      h('span', { class: 'step-line' }, h('code', { class: 'step-tool' }, ev.tool), ' ', h('span', { class: 'step-args' }, ev.argsSummary || ''),
+        ' ', h('span', { class: 'step-state' })),
+      h('span', { class: 'step-summary' }));
     block(run, 'steps').append(li);
     run.steps.set(ev.callId, li);
   }
   li.dataset.status = status;
-  li.querySelector('.step-state').textContent = { running: 'running', success: 'done', error: 'failed', denied: 'denied' }[status] || status;
+  const state = li.querySelector('.step-state');
+  const detail = status === 'error' && ev.errorCode ? `failed: ${ev.errorCode}` : status === 'unknown' ? 'outcome unknown' : '';
+  state.textContent = detail || STEP_STATES[status] || status;
+  state.classList.toggle('shown', !!detail);
+  if (status === 'error' && ev.errorCode) li.dataset.errorCode = ev.errorCode; else delete li.dataset.errorCode;
   if (ev.summary) li.querySelector('.step-summary').textContent = ev.summary;
 }
 
@@ -394,92 +506,195 @@ async function readEvents(body, onEvent) {
 
 // ------------------------------------------------------------------ confirmation cards
 
+// Two kinds of question. `confirm_action`: may this run? (approve, reject, edit the arguments).
+// `outcome_unknown`: a call was sent and no answer came back, so it may or may not have happened
+// (retry it with the same idempotency key, say it was done, say it did not happen).
+const OUTCOME = [
+  { decision: 'retry', label: 'Retry with the same key', all: 'Retry all with the same keys', short: 'Retry' },
+  { decision: 'mark_done', label: 'It was done', all: 'All were done', short: 'It was done' },
+  { decision: 'mark_failed', label: 'It did not happen', all: 'None happened', short: 'It did not happen' },
+];
+const SENT = {
+  approve: 'Approved; continuing…', reject: 'Rejected; continuing…', calls: 'Decisions sent; continuing…',
+  retry: 'Retrying with the same idempotency key…', mark_done: 'Marked as done; continuing…',
+  mark_failed: 'Marked as not done; continuing…',
+};
+
+const isOutcomeUnknown = (ev) => ev.kind === 'outcome_unknown';
+const expiredText = (card) => (card.kind === 'outcome_unknown'
+  ? 'This question expired and the run was cancelled; the outcome of the action is still unknown.'
+  : 'This confirmation expired; nothing was done.');
+
+/** A note for the decision (`note`, kept with it and shown to everyone): open, or behind "Add a note". */
+function noteField(card, open) {
+  const id = `note-${card.id}`;
+  const input = h('textarea', { id, class: 'note-input', rows: 2, maxlength: NOTE_MAX, spellcheck: 'true',
+    placeholder: card.kind === 'outcome_unknown' ? 'What you checked, e.g. "the service log shows no restart"' : 'Why, for the record' });
+  const field = h('div', { class: 'note', id: `${id}-field`, hidden: !open },
+    h('label', { for: id }, 'Note', h('span', { class: 'muted' }, ' (optional, kept with the decision)')), input);
+  card.note = input;
+  if (open) return [field];
+  const add = h('button', { type: 'button', class: 'btn ghost small note-toggle', 'aria-expanded': 'false', 'aria-controls': field.id,
+    onclick: () => { field.hidden = false; add.hidden = true; add.setAttribute('aria-expanded', 'true'); input.focus(); } }, 'Add a note');
+  return [h('div', { class: 'action-tools' }, add), field];
+}
+
+function actionItem(card, a, extra) {
+  const args = a.args || {};
+  // What the action is on: its word-like string arguments (an instance, a service), not free text
+  // such as a reason, which the description and the arguments below show in full.
+  const target = Object.values(args).filter((v) => typeof v === 'string' && v && v.length <= 80 && !/\s/.test(v)).join(' · ');
+  return h('li', { class: 'action', 'data-call': a.callId },
+    h('div', { class: 'action-head' }, h('code', {}, a.tool), target && h('span', { class: 'target' }, target)),
+    card.multi && a.title && h('p', { class: 'action-title' }, a.title),
+    a.description && h('p', { class: 'muted' }, a.description),
+    h('dl', { class: 'args' }, Object.entries(args).flatMap(([k, v]) => [h('dt', {}, k), h('dd', {}, typeof v === 'string' ? v : JSON.stringify(v))])),
+    extra);
+}
+
 function showCard(run, ev) {
   if (run.cards.has(ev.interruptId)) return;
   const p = ev.payload || {};
   const actions = p.actions || [];
-  const multi = actions.length > 1;
-  const card = { id: ev.interruptId, run, state: 'pending', expiresAt: Date.parse(ev.expiresAt), keys: new Map(), actions: [] };
+  const kind = isOutcomeUnknown(ev) ? 'outcome_unknown' : ev.kind || 'confirm_action';
+  const card = {
+    id: ev.interruptId, run, kind, state: 'pending', expiresAt: Date.parse(ev.expiresAt), keys: new Map(), actions: [],
+    multi: actions.length > 1, note: null,
+  };
   const countdown = h('span', { class: 'countdown', 'aria-live': 'off' });
-  const badge = h('span', { class: 'badge' }, 'Your approval is needed');
+  const badge = h('span', { class: 'badge' }, kind === 'outcome_unknown' ? 'Outcome unknown: your decision is needed' : 'Your approval is needed');
   const message = h('p', { class: 'card-message', role: 'status' });
   const list = h('ul', { class: 'actions' });
-  for (const a of actions) {
-    const act = { callId: a.callId, args: a.args || {}, choice: 'approve', editor: null };
-    const target = Object.values(act.args).filter((v) => typeof v === 'string').join(' · ') || a.tool;
-    const editor = h('textarea', { class: 'args-editor', rows: 4, spellcheck: 'false', 'aria-label': `Arguments of ${a.tool}`, hidden: true });
-    editor.value = JSON.stringify(act.args, null, 2);
-    act.editor = editor;
-    const editBtn = h('button', { type: 'button', class: 'btn ghost small', 'aria-expanded': 'false', onclick: () => {
-      editor.hidden = !editor.hidden;
-      editBtn.setAttribute('aria-expanded', String(!editor.hidden));
-      editBtn.textContent = editor.hidden ? 'Edit arguments' : 'Keep original arguments';
-      if (editor.hidden) editor.value = JSON.stringify(act.args, null, 2); else editor.focus();
-    } }, 'Edit arguments');
-    const choice = multi && h('div', { class: 'choice', role: 'radiogroup', 'aria-label': `Decision for ${a.tool}` },
-      ['approve', 'reject'].map((c) => h('label', {}, h('input', { type: 'radio', name: `${card.id}-${a.callId}`, value: c,
-        checked: c === 'approve', onchange: () => { act.choice = c; } }), c === 'approve' ? 'Approve' : 'Reject')));
-    list.append(h('li', { class: 'action' },
-      h('div', { class: 'action-head' }, h('code', {}, a.tool), h('span', { class: 'target' }, target)),
-      multi && a.title && h('p', { class: 'action-title' }, a.title),
-      a.description && h('p', { class: 'muted' }, a.description),
-      h('dl', { class: 'args' }, Object.entries(act.args).flatMap(([k, v]) => [h('dt', {}, k), h('dd', {}, typeof v === 'string' ? v : JSON.stringify(v))])),
-      choice, h('div', { class: 'action-tools' }, editBtn), editor));
-    card.actions.push(act);
+  if (kind === 'outcome_unknown') {
+    for (const a of actions) {
+      const act = { callId: a.callId, choice: null };
+      const attempts = Number(a.attempts) || 0;
+      const outcome = h('p', { class: 'outcome' }, h('span', { class: 'outcome-label' }, 'outcome unknown'),
+        attempts ? ` · ${attempts} ${attempts === 1 ? 'attempt' : 'attempts'}` : '');
+      const choice = card.multi && h('div', { class: 'choice', role: 'radiogroup', 'aria-label': `What happened to ${a.tool}` },
+        OUTCOME.map((o) => h('label', {}, h('input', { type: 'radio', name: `${card.id}-${a.callId}`, value: o.decision,
+          onchange: () => { act.choice = o.decision; } }), o.short)));
+      list.append(actionItem(card, a, [outcome, choice]));
+      card.actions.push(act);
+      // Its step was left running when the answer never came.
+      const li = run.steps.get(a.callId);
+      if (li && li.dataset.status === 'running') step(run, { callId: a.callId }, 'unknown');
+    }
+    // None of the three is the default: which is right depends on what the user finds out.
+    card.buttons = OUTCOME.map((o) => h('button', { type: 'button', class: 'btn', 'data-decision': o.decision,
+      onclick: () => decide(card, o.decision) }, card.multi ? o.all : o.label));
+    if (card.multi) card.buttons.push(h('button', { type: 'button', class: 'btn', onclick: () => decide(card, 'calls') }, 'Submit per-action decisions'));
+  } else {
+    for (const a of actions) {
+      const act = { callId: a.callId, args: a.args || {}, choice: 'approve', editor: null };
+      const editor = h('textarea', { class: 'args-editor', rows: 4, spellcheck: 'false', 'aria-label': `Arguments of ${a.tool}`, hidden: true });
+      editor.value = JSON.stringify(act.args, null, 2);
+      act.editor = editor;
+      const editBtn = h('button', { type: 'button', class: 'btn ghost small', 'aria-expanded': 'false', onclick: () => {
+        editor.hidden = !editor.hidden;
+        editBtn.setAttribute('aria-expanded', String(!editor.hidden));
+        editBtn.textContent = editor.hidden ? 'Edit arguments' : 'Keep original arguments';
+        if (editor.hidden) editor.value = JSON.stringify(act.args, null, 2); else editor.focus();
+      } }, 'Edit arguments');
+      const choice = card.multi && h('div', { class: 'choice', role: 'radiogroup', 'aria-label': `Decision for ${a.tool}` },
+        ['approve', 'reject'].map((c) => h('label', {}, h('input', { type: 'radio', name: `${card.id}-${a.callId}`, value: c,
+          checked: c === 'approve', onchange: () => { act.choice = c; } }), c === 'approve' ? 'Approve' : 'Reject')));
+      list.append(actionItem(card, a, [choice, h('div', { class: 'action-tools' }, editBtn), editor]));
+      card.actions.push(act);
+    }
+    const approve = h('button', { type: 'button', class: 'btn primary', onclick: () => decide(card, 'approve') }, card.multi ? 'Submit decisions' : 'Approve');
+    const reject = h('button', { type: 'button', class: 'btn', onclick: () => decide(card, 'reject') }, card.multi ? 'Reject all' : 'Reject');
+    card.buttons = [approve, reject];
   }
-  const approve = h('button', { type: 'button', class: 'btn primary', onclick: () => decide(card, 'approve') }, multi ? 'Submit decisions' : 'Approve');
-  const reject = h('button', { type: 'button', class: 'btn', onclick: () => decide(card, 'reject') }, multi ? 'Reject all' : 'Reject');
-  card.buttons = [approve, reject];
+  const footer = h('footer', {}, card.buttons);
   card.countdown = countdown;
   card.badge = badge;
   card.message = message;
-  card.el = h('section', { class: 'card', 'data-interrupt': card.id, 'data-state': 'pending', 'aria-label': 'Confirmation needed' },
+  card.noteShown = h('p', { class: 'card-note', hidden: true });
+  card.el = h('section', { class: 'card', 'data-interrupt': card.id, 'data-kind': kind, 'data-state': 'pending',
+    'aria-label': kind === 'outcome_unknown' ? 'Outcome unknown: decision needed' : 'Confirmation needed' },
     h('header', {}, badge, countdown),
-    h('h3', {}, p.title || 'Confirm the action'),
-    p.risk && h('p', { class: 'risk' }, h('strong', {}, 'Risk: '), p.risk),
-    p.outcomeUnknown && h('p', { class: 'risk' }, h('strong', {}, 'Outcome unknown: '), 'an earlier attempt was cut off and may or may not have happened.'),
-    list, h('footer', {}, approve, reject), message);
+    h('h3', {}, p.title || (kind === 'outcome_unknown' ? 'Did the action happen?' : 'Confirm the action')),
+    p.risk && h('p', { class: 'risk' }, h('strong', {}, kind === 'outcome_unknown' ? 'Outcome unknown: ' : 'Risk: '), p.risk),
+    kind !== 'outcome_unknown' && p.outcomeUnknown
+      && h('p', { class: 'risk' }, h('strong', {}, 'Outcome unknown: '), 'an earlier attempt was cut off and may or may not have happened.'),
+    list, noteField(card, kind === 'outcome_unknown'), footer, message, card.noteShown);
   run.cards.set(card.id, card);
   run.el.insertBefore(card.el, run.typing);
   tick();
 }
 
-async function decide(card, verdict) {
-  if (card.state !== 'pending' || card.busy) return;
+/** The decision a press of `verdict` means on this card, or a string saying what is missing. */
+function decisionOf(card, verdict) {
+  if (card.kind === 'outcome_unknown') {
+    if (verdict !== 'calls') return { decision: verdict };
+    const calls = {};
+    for (const a of card.actions) {
+      if (!a.choice) return { problem: 'Choose what happened for every action first.' };
+      calls[a.callId] = a.choice;
+    }
+    return { decision: { calls } };
+  }
   const calls = {};
   let plain = true;
   for (const a of card.actions) {
     let d = verdict === 'reject' ? 'reject' : a.choice;
     if (d === 'approve' && !a.editor.hidden) {
       let edited;
-      try { edited = JSON.parse(a.editor.value); } catch { card.message.textContent = 'The edited arguments are not valid JSON.'; return; }
+      try { edited = JSON.parse(a.editor.value); } catch { return { problem: 'The edited arguments are not valid JSON.' }; }
       if (JSON.stringify(edited) !== JSON.stringify(a.args)) d = { edit: edited };
     }
     if (d !== verdict) plain = false;
     calls[a.callId] = d;
   }
-  const decision = plain ? verdict : { calls };
-  // One key per decision: sending the same decision again (a double click, a retry) is answered
-  // with the first answer, and nothing runs twice.
-  const body = JSON.stringify(decision);
-  if (!card.keys.has(body)) card.keys.set(body, `resume_${card.id}_${randomId()}`);
-  card.busy = true;
-  card.buttons.forEach((b) => { b.disabled = true; });
+  return { decision: plain ? verdict : { calls } };
+}
+
+function cardError(card, text, code) {
+  card.message.textContent = text;
+  card.message.classList.add('error');
+  if (code) card.message.dataset.code = code; else delete card.message.dataset.code;
+}
+
+function setCardBusy(card, busy) {
+  card.busy = busy;
+  card.buttons.forEach((b) => { b.disabled = busy; });
+  if (card.note) card.note.disabled = busy;
+}
+
+async function decide(card, verdict) {
+  if (card.state !== 'pending' || card.busy) return;
+  const { decision, problem } = decisionOf(card, verdict);
+  if (problem) { cardError(card, problem); return; }
+  const note = card.note?.value.trim() || '';
+  if (note.length > NOTE_MAX) { cardError(card, `The note is too long: at most ${NOTE_MAX} characters.`); return; }
+  // One key per decision (and note): sending the same decision again (a double click, a retry) is
+  // answered with the first answer, and nothing runs twice.
+  const sig = JSON.stringify([decision, note]);
+  if (!card.keys.has(sig)) card.keys.set(sig, `resume_${card.id}_${randomId()}`);
+  const body = { interruptId: card.id, decision, idempotencyKey: card.keys.get(sig) };
+  if (note) body.note = note;
+  setCardBusy(card, true);
+  card.message.classList.remove('error');
   card.message.textContent = 'Sending your decision…';
   for (let attempt = 0; ; attempt++) {
     try {
-      await api('POST', `/v1/runs/${card.run.id}/resume`, { interruptId: card.id, decision, idempotencyKey: card.keys.get(body) });
-      if (card.state === 'pending') card.message.textContent = verdict === 'reject' ? 'Rejected; continuing…' : 'Approved; continuing…';
+      await api('POST', `/v1/runs/${card.run.id}/resume`, body);
+      if (card.state === 'pending') card.message.textContent = SENT[typeof decision === 'string' ? decision : 'calls'];
       follow(card.run);
       break;
     } catch (e) {
       if (e.code === 'IDEMPOTENCY_KEY_IN_FLIGHT' && attempt < 20) { await sleep(300); continue; }
-      if (e.code === 'INTERRUPT_EXPIRED') resolveCard(card.run, card.id, 'expired', 'This confirmation expired; nothing was done.');
+      if (e.code === 'INTERRUPT_EXPIRED') resolveCard(card.run, card.id, 'expired', expiredText(card));
       else if (e.code === 'INTERRUPT_ALREADY_RESOLVED' || e.code === 'RUN_NOT_INTERRUPTED') {
-        if (card.state === 'pending') resolveCard(card.run, card.id, 'resolved', 'This confirmation was already answered elsewhere.');
+        if (card.state === 'pending') resolveCard(card.run, card.id, 'resolved', 'This question was already answered elsewhere.');
       } else {
-        card.message.textContent = `Not sent: ${e.message}`;
-        card.buttons.forEach((b) => { b.disabled = false; });
+        // Refused (a role that may not decide, a decision that does not fit) or not delivered: say
+        // so, and let the user try again (the same decision goes out with the same key).
+        const refused = e.status >= 400 && e.status < 500;
+        cardError(card, refused ? `The decision was refused: ${e.message}` : `Not sent: ${e.message}. You can try again.`, e.code);
+        setCardBusy(card, false);
+        return;
       }
       break;
     }
@@ -487,14 +702,19 @@ async function decide(card, verdict) {
   card.busy = false;
 }
 
+const DECIDED = {
+  approve: 'Approved', reject: 'Rejected', retry: 'Retried with the same idempotency key',
+  mark_done: 'Marked as done (it happened)', mark_failed: 'Marked as not done (it did not happen)',
+};
+
 function describeDecision(ev) {
   const d = ev.decision;
-  const what = d === 'approve' ? 'Approved' : d === 'reject' ? 'Rejected' : d?.edit ? 'Approved with edited arguments'
+  const what = typeof d === 'string' ? DECIDED[d] || `Answered ${d}` : d?.edit ? 'Approved with edited arguments'
     : d?.calls ? 'Decided per action' : 'Answered';
   return `${what}${ev.resolvedBy ? ` by ${ev.resolvedBy}` : ''} after ${ms(ev.humanWaitMs ?? 0)}.`;
 }
 
-function resolveCard(run, id, newState, text) {
+function resolveCard(run, id, newState, text, note) {
   const card = run.cards.get(id);
   if (!card || card.state !== 'pending') return;
   card.state = newState;
@@ -503,7 +723,12 @@ function resolveCard(run, id, newState, text) {
   card.el.querySelectorAll('textarea, input, .action-tools button').forEach((c) => { c.disabled = true; });
   card.countdown.textContent = '';
   card.badge.textContent = { resolved: 'Decision recorded', expired: 'Expired', closed: 'Closed' }[newState];
+  card.message.classList.remove('error');
   card.message.textContent = text;
+  if (note) {
+    card.noteShown.replaceChildren(h('strong', {}, 'Note: '), note);
+    card.noteShown.hidden = false;
+  }
   updateTurn(run);
 }
 
@@ -513,7 +738,7 @@ function tick() {
       if (card.state !== 'pending') continue;
       const left = Math.max(0, Math.ceil((card.expiresAt - Date.now()) / 1000));
       card.countdown.textContent = `expires in ${Math.floor(left / 60)}:${String(left % 60).padStart(2, '0')}`;
-      if (left === 0) resolveCard(run, card.id, 'expired', 'This confirmation expired; nothing was done.');
+      if (left === 0) resolveCard(run, card.id, 'expired', expiredText(card));
     }
   }
 }
@@ -608,8 +833,10 @@ function updateComposer() {
   ui.send.hidden = !!run;
   ui.stop.hidden = !run;
   ui.stop.disabled = !!run?.stopping;
-  ui.input.placeholder = run?.paused ? 'Waiting for your decision above…' : run ? 'OpsPilot is working… (Stop cancels the run)'
-    : 'Ask OpsPilot… (Enter sends, Shift+Enter for a new line)';
+  const name = currentAgentName();
+  ui.input.placeholder = run?.paused ? 'Waiting for your decision above…'
+    : run ? `${name || 'The agent'} is working… (Stop cancels the run)`
+      : `${name ? `Ask ${name}…` : 'Write a message…'} (Enter sends, Shift+Enter for a new line)`;
   if (!run && document.activeElement === document.body) ui.input.focus();
 }
 

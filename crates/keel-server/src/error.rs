@@ -76,10 +76,15 @@ impl From<EngineError> for ApiError {
             EngineError::IdempotencyKeyInFlight => StatusCode::CONFLICT,
             EngineError::IdempotencyKeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             EngineError::Forbidden(_) => StatusCode::FORBIDDEN,
-            EngineError::InvalidDecision(_) | EngineError::InvalidArgs(_) | EngineError::Invalid(_) => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            EngineError::InvalidDecision(_)
+            | EngineError::InvalidArgs(_)
+            | EngineError::Invalid(_)
+            | EngineError::UnknownAgent => StatusCode::UNPROCESSABLE_ENTITY,
             EngineError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            // nothing was written; the queue drains in milliseconds
+            EngineError::Overloaded => {
+                return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.code(), e.to_string()).retry_after(1)
+            }
             EngineError::Store(cause) => return ApiError::internal(cause),
         };
         ApiError::new(status, e.code(), e.to_string())
@@ -88,7 +93,7 @@ impl From<EngineError> for ApiError {
 
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> Self {
-        EngineError::Store(e).into()
+        EngineError::from(e).into()
     }
 }
 
@@ -150,12 +155,22 @@ mod tests {
             (EngineError::InvalidArgs("x".into()), 422, "INVALID_ARGS"),
             (EngineError::Invalid("x".into()), 422, "VALIDATION_FAILED"),
             (EngineError::ShuttingDown, 503, "SHUTTING_DOWN"),
+            (EngineError::Overloaded, 503, "OVERLOADED"),
         ];
         for (e, status, code) in cases {
             let api = ApiError::from(e);
             assert_eq!(api.status.as_u16(), status, "{code}");
             assert_eq!(api.code, code);
         }
+    }
+
+    #[test]
+    fn an_overloaded_store_is_a_503_to_retry_after_a_second() {
+        let api = ApiError::from(StoreError::Overloaded);
+        assert_eq!((api.code, api.retry_after), ("OVERLOADED", Some(1)));
+        let response = api.into_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(response.headers()[RETRY_AFTER], "1");
     }
 
     #[test]

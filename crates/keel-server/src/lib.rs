@@ -39,11 +39,16 @@ pub const QUIET_LOG_TARGETS: &[&str] = &["tungstenite=debug", "tokio_tungstenite
 pub use metrics::ServerMetrics;
 pub use state::{AppState, ServerConfig};
 
-pub fn router(state: AppState) -> Router {
-    let (public, v1) = api_routes(state.config.demo_mode);
+/// The server's routes, with `extra` (routes of an application built on Keel, the demo's say)
+/// among the authenticated `/v1` ones. `GET /v1/openapi.json` serves the spec of these routes.
+pub fn router(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
+    let (public, v1) = api_routes();
+    let v1 = v1.merge(extra);
     // `route_layer`: only matched routes authenticate, so an unknown path is a plain 404.
     let v1 = v1.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate));
-    let (api, spec) = public.merge(v1).split_for_parts();
+    let (api, mut spec) = public.merge(v1).split_for_parts();
+    openapi::finish(&mut spec);
+    let _ = state.spec.set(openapi::to_json(&spec));
     let templates = RouteTemplates::new(spec.paths.paths.keys().map(String::as_str).chain(page::PATHS.iter().copied()));
     api
         .merge(page::routes())
@@ -89,15 +94,15 @@ impl RouteTemplates {
 
 /// The API's routes, each registered with its OpenAPI operation, so none is served without a spec:
 /// the ones anyone may call, and the `/v1` ones behind authentication ([`router`] adds it).
-/// `/v1/demo/reset` is routed only in demo mode; the spec ([`openapi::spec`]) has it always.
-pub fn api_routes(demo_mode: bool) -> (OpenApiRouter<AppState>, OpenApiRouter<AppState>) {
-    use routes::{ag_ui, conversations, demo, health, metrics, runs, ws};
+pub fn api_routes() -> (OpenApiRouter<AppState>, OpenApiRouter<AppState>) {
+    use routes::{ag_ui, agents, conversations, health, metrics, runs, ws};
     let public = OpenApiRouter::new()
         .routes(routes!(health::healthz))
         .routes(routes!(health::readyz))
         .routes(routes!(metrics::metrics))
         .routes(routes!(openapi::openapi_json));
-    let mut v1 = OpenApiRouter::new()
+    let v1 = OpenApiRouter::new()
+        .routes(routes!(agents::list))
         .routes(routes!(conversations::create, conversations::list))
         .routes(routes!(conversations::get))
         .routes(routes!(conversations::post_message))
@@ -107,14 +112,10 @@ pub fn api_routes(demo_mode: bool) -> (OpenApiRouter<AppState>, OpenApiRouter<Ap
         .routes(routes!(runs::resume))
         .routes(routes!(runs::cancel))
         .routes(routes!(runs::stream_ticket))
-        .routes(routes!(demo::instances))
         .routes(routes!(ag_ui::run))
         .routes(routes!(ag_ui::run_agent))
         .routes(routes!(ws::ws))
         .routes(routes!(ws::ticket));
-    if demo_mode {
-        v1 = v1.routes(routes!(demo::reset));
-    }
     (public, v1)
 }
 
@@ -128,10 +129,11 @@ pub fn api_routes(demo_mode: bool) -> (OpenApiRouter<AppState>, OpenApiRouter<Ap
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
+    extra: OpenApiRouter<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let stopping = state.shutdown.clone();
-    let app = router(state);
+    let app = router(state, extra);
     let http = hyper::server::conn::http1::Builder::new();
     // Every connection task holds a receiver; `closed()` resolves once the last one is done.
     let (open_tx, open_rx) = tokio::sync::watch::channel(());

@@ -26,8 +26,9 @@ use crate::views::ErrorBody;
                        Every `/v1` operation takes `Authorization: Bearer <api key>` (a server with no keys, on \
                        a loopback address, acts for its one local user instead). A run's event stream and the \
                        WebSocket also take a single-use `?ticket=`. Any `/v1` operation may answer 401 \
-                       `UNAUTHENTICATED`, 429 `RATE_LIMITED` (with `Retry-After`), 503 `SHUTTING_DOWN` and \
-                       500 `INTERNAL`; every error is `{\"error\": {\"code\", \"message\"}}`.",
+                       `UNAUTHENTICATED`, 429 `RATE_LIMITED` (with `Retry-After`), 503 `SHUTTING_DOWN` or \
+                       `OVERLOADED` (with `Retry-After`) and 500 `INTERNAL`; every error is \
+                       `{\"error\": {\"code\", \"message\"}}`.",
         license(name = "Apache-2.0", identifier = "Apache-2.0"),
     ),
     security(("bearer" = [])),
@@ -37,7 +38,6 @@ use crate::views::ErrorBody;
         (name = "conversations", description = "Conversations and the messages that start runs"),
         (name = "runs", description = "Runs: state, events, resume, cancel"),
         (name = "streams", description = "AG-UI over SSE and the WebSocket"),
-        (name = "demo", description = "OpsPilot's simulated fleet"),
         (name = "operations", description = "Health, readiness, metrics and this spec; no authentication"),
     )
 )]
@@ -63,20 +63,31 @@ impl utoipa::Modify for SecuritySchemes {
 
 /// The spec of the whole v1 API, demo-only routes included.
 pub fn spec() -> OpenApi {
-    let (public, v1) = crate::api_routes(true);
-    let mut openapi = ApiDoc::openapi();
-    openapi.merge(public.merge(v1).into_openapi());
-    add_common_responses(&mut openapi);
+    let (public, v1) = crate::api_routes();
+    let mut openapi = public.merge(v1).into_openapi();
+    finish(&mut openapi);
     openapi
 }
 
-/// [`spec`] as served and committed: pretty-printed, keys in a stable order, with a final newline.
+/// The spec of a router's routes: the document's own parts, and the responses every operation
+/// shares.
+pub(crate) fn finish(openapi: &mut OpenApi) {
+    let mut full = ApiDoc::openapi();
+    full.merge(std::mem::take(openapi));
+    add_common_responses(&mut full);
+    *openapi = full;
+}
+
+/// As served and committed: pretty-printed, keys in a stable order, with a final newline.
+pub fn to_json(openapi: &OpenApi) -> String {
+    let mut json = serde_json::to_string_pretty(openapi).expect("the OpenAPI spec serializes");
+    json.push('\n');
+    json
+}
+
+/// [`spec`], the core API's (what `docs/openapi.json` holds), as JSON.
 pub fn spec_json() -> &'static str {
-    static JSON: LazyLock<String> = LazyLock::new(|| {
-        let mut json = serde_json::to_string_pretty(&spec()).expect("the OpenAPI spec serializes");
-        json.push('\n');
-        json
-    });
+    static JSON: LazyLock<String> = LazyLock::new(|| to_json(&spec()));
     &JSON
 }
 
@@ -103,7 +114,12 @@ fn add_common_responses(openapi: &mut OpenApi) {
                     "`UNAUTHENTICATED`: a missing, unknown or revoked API key; `INVALID_TICKET`: a bad stream ticket",
                 );
                 add_rate_limited(operation);
-                add_error(operation, "503", "`SHUTTING_DOWN`: the server is stopping; retry on another instance");
+                add_error(
+                    operation,
+                    "503",
+                    "`SHUTTING_DOWN`: the server is stopping; retry on another instance; `OVERLOADED`: too many \
+                     writes are waiting, nothing was written; retry after `Retry-After`",
+                );
             }
             add_error(operation, "500", "`INTERNAL`: the cause is in the server's log, never in the answer");
         }
@@ -193,8 +209,9 @@ fn json_text(description: &str) -> ObjectBuilder {
     security(()),
     responses((status = 200, description = "This spec (OpenAPI 3.1)", content_type = "application/json", body = Object))
 )]
-pub async fn openapi_json() -> Response {
-    let mut response = spec_json().into_response();
+pub async fn openapi_json(axum::extract::State(state): axum::extract::State<crate::AppState>) -> Response {
+    let served = state.spec.get().cloned().unwrap_or_else(|| spec_json().to_owned());
+    let mut response = served.into_response();
     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }

@@ -365,8 +365,10 @@ mod tests {
         let engine = Arc::new(Engine::new(
             keel_core::engine::EngineParts {
                 store,
-                model: Arc::new(keel_models::DemoModel::new(Duration::ZERO)),
-                tools: keel_opspilot::registry(),
+                agents: keel_core::agent::Agents::single(
+                    keel_core::agent::Agent::new("a", "A", Arc::new(keel_models::DemoModel::new(Duration::ZERO)), "p")
+                        .unwrap(),
+                ),
                 bus: Arc::new(keel_core::bus::LocalBus::default()),
                 clock: Arc::new(keel_core::clock::SystemClock),
             },

@@ -21,10 +21,6 @@ pub struct ServerConfig {
     pub sse_retry_ms: u64,
     /// The largest request body accepted.
     pub body_limit: usize,
-    /// Enables `POST /v1/demo/reset`.
-    pub demo_mode: bool,
-    /// Extra abnormal instances per service when the fleet is re-seeded.
-    pub demo_abnormal: u32,
     /// A reader that does not take a frame within this long is cut off; it reconnects with
     /// `Last-Event-ID` and catches up from the store.
     pub sse_send_timeout: Duration,
@@ -60,8 +56,6 @@ impl Default for ServerConfig {
             heartbeat: Duration::from_secs(15),
             sse_retry_ms: 2000,
             body_limit: 1024 * 1024,
-            demo_mode: false,
-            demo_abnormal: 0,
             sse_send_timeout: Duration::from_secs(30),
             sse_buffer: 64,
             auth: AuthMode::SingleUser("demo".to_owned()),
@@ -123,6 +117,8 @@ pub struct AppState {
     pub metrics: ServerMetrics,
     pub ws: Arc<WsStats>,
     pub(crate) shutdown: Shutdown,
+    /// The OpenAPI spec of the routes served (set when the router is built).
+    pub(crate) spec: Arc<std::sync::OnceLock<String>>,
 }
 
 /// The per-user limits' state, shared by every request.
@@ -147,6 +143,7 @@ impl AppState {
             metrics: ServerMetrics::new(),
             ws: Arc::default(),
             shutdown: Shutdown::new(),
+            spec: Arc::default(),
         }
     }
 

@@ -4,7 +4,6 @@
 //! and the OpenAPI spec is derived from them, so the two can't disagree.
 
 use keel_core::engine::ResumeAccepted;
-use keel_core::fleet::Instance;
 use keel_core::{Conversation, Event, Timestamp};
 use serde::Serialize;
 use utoipa::ToSchema;
@@ -47,12 +46,10 @@ pub struct ResumedTurn {
     pub resume: ResumeAccepted,
 }
 
-/// `POST /v1/demo/reset`: the fleet as seeded again.
+/// `GET /v1/agents`.
 #[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct DemoReset {
-    /// Always `reset`.
-    pub status: String,
-    pub instances: Vec<Instance>,
+pub struct AgentList {
+    pub agents: Vec<keel_core::agent::AgentInfo>,
 }
 
 /// `GET /healthz`, `GET /readyz`: `ok`, `ready`.

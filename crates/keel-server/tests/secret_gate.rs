@@ -13,7 +13,6 @@ use std::sync::{Arc, Mutex, Once};
 use async_trait::async_trait;
 use futures::{SinkExt, StreamExt};
 use keel_core::model::{Model, ModelChunk, ModelError, ModelMessage, ModelRequest, ModelStream, ModelToolCall};
-use keel_core::store::Store;
 use keel_core::tool::{Tool, ToolContext, ToolError, ToolOutput, ToolSpec};
 use keel_store::PostgresStore;
 use reqwest::header::{ACCEPT, AUTHORIZATION};
@@ -74,7 +73,6 @@ impl Tool for LeakyTool {
             result: json!({"note": planted, "password": PASSWORD, "aws": AWS}),
             summary: format!("read {planted}"),
             facts: vec![("service".into(), planted.clone()), ("db_password".into(), PASSWORD.into())],
-            effects: Vec::new(),
         })
     }
 }
@@ -126,7 +124,7 @@ struct Gate {
 }
 
 impl Gate {
-    async fn new(store: Option<Arc<dyn Store>>) -> Self {
+    async fn new(postgres: Option<PostgresStore>) -> Self {
         let text = Arc::new(Mutex::new(String::new()));
         let tool = LeakyTool(
             ToolSpec::new(
@@ -139,7 +137,7 @@ impl Gate {
         );
         let model = Arc::new(SettingsThenDemo(keel_models::DemoModel::new(std::time::Duration::from_millis(1))));
         let app = TestApp::with(Options {
-            store,
+            postgres,
             model: Some(model),
             extra_tools: vec![Arc::new(tool)],
             ..Options::default()
@@ -409,7 +407,7 @@ async fn planted_secrets_reach_nothing_on_postgres() {
     let store = PostgresStore::connect_with_schema(&url, &schema)
         .await
         .unwrap_or_else(|e| panic!("KEEL_TEST_POSTGRES_URL is set, but the database cannot be used: {e}"));
-    let mut gate = Gate::new(Some(Arc::new(store.clone()))).await;
+    let mut gate = Gate::new(Some(store.clone())).await;
     gate.plant_everywhere().await;
     gate.assert_nothing_leaked();
     let dump = std::process::Command::new("pg_dump")

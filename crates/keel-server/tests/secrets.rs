@@ -82,7 +82,6 @@ impl Tool for ReadDbConfig {
             }),
             summary: "read postgres://admin:s3cr3t@db/pay (password=tool-pw-42)".into(),
             facts: vec![("db_dsn".into(), "postgres://admin:s3cr3t@db/pay".into())],
-            effects: Vec::new(),
         })
     }
 }

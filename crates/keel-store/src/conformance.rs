@@ -12,17 +12,16 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use chrono::{DateTime, Duration};
+use chrono::DateTime;
 use keel_core::domain::{
     ApiKey, Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep,
     Role, Run, RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
-use keel_core::fleet::{Effect, FleetSeed};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
     Commit, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store,
-    StoreError, StoreResult, TextAppend, ToolCallChange,
+    StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -54,9 +53,8 @@ macro_rules! conformance_tests {
             expired_interrupt_cannot_be_resolved,
             interrupt_is_resolved_once,
             tool_call_updates_are_conditional,
-            refused_effect_rolls_back_the_commit,
-            restart_effect_applies_exactly_once,
-            rollback_effect_moves_every_instance_back,
+            a_refused_part_rolls_back_the_whole_commit,
+            tool_call_attempts_are_counted,
             text_appends_build_one_message_and_discard_removes_it,
             messages_facts_and_summary_are_written_by_commit,
             duplicate_ids_are_refused,
@@ -65,9 +63,8 @@ macro_rules! conformance_tests {
             leases_renew_and_release,
             cancel_request_is_seen_by_the_next_commit,
             idempotency_keys,
-            an_answer_commits_with_the_effect_it_reports,
-            seed_fleet_matches_the_demo,
-            instances_awaiting_restart_lists_asking_restarts,
+            an_answer_commits_with_the_change_it_reports,
+            asking_calls_lists_the_calls_waiting_for_a_human,
             due_interrupts_are_pending_and_past_expiry,
             conversation_tool_calls_span_runs,
             user_roles,
@@ -75,7 +72,8 @@ macro_rules! conformance_tests {
             stream_tickets_are_redeemed_once_before_expiry,
             runs_are_listed_per_user_newest_first,
             interrupts_of_a_run_are_listed_with_their_history,
-            ag_ui_threads_and_message_ids,
+            bindings_keep_the_first_value,
+            conversations_and_runs_keep_their_agent,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -134,15 +132,16 @@ fn to(status: RunStatus) -> Option<RunChange> {
 }
 
 async fn conversation(store: &SharedStore, user: &str) -> Conversation {
-    store.create_conversation(user, &"troubleshoot payment-api".into(), at(0)).await.expect("create conversation")
+    store.create_conversation(user, &"look into order ord-2".into(), "ops", at(0)).await.expect("create conversation")
 }
 
 async fn start(store: &SharedStore, conversation: &Conversation, now: Timestamp) -> StartedRun {
     store
         .start_run(NewRun {
             conversation_id: conversation.id.clone(),
+            agent_id: conversation.agent_id.clone().unwrap_or_else(|| "ops".into()),
             user_id: conversation.user_id.clone(),
-            content: "Restart the abnormal instance of payment-api".into(),
+            content: "Cancel order ord-2".into(),
             cancel_on_disconnect: false,
             now,
             events: first_events(&conversation.id),
@@ -174,7 +173,7 @@ fn interrupt(run_id: &RunId, call_ids: Vec<CallId>, expires_at: Timestamp) -> In
         run_id: run_id.clone(),
         kind: InterruptKind::ConfirmAction,
         status: InterruptStatus::Pending,
-        payload: json!({"title": "Restart pay-prod-2", "risk": "medium"}).into(),
+        payload: json!({"title": "Cancel ord-2?", "risk": "medium"}).into(),
         call_ids,
         created_at: at(3),
         expires_at,
@@ -222,15 +221,16 @@ fn resumed(interrupt: &Interrupt, by: &str) -> EventKind {
     }
 }
 
-fn tool_call(run_id: &RunId, name: &str, instance_id: &str, state: ToolCallState) -> ToolCall {
+fn tool_call(run_id: &RunId, name: &str, order_id: &str, state: ToolCallState) -> ToolCall {
     ToolCall {
         id: CallId::new(),
         run_id: run_id.clone(),
         name: name.into(),
-        args: json!({"instanceId": instance_id}).into(),
+        args: json!({"orderId": order_id}).into(),
         state,
         result: None,
         summary: None,
+        attempts: 0,
         started_at: None,
         finished_at: None,
     }
@@ -263,13 +263,6 @@ fn assert_conflict<T: std::fmt::Debug>(result: StoreResult<T>) {
     }
 }
 
-fn assert_effect_refused<T: std::fmt::Debug>(result: StoreResult<T>) {
-    match result {
-        Err(StoreError::EffectRefused(_)) => {}
-        other => panic!("expected a refused effect, got {other:?}"),
-    }
-}
-
 /// Everything a commit on a run could have written.
 #[derive(Debug, PartialEq)]
 struct Snapshot {
@@ -280,7 +273,6 @@ struct Snapshot {
     facts: Vec<Fact>,
     summary: Option<Summary>,
     pending_interrupt: Option<Interrupt>,
-    instances: Vec<keel_core::fleet::Instance>,
 }
 
 async fn snapshot(store: &SharedStore, conversation_id: &ConversationId, run_id: &RunId) -> Snapshot {
@@ -294,7 +286,6 @@ async fn snapshot(store: &SharedStore, conversation_id: &ConversationId, run_id:
         facts,
         summary: store.get_summary(conversation_id).await.expect("summary"),
         pending_interrupt: store.pending_interrupt(run_id).await.expect("pending interrupt"),
-        instances: store.list_instances(None, None).await.expect("instances"),
     }
 }
 
@@ -303,7 +294,7 @@ fn everything(run: &Run, conversation_id: &ConversationId, fence: Fence, call: &
     let mut c = Commit::new(run.id.clone(), fence, at(10));
     c.run = to(RunStatus::Completed);
     c.checkpoint = Some(Checkpoint { next_step: NextStep::Finalize, ..run.checkpoint.clone() });
-    c.text.push(TextAppend { message_id: MessageId::new(), text: "Restarted.".into() });
+    c.text.push(TextAppend { message_id: MessageId::new(), text: "Cancelled.".into() });
     c.messages.push(Message {
         id: MessageId::new(),
         conversation_id: conversation_id.clone(),
@@ -314,20 +305,14 @@ fn everything(run: &Run, conversation_id: &ConversationId, fence: Fence, call: &
         created_at: at(10),
     });
     c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Allowed));
-    c.tool_calls.push(ToolCallChange::Insert(tool_call(
-        &run.id,
-        "get_instance",
-        "pay-prod-1",
-        ToolCallState::Requested,
-    )));
+    c.tool_calls.push(ToolCallChange::Insert(tool_call(&run.id, "get_order", "ord-1", ToolCallState::Requested)));
     c.new_interrupts.push(interrupt(&run.id, vec![call.id.clone()], at(500)));
-    c.facts.push(fact("instance", "pay-prod-2", FactSource::ToolResult, at(10)));
+    c.facts.push(fact("order", "ord-2", FactSource::ToolResult, at(10)));
     c.summary = Some(Summary {
         conversation_id: conversation_id.clone(),
         through_message_id: run.user_message_id.clone(),
-        text: "asked for a restart".into(),
+        text: "asked to cancel an order".into(),
     });
-    c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-2".into() });
     c.events.push(node("finalize"));
     c.events.push(EventKind::Done { message_id: None });
     c
@@ -338,9 +323,11 @@ fn everything(run: &Run, conversation_id: &ConversationId, fence: Fence, call: &
 pub async fn conversations_are_per_user_and_newest_first(store: SharedStore) {
     let mut created = Vec::new();
     for secs in [10, 30, 20] {
-        created.push(store.create_conversation("alice", &format!("t{secs}").into(), at(secs)).await.expect("create"));
+        created.push(
+            store.create_conversation("alice", &format!("t{secs}").into(), "ops", at(secs)).await.expect("create"),
+        );
     }
-    let bobs = store.create_conversation("bob", &"bob's".into(), at(40)).await.expect("create");
+    let bobs = store.create_conversation("bob", &"bob's".into(), "ops", at(40)).await.expect("create");
 
     let listed = store.list_conversations("alice", 10).await.expect("list");
     let titles: Vec<_> = listed.iter().map(|c| c.title.as_str()).collect();
@@ -395,6 +382,7 @@ pub async fn start_run_needs_a_conversation(store: SharedStore) {
     let result = store
         .start_run(NewRun {
             conversation_id: ConversationId::new(),
+            agent_id: "ops".into(),
             user_id: "alice".into(),
             content: "hello".into(),
             cancel_on_disconnect: true,
@@ -410,6 +398,7 @@ pub async fn one_active_run_per_conversation(store: SharedStore) {
     let refused = store
         .start_run(NewRun {
             conversation_id: conversation.id.clone(),
+            agent_id: "ops".into(),
             user_id: "alice".into(),
             content: "again".into(),
             cancel_on_disconnect: false,
@@ -436,6 +425,7 @@ pub async fn one_active_run_per_conversation(store: SharedStore) {
     let err = store
         .start_run(NewRun {
             conversation_id: conversation.id.clone(),
+            agent_id: "ops".into(),
             user_id: "alice".into(),
             content: "again".into(),
             cancel_on_disconnect: false,
@@ -466,6 +456,7 @@ pub async fn concurrent_starts_create_one_run(store: SharedStore) {
                 store
                     .start_run(NewRun {
                         conversation_id,
+                        agent_id: "ops".into(),
                         user_id: "alice".into(),
                         content: format!("message {i}").into(),
                         cancel_on_disconnect: false,
@@ -528,12 +519,11 @@ pub async fn sequences_are_contiguous_across_commits(store: SharedStore) {
 }
 
 pub async fn a_fenced_out_commit_writes_nothing(store: SharedStore) {
-    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, at(0)).await.expect("seed");
     let (conversation, run) = running(&store, "w1").await;
-    let call = tool_call(&run.id, "restart_instance", "pay-prod-2", ToolCallState::Requested);
+    let call = tool_call(&run.id, "cancel_order", "ord-2", ToolCallState::Requested);
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
     c.tool_calls.push(ToolCallChange::Insert(call.clone()));
-    c.facts.push(fact("service", "payment-api", FactSource::ToolResult, at(5)));
+    c.facts.push(fact("customer", "acme", FactSource::ToolResult, at(5)));
     commit_ok(&store, c).await;
     let before = snapshot(&store, &conversation.id, &run.id).await;
 
@@ -563,33 +553,33 @@ pub async fn a_fenced_out_commit_writes_nothing(store: SharedStore) {
     assert_eq!(after.facts.len(), 2);
     assert!(after.summary.is_some());
     assert!(after.pending_interrupt.is_some());
-    let restarted = store.get_instance("pay-prod-2").await.expect("get").expect("exists");
-    assert_eq!((restarted.status.as_str(), restarted.restart_count), ("healthy", 1));
 }
 
-/// Many commits at once, to different runs, some of them refused (fenced out, or with an effect
-/// that no longer applies): each caller gets its own answer, the refused ones write nothing and the
+/// Many commits at once, to different runs, some of them refused (fenced out, or with a part that
+/// no longer applies): each caller gets its own answer, the refused ones write nothing and the
 /// others all of theirs. A store that groups concurrent commits into one transaction (SQLite's
 /// writer) must keep them apart.
 pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
     const RUNS: usize = 48;
-    store.seed_fleet(FleetSeed { extra_abnormal: RUNS as u32 }, at(0)).await.expect("seed");
     let mut runs = Vec::new();
     for _ in 0..RUNS {
         let (conversation, run) = running(&store, "w1").await;
-        let mut before = snapshot(&store, &conversation.id, &run.id).await;
-        before.instances.clear();
-        runs.push((conversation, run, before, MessageId::new()));
+        let call = tool_call(&run.id, "cancel_order", "ord-1", ToolCallState::Requested);
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+        c.tool_calls.push(ToolCallChange::Insert(call.clone()));
+        commit_ok(&store, c).await;
+        let before = snapshot(&store, &conversation.id, &run.id).await;
+        runs.push((conversation, run, before, MessageId::new(), call));
     }
     #[derive(Debug, Clone, Copy, PartialEq)]
     enum Kind {
         FencedOut,
-        EffectRefused,
+        PartRefused,
         Accepted,
     }
     let kind = |i: usize| match i % 3 {
         0 => Kind::FencedOut,
-        1 => Kind::EffectRefused,
+        1 => Kind::PartRefused,
         _ => Kind::Accepted,
     };
     const ROUNDS: i64 = 3;
@@ -598,7 +588,7 @@ pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
         let tasks: Vec<_> = runs
             .iter()
             .enumerate()
-            .map(|(i, (_, run, _, message_id))| {
+            .map(|(i, (_, run, _, message_id, call))| {
                 let owner = if kind(i) == Kind::FencedOut { "w2" } else { "w1" };
                 let mut c = Commit::new(run.id.clone(), lease(owner, at(120)), at(10 + round));
                 c.text.push(TextAppend { message_id: message_id.clone(), text: format!("r{round} ") });
@@ -607,13 +597,21 @@ pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
                 for d in 0..deltas {
                     c.events.push(EventKind::TextDelta { message_id: message_id.clone(), delta: format!("{d}") });
                 }
-                // the extra abnormal instance of payment-api for this run, once
+                // the run's call moves on, once
                 if round == 0 {
-                    c.effects.push(Effect::RestartInstance { instance_id: format!("pay-prod-a{}", i + 1) });
+                    c.tool_calls.push(ToolCallChange::transition(
+                        &call.id,
+                        ToolCallState::Requested,
+                        ToolCallState::Allowed,
+                    ));
                 }
-                if kind(i) == Kind::EffectRefused {
-                    // healthy: refusing it must undo the restart before it too
-                    c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-1".into() });
+                if kind(i) == Kind::PartRefused {
+                    // no such call: refusing it must undo the move before it too
+                    c.tool_calls.push(ToolCallChange::transition(
+                        &CallId::new(),
+                        ToolCallState::Requested,
+                        ToolCallState::Allowed,
+                    ));
                 }
                 let store = store.clone();
                 let start = start.clone();
@@ -627,8 +625,7 @@ pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
             let (answer, deltas) = task.await.expect("task");
             let run = &runs[i].1;
             match (kind(i), answer) {
-                (Kind::FencedOut, Err(StoreError::Conflict(_)))
-                | (Kind::EffectRefused, Err(StoreError::EffectRefused(_))) => {}
+                (Kind::FencedOut | Kind::PartRefused, Err(StoreError::Conflict(_))) => {}
                 (Kind::Accepted, Ok(committed)) => {
                     let stored = events(&store, &run.id).await;
                     let first = stored.len() as i64 - deltas as i64 + 1;
@@ -640,16 +637,13 @@ pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
             }
         }
     }
-    for (i, (conversation, run, before, message_id)) in runs.iter().enumerate() {
-        let mut after = snapshot(&store, &conversation.id, &run.id).await;
-        after.instances.clear();
-        let restarted = store.get_instance(&format!("pay-prod-a{}", i + 1)).await.expect("get").expect("exists");
+    for (i, (conversation, run, before, message_id, _)) in runs.iter().enumerate() {
+        let after = snapshot(&store, &conversation.id, &run.id).await;
         if kind(i) != Kind::Accepted {
             assert_eq!(&after, before, "refused run {i} left a trace");
-            assert_eq!(restarted.restart_count, 0, "run {i}: its refused restart was undone");
             continue;
         }
-        assert_eq!(restarted.restart_count, 1, "run {i}");
+        assert_eq!(after.tool_calls[0].state, ToolCallState::Allowed, "run {i}");
         let n = after.run.last_sequence();
         assert_eq!(sequences(&store, &run.id).await, (1..=n).collect::<Vec<_>>(), "run {i}");
         let written: usize = (0..ROUNDS).map(|round| 1 + (i + round as usize) % 4).sum();
@@ -658,8 +652,6 @@ pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
         assert_eq!(text.content, "r0 r1 r2 ", "run {i}");
         assert_eq!(after.facts.iter().find(|f| f.key == "round").map(|f| f.value.as_str()), Some("2"));
     }
-    let healthy = store.get_instance("pay-prod-1").await.expect("get").expect("exists");
-    assert_eq!(healthy.restart_count, 0, "no refused effect was applied");
 }
 
 pub async fn acquire_wins_exactly_once_under_contention(store: SharedStore) {
@@ -824,7 +816,7 @@ pub async fn interrupt_is_resolved_once(store: SharedStore) {
 
 pub async fn tool_call_updates_are_conditional(store: SharedStore) {
     let (conversation, run) = running(&store, "w1").await;
-    let call = tool_call(&run.id, "restart_instance", "pay-prod-2", ToolCallState::Requested);
+    let call = tool_call(&run.id, "cancel_order", "ord-2", ToolCallState::Requested);
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
     c.tool_calls.push(ToolCallChange::Insert(call.clone()));
     commit_ok(&store, c).await;
@@ -850,36 +842,21 @@ pub async fn tool_call_updates_are_conditional(store: SharedStore) {
 
     let steps = [
         ToolCallChange::transition(&call.id, ToolCallState::Requested, ToolCallState::Asking),
-        ToolCallChange::Update {
-            id: call.id.clone(),
-            from: ToolCallState::Asking,
-            to: ToolCallState::Allowed,
-            args: Some(json!({"instanceId": "pay-prod-3"}).into()),
-            result: None,
-            summary: None,
-            started_at: None,
-            finished_at: None,
-        },
-        ToolCallChange::Update {
-            id: call.id.clone(),
-            from: ToolCallState::Allowed,
-            to: ToolCallState::Executing,
-            args: None,
-            result: None,
-            summary: None,
+        ToolCallChange::Update(ToolCallUpdate {
+            args: Some(json!({"orderId": "ord-3"}).into()),
+            ..ToolCallUpdate::new(&call.id, ToolCallState::Asking, ToolCallState::Allowed)
+        }),
+        ToolCallChange::Update(ToolCallUpdate {
             started_at: Some(at(7)),
-            finished_at: None,
-        },
-        ToolCallChange::Update {
-            id: call.id.clone(),
-            from: ToolCallState::Executing,
-            to: ToolCallState::Succeeded,
-            args: None,
-            result: Some(json!({"status": "healthy", "restartCount": 1}).into()),
-            summary: Some("pay-prod-3 restarted".into()),
-            started_at: None,
+            attempts: Some(1),
+            ..ToolCallUpdate::new(&call.id, ToolCallState::Allowed, ToolCallState::Executing)
+        }),
+        ToolCallChange::Update(ToolCallUpdate {
+            result: Some(json!({"status": "cancelled", "refund": 12}).into()),
+            summary: Some("ord-3 cancelled".into()),
             finished_at: Some(at(8)),
-        },
+            ..ToolCallUpdate::new(&call.id, ToolCallState::Executing, ToolCallState::Succeeded)
+        }),
     ];
     for step in steps {
         let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(7));
@@ -888,112 +865,66 @@ pub async fn tool_call_updates_are_conditional(store: SharedStore) {
     }
     let done = store.list_tool_calls(&run.id).await.expect("calls").remove(0);
     assert_eq!(done.state, ToolCallState::Succeeded);
-    assert_eq!(done.args, json!({"instanceId": "pay-prod-3"}), "the approved edit replaced the args");
-    assert_eq!(done.result, Some(json!({"status": "healthy", "restartCount": 1}).into()));
-    assert_eq!(done.summary.as_ref().map(|s| s.as_str()), Some("pay-prod-3 restarted"));
+    assert_eq!(done.args, json!({"orderId": "ord-3"}), "the approved edit replaced the args");
+    assert_eq!(done.result, Some(json!({"status": "cancelled", "refund": 12}).into()));
+    assert_eq!(done.summary.as_ref().map(|s| s.as_str()), Some("ord-3 cancelled"));
     assert_eq!((done.started_at, done.finished_at), (Some(at(7)), Some(at(8))));
+    assert_eq!(done.attempts, 1);
 }
 
-pub async fn refused_effect_rolls_back_the_commit(store: SharedStore) {
-    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, at(0)).await.expect("seed");
+/// A commit whose last part is refused leaves nothing of its earlier parts.
+pub async fn a_refused_part_rolls_back_the_whole_commit(store: SharedStore) {
     let (conversation, run) = running(&store, "w1").await;
-    let call = tool_call(&run.id, "restart_instance", "pay-prod-1", ToolCallState::Executing);
+    let call = tool_call(&run.id, "cancel_order", "ord-1", ToolCallState::Executing);
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
     c.tool_calls.push(ToolCallChange::Insert(call.clone()));
     commit_ok(&store, c).await;
     let before = snapshot(&store, &conversation.id, &run.id).await;
 
-    let effects = [
-        Effect::RestartInstance { instance_id: "pay-prod-1".into() }, // healthy
-        Effect::RestartInstance { instance_id: "nope-1".into() },
-        Effect::RollbackRelease { service: "payment-api".into(), env: "prod".into(), from_release: "v9".into() },
-        Effect::RollbackRelease { service: "no-such-api".into(), env: "prod".into(), from_release: "v2.4.1".into() },
-    ];
-    for effect in effects {
-        let mut c = Commit::new(run.id.clone(), lease("w1", at(120)), at(6));
-        // a valid effect first: refusing the second must undo it too
-        c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-2".into() });
-        c.effects.push(effect);
-        c.tool_calls.push(ToolCallChange::Update {
-            id: call.id.clone(),
-            from: ToolCallState::Executing,
-            to: ToolCallState::Succeeded,
-            args: None,
-            result: Some(json!({"ok": true}).into()),
-            summary: Some("restarted".into()),
-            started_at: None,
-            finished_at: Some(at(6)),
-        });
-        c.facts.push(fact("instance", "pay-prod-1", FactSource::ToolResult, at(6)));
-        c.events.push(EventKind::ToolFinished {
-            call_id: call.id.clone(),
-            tool: "restart_instance".into(),
-            status: ToolOutcomeStatus::Success,
-            summary: "restarted".into(),
-        });
-        assert_effect_refused(store.commit(c).await);
-        assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
-    }
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(120)), at(6));
+    c.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+        result: Some(json!({"ok": true}).into()),
+        summary: Some("cancelled".into()),
+        finished_at: Some(at(6)),
+        ..ToolCallUpdate::new(&call.id, ToolCallState::Executing, ToolCallState::Succeeded)
+    }));
+    c.facts.push(fact("order", "ord-1", FactSource::ToolResult, at(6)));
+    c.events.push(EventKind::ToolFinished {
+        call_id: call.id.clone(),
+        tool: "cancel_order".into(),
+        status: ToolOutcomeStatus::Success,
+        summary: "cancelled".into(),
+        error_code: None,
+    });
+    // last, and refused: the call is no longer executing once the first change applies
+    c.tool_calls.push(ToolCallChange::transition(&call.id, ToolCallState::Executing, ToolCallState::Unknown));
+    assert_conflict(store.commit(c).await);
+    assert_eq!(snapshot(&store, &conversation.id, &run.id).await, before);
 }
 
-pub async fn restart_effect_applies_exactly_once(store: SharedStore) {
-    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, at(0)).await.expect("seed");
+/// Each attempt of a call is counted, and the count survives being read back.
+pub async fn tool_call_attempts_are_counted(store: SharedStore) {
     let (_, run) = running(&store, "w1").await;
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            let store = store.clone();
-            let run_id = run.id.clone();
-            tokio::spawn(async move {
-                let mut c = Commit::new(run_id, lease("w1", at(60)), at(10 + i));
-                c.effects.push(Effect::RestartInstance { instance_id: "pay-prod-2".into() });
-                c.events.push(node("restart"));
-                store.commit(c).await
-            })
-        })
-        .collect();
-    let mut applied = 0;
-    for task in tasks {
-        match task.await.expect("task") {
-            Ok(_) => applied += 1,
-            Err(StoreError::EffectRefused(_)) => {}
-            Err(e) => panic!("unexpected error {e:?}"),
-        }
-    }
-    assert_eq!(applied, 1);
-    let instance = store.get_instance("pay-prod-2").await.expect("get").expect("exists");
-    assert_eq!((instance.status.as_str(), instance.restart_count), ("healthy", 1));
-    // only the applied commit's event was written
-    let n = get_run(&store, &run.id).await.last_sequence();
-    assert_eq!(sequences(&store, &run.id).await, (1..=n).collect::<Vec<_>>());
-    assert_eq!(events(&store, &run.id).await.iter().filter(|e| e.kind == node("restart")).count(), 1);
-}
-
-pub async fn rollback_effect_moves_every_instance_back(store: SharedStore) {
-    store.seed_fleet(FleetSeed { extra_abnormal: 1 }, at(0)).await.expect("seed");
-    let (_, run) = running(&store, "w1").await;
-    let rollback =
-        || Effect::RollbackRelease { service: "payment-api".into(), env: "prod".into(), from_release: "v2.4.1".into() };
+    let call = tool_call(&run.id, "cancel_order", "ord-4", ToolCallState::Allowed);
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
-    c.effects.push(rollback());
+    c.tool_calls.push(ToolCallChange::Insert(call.clone()));
     commit_ok(&store, c).await;
-
-    let prod = store.list_instances(Some("payment-api"), Some("prod")).await.expect("list");
-    assert_eq!(prod.len(), 4);
-    for i in &prod {
-        assert_eq!((i.release.as_str(), i.previous_release.as_deref()), ("v2.4.0", Some("v2.4.1")), "{}", i.id);
-        assert_eq!(i.status, "healthy");
+    for (attempt, from) in [(1, ToolCallState::Allowed), (2, ToolCallState::Executing), (3, ToolCallState::Executing)] {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5 + attempt));
+        c.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+            attempts: Some(attempt as u32),
+            ..ToolCallUpdate::new(&call.id, from, ToolCallState::Executing)
+        }));
+        commit_ok(&store, c).await;
+        let stored = store.list_tool_calls(&run.id).await.expect("calls").remove(0);
+        assert_eq!((stored.state, stored.attempts), (ToolCallState::Executing, attempt as u32));
     }
-    // other environments and services are untouched
-    let staging = store.list_instances(Some("payment-api"), Some("staging")).await.expect("list");
-    assert!(staging.iter().all(|i| i.release == "v2.4.1"));
-    let orders = store.list_instances(Some("order-api"), Some("prod")).await.expect("list");
-    assert!(orders.iter().all(|i| i.release == "v2.4.1"));
-
-    // they are no longer on v2.4.1: a second rollback is refused
-    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6));
-    c.effects.push(rollback());
-    assert_effect_refused(store.commit(c).await);
-    assert_eq!(store.list_instances(Some("payment-api"), Some("prod")).await.expect("list"), prod);
+    // a move that does not say leaves the count alone
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(20));
+    c.tool_calls.push(ToolCallChange::transition(&call.id, ToolCallState::Executing, ToolCallState::Unknown));
+    commit_ok(&store, c).await;
+    let stored = store.list_tool_calls(&run.id).await.expect("calls").remove(0);
+    assert_eq!((stored.state, stored.attempts), (ToolCallState::Unknown, 3));
 }
 
 pub async fn text_appends_build_one_message_and_discard_removes_it(store: SharedStore) {
@@ -1039,13 +970,13 @@ pub async fn text_appends_build_one_message_and_discard_removes_it(store: Shared
     c.discard_messages.push(run.user_message_id.clone());
     commit_ok(&store, c).await;
     let messages = store.list_messages(&conversation.id).await.expect("messages");
-    assert_eq!(messages[0].content, "Restart the abnormal instance of payment-api", "the user message stays");
+    assert_eq!(messages[0].content, "Cancel order ord-2", "the user message stays");
     assert_eq!(messages.len(), 2);
 }
 
 pub async fn messages_facts_and_summary_are_written_by_commit(store: SharedStore) {
     let (conversation, run) = running(&store, "w1").await;
-    let call = tool_call(&run.id, "get_instance", "pay-prod-2", ToolCallState::Succeeded);
+    let call = tool_call(&run.id, "get_order", "ord-2", ToolCallState::Succeeded);
     let tool_message = Message {
         id: MessageId::new(),
         conversation_id: conversation.id.clone(),
@@ -1058,7 +989,7 @@ pub async fn messages_facts_and_summary_are_written_by_commit(store: SharedStore
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
     c.tool_calls.push(ToolCallChange::Insert(call));
     c.messages.push(tool_message.clone());
-    c.facts.push(fact("service", "payment-api", FactSource::ToolResult, at(5)));
+    c.facts.push(fact("customer", "acme", FactSource::ToolResult, at(5)));
     c.facts.push(fact("env", "prod", FactSource::ToolResult, at(5)));
     c.summary = Some(Summary {
         conversation_id: conversation.id.clone(),
@@ -1069,7 +1000,7 @@ pub async fn messages_facts_and_summary_are_written_by_commit(store: SharedStore
     assert_eq!(store.list_messages(&conversation.id).await.expect("messages")[1], tool_message);
 
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(6));
-    c.facts.push(fact("service", "order-api", FactSource::UserConfirmed, at(6)));
+    c.facts.push(fact("customer", "globex", FactSource::UserConfirmed, at(6)));
     c.summary = Some(Summary {
         conversation_id: conversation.id.clone(),
         through_message_id: tool_message.id.clone(),
@@ -1082,22 +1013,22 @@ pub async fn messages_facts_and_summary_are_written_by_commit(store: SharedStore
     assert_eq!(
         facts,
         vec![
+            fact("customer", "globex", FactSource::UserConfirmed, at(6)),
             fact("env", "prod", FactSource::ToolResult, at(5)),
-            fact("service", "order-api", FactSource::UserConfirmed, at(6)),
         ]
     );
     let summary = store.get_summary(&conversation.id).await.expect("summary").expect("exists");
     assert_eq!((summary.text.as_str(), &summary.through_message_id), ("second", &tool_message.id));
 
     // facts belong to their conversation
-    let other = store.create_conversation("alice", &"other".into(), at(0)).await.expect("create");
+    let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
     assert!(store.list_facts(&other.id).await.expect("facts").is_empty());
     assert_eq!(store.get_summary(&other.id).await.expect("summary"), None);
 }
 
 pub async fn duplicate_ids_are_refused(store: SharedStore) {
     let (conversation, run) = running(&store, "w1").await;
-    let call = tool_call(&run.id, "get_instance", "pay-prod-2", ToolCallState::Requested);
+    let call = tool_call(&run.id, "get_order", "ord-2", ToolCallState::Requested);
     let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
     c.tool_calls.push(ToolCallChange::Insert(call.clone()));
     commit_ok(&store, c).await;
@@ -1257,7 +1188,7 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
 }
 
 /// The answer stored under an idempotency key commits with the changes it reports, or not at all.
-pub async fn an_answer_commits_with_the_effect_it_reports(store: SharedStore) {
+pub async fn an_answer_commits_with_the_change_it_reports(store: SharedStore) {
     let (_, run) = running(&store, "w").await;
     let answer = |key: &str| IdempotencyAnswer {
         user_id: "alice".into(),
@@ -1329,67 +1260,16 @@ pub async fn idempotency_keys(store: SharedStore) {
     assert!(matches!(missing, Err(StoreError::NotFound(_))), "{missing:?}");
 }
 
-pub async fn seed_fleet_matches_the_demo(store: SharedStore) {
-    store.set_user_role("alice", UserRole::Viewer).await.expect("role");
-    let now = at(3600 * 5);
-    store.seed_fleet(FleetSeed { extra_abnormal: 0 }, now).await.expect("seed");
-
-    let recent = store.recent_errors("payment-api", "prod", now - Duration::minutes(15)).await.expect("errors");
-    assert_eq!(recent.len(), 12);
-    assert!(recent.iter().all(|e| (500..600).contains(&e.status_code) && e.instance_id == "pay-prod-2"));
-    assert!(recent.iter().all(|e| e.service == "payment-api" && e.env == "prod" && e.at <= now));
-    assert!(recent.windows(2).all(|w| w[0].at >= w[1].at), "newest first");
-    let codes: BTreeSet<_> = recent.iter().map(|e| e.status_code).collect();
-    assert!(codes.len() >= 2, "a mix of 5xx codes: {codes:?}");
-    let older = store.recent_errors("payment-api", "prod", now - Duration::hours(4)).await.expect("errors");
-    assert_eq!(older.len(), 17);
-    assert!(older[12..].iter().all(|e| e.at <= now - Duration::hours(2) && e.at >= now - Duration::hours(3)));
-    assert_eq!(store.recent_errors("order-api", "prod", now - Duration::minutes(15)).await.expect("errors").len(), 2);
-    assert!(store.recent_errors("payment-api", "staging", now - Duration::hours(4)).await.expect("errors").is_empty());
-
-    let all = store.list_instances(None, None).await.expect("instances");
-    assert_eq!(all.len(), 15);
-    assert!(all.windows(2).all(|w| w[0].id < w[1].id), "ordered by id");
-    let abnormal: Vec<_> = all.iter().filter(|i| i.status == "abnormal").map(|i| i.id.as_str()).collect();
-    assert_eq!(abnormal, vec!["pay-prod-2"]);
-    assert!(all.iter().all(|i| i.release == "v2.4.1" && i.previous_release.as_deref() == Some("v2.4.0")));
-    let pay_prod: Vec<_> = store
-        .list_instances(Some("payment-api"), Some("prod"))
-        .await
-        .expect("list")
-        .into_iter()
-        .map(|i| i.id)
-        .collect();
-    assert_eq!(pay_prod, vec!["pay-prod-1", "pay-prod-2", "pay-prod-3"]);
-    assert_eq!(store.list_instances(None, Some("staging")).await.expect("list").len(), 6);
-    assert_eq!(store.list_instances(Some("inventory-api"), None).await.expect("list").len(), 5);
-    assert_eq!(store.user_role("demo").await.expect("role"), Some(UserRole::Operator));
-
-    // reseeding replaces the fleet and its log, and leaves users alone
-    store.set_user_role("demo", UserRole::Admin).await.expect("role");
-    store.seed_fleet(FleetSeed { extra_abnormal: 2 }, now).await.expect("reseed");
-    let all = store.list_instances(None, None).await.expect("instances");
-    assert_eq!(all.len(), 21);
-    let extra: Vec<_> = all.iter().filter(|i| i.id.contains("-prod-a")).collect();
-    assert_eq!(extra.len(), 6);
-    assert!(extra.iter().all(|i| i.status == "abnormal" && i.env == "prod"));
-    assert!(all.iter().any(|i| i.id == "order-prod-a2" && i.service == "order-api"));
-    assert_eq!(store.recent_errors("payment-api", "prod", now - Duration::hours(4)).await.expect("errors").len(), 17);
-    assert_eq!(store.user_role("demo").await.expect("role"), Some(UserRole::Admin));
-    assert_eq!(store.user_role("alice").await.expect("role"), Some(UserRole::Viewer));
-    assert_eq!(store.get_instance("pay-prod-a1").await.expect("get").map(|i| i.status), Some("abnormal".into()));
-}
-
-pub async fn instances_awaiting_restart_lists_asking_restarts(store: SharedStore) {
-    assert!(store.instances_awaiting_restart().await.expect("awaiting").is_empty());
+pub async fn asking_calls_lists_the_calls_waiting_for_a_human(store: SharedStore) {
+    assert!(store.asking_calls("cancel_order").await.expect("asking").is_empty());
     let (_, first) = running(&store, "w1").await;
     let (_, second) = running(&store, "w2").await;
-    let later = tool_call(&second.id, "restart_instance", "inv-prod-1", ToolCallState::Requested);
+    let later = tool_call(&second.id, "cancel_order", "ord-7", ToolCallState::Requested);
     let calls = [
-        (&first, tool_call(&first.id, "restart_instance", "pay-prod-2", ToolCallState::Asking), "w1"),
-        (&first, tool_call(&first.id, "restart_instance", "order-prod-3", ToolCallState::Allowed), "w1"),
-        (&first, tool_call(&first.id, "get_instance", "order-prod-1", ToolCallState::Asking), "w1"),
-        (&second, tool_call(&second.id, "restart_instance", "pay-prod-2", ToolCallState::Asking), "w2"),
+        (&first, tool_call(&first.id, "cancel_order", "ord-2", ToolCallState::Asking), "w1"),
+        (&first, tool_call(&first.id, "cancel_order", "ord-3", ToolCallState::Allowed), "w1"),
+        (&first, tool_call(&first.id, "get_order", "ord-1", ToolCallState::Asking), "w1"),
+        (&second, tool_call(&second.id, "cancel_order", "ord-2", ToolCallState::Asking), "w2"),
         (&second, later.clone(), "w2"),
     ];
     for (run, call, owner) in calls {
@@ -1397,16 +1277,20 @@ pub async fn instances_awaiting_restart_lists_asking_restarts(store: SharedStore
         c.tool_calls.push(ToolCallChange::Insert(call));
         commit_ok(&store, c).await;
     }
-    let sorted = |mut v: Vec<String>| {
+    let orders = |calls: Vec<ToolCall>| {
+        let mut v: Vec<String> = calls.iter().map(|c| c.args["orderId"].as_str().unwrap().to_owned()).collect();
         v.sort();
         v
     };
-    assert_eq!(sorted(store.instances_awaiting_restart().await.expect("awaiting")), vec!["pay-prod-2"]);
+    let asking = store.asking_calls("cancel_order").await.expect("asking");
+    assert!(asking.iter().all(|c| c.state == ToolCallState::Asking && c.name == "cancel_order"));
+    assert_eq!(orders(asking), vec!["ord-2", "ord-2"], "one per call, over runs");
 
     let mut c = Commit::new(second.id.clone(), lease("w2", at(60)), at(6));
     c.tool_calls.push(ToolCallChange::transition(&later.id, ToolCallState::Requested, ToolCallState::Asking));
     commit_ok(&store, c).await;
-    assert_eq!(sorted(store.instances_awaiting_restart().await.expect("awaiting")), vec!["inv-prod-1", "pay-prod-2"]);
+    assert_eq!(orders(store.asking_calls("cancel_order").await.expect("asking")), vec!["ord-2", "ord-2", "ord-7"]);
+    assert_eq!(orders(store.asking_calls("get_order").await.expect("asking")), vec!["ord-1"]);
 }
 
 pub async fn due_interrupts_are_pending_and_past_expiry(store: SharedStore) {
@@ -1440,8 +1324,8 @@ pub async fn due_interrupts_are_pending_and_past_expiry(store: SharedStore) {
 
 pub async fn conversation_tool_calls_span_runs(store: SharedStore) {
     let (conversation, first) = running(&store, "w1").await;
-    let a = tool_call(&first.id, "get_recent_errors", "pay-prod-2", ToolCallState::Succeeded);
-    let b = tool_call(&first.id, "find_abnormal_instances", "pay-prod-2", ToolCallState::Succeeded);
+    let a = tool_call(&first.id, "list_orders", "ord-2", ToolCallState::Succeeded);
+    let b = tool_call(&first.id, "find_late_orders", "ord-2", ToolCallState::Succeeded);
     let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(5));
     c.tool_calls.push(ToolCallChange::Insert(a.clone()));
     c.tool_calls.push(ToolCallChange::Insert(b.clone()));
@@ -1449,7 +1333,7 @@ pub async fn conversation_tool_calls_span_runs(store: SharedStore) {
     commit_ok(&store, c).await;
 
     let second = start(&store, &conversation, at(6)).await.run;
-    let d = tool_call(&second.id, "restart_instance", "pay-prod-2", ToolCallState::Requested);
+    let d = tool_call(&second.id, "cancel_order", "ord-2", ToolCallState::Requested);
     let mut c = Commit::new(second.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(7));
     c.run = to(RunStatus::Running);
     c.tool_calls.push(ToolCallChange::Insert(d.clone()));
@@ -1457,14 +1341,14 @@ pub async fn conversation_tool_calls_span_runs(store: SharedStore) {
 
     // a call handed to another run's commit is refused
     let mut c = Commit::new(second.id.clone(), lease("w2", at(60)), at(8));
-    c.tool_calls.push(ToolCallChange::Insert(tool_call(&first.id, "get_instance", "x", ToolCallState::Requested)));
+    c.tool_calls.push(ToolCallChange::Insert(tool_call(&first.id, "get_order", "x", ToolCallState::Requested)));
     assert_conflict(store.commit(c).await);
 
     let listed = store.list_conversation_tool_calls(&conversation.id).await.expect("calls");
     assert_eq!(listed, vec![a.clone(), b.clone(), d.clone()]);
     assert_eq!(store.list_tool_calls(&first.id).await.expect("calls"), vec![a, b]);
     assert_eq!(store.list_tool_calls(&second.id).await.expect("calls"), vec![d]);
-    let other = store.create_conversation("alice", &"other".into(), at(0)).await.expect("create");
+    let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
     assert!(store.list_conversation_tool_calls(&other.id).await.expect("calls").is_empty());
 }
 
@@ -1573,7 +1457,7 @@ pub async fn runs_are_listed_per_user_newest_first(store: SharedStore) {
     let mut alices = Vec::new();
     for secs in [10, 30, 20] {
         let conversation =
-            store.create_conversation("alice", &format!("t{secs}").into(), at(secs)).await.expect("create");
+            store.create_conversation("alice", &format!("t{secs}").into(), "ops", at(secs)).await.expect("create");
         alices.push(start(&store, &conversation, at(secs)).await.run);
     }
     let bobs = conversation(&store, "bob").await;
@@ -1631,23 +1515,41 @@ pub async fn interrupts_of_a_run_are_listed_with_their_history(store: SharedStor
     assert!(store.list_interrupts(&RunId::new()).await.expect("list").is_empty());
 }
 
-pub async fn ag_ui_threads_and_message_ids(store: SharedStore) {
-    let alice = store.create_conversation("alice", &"a".into(), at(0)).await.expect("create");
-    let other = store.create_conversation("alice", &"b".into(), at(0)).await.expect("create");
-    assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), None);
-    let bound = store.bind_ag_ui_thread("alice", "thread-1", &alice.id, at(1)).await.expect("bind");
-    assert_eq!(bound, alice.id);
+/// A client-chosen id is bound once: the first value wins, per namespace and scope.
+pub async fn bindings_keep_the_first_value(store: SharedStore) {
+    assert_eq!(store.binding("ag_ui.thread", "alice", "thread-1").await.expect("get"), None);
+    assert_eq!(store.bind("ag_ui.thread", "alice", "thread-1", "conv_a", at(1)).await.expect("bind"), "conv_a");
     // the first binding wins; a second one answers with it
-    let again = store.bind_ag_ui_thread("alice", "thread-1", &other.id, at(2)).await.expect("bind again");
-    assert_eq!(again, alice.id);
-    assert_eq!(store.ag_ui_thread("alice", "thread-1").await.expect("get"), Some(alice.id.clone()));
-    // threads are per user
-    assert_eq!(store.ag_ui_thread("bob", "thread-1").await.expect("get"), None);
+    assert_eq!(store.bind("ag_ui.thread", "alice", "thread-1", "conv_b", at(2)).await.expect("bind"), "conv_a");
+    assert_eq!(store.binding("ag_ui.thread", "alice", "thread-1").await.expect("get"), Some("conv_a".into()));
+    // per scope and per namespace
+    assert_eq!(store.binding("ag_ui.thread", "bob", "thread-1").await.expect("get"), None);
+    assert_eq!(store.binding("ag_ui.message", "alice", "thread-1").await.expect("get"), None);
+    assert_eq!(store.bind("ag_ui.message", "alice", "thread-1", "msg_1", at(3)).await.expect("bind"), "msg_1");
+    // concurrent binds: one value, the same for every caller
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.bind("race", "s", "x", &format!("v{i}"), at(4)).await.expect("bind") })
+        })
+        .collect();
+    let mut seen = BTreeSet::new();
+    for t in tasks {
+        seen.insert(t.await.expect("task"));
+    }
+    assert_eq!(seen.len(), 1, "{seen:?}");
+}
 
-    let first = MessageId::new();
-    assert_eq!(store.ag_ui_message(&alice.id, "m-1").await.expect("get"), None);
-    store.record_ag_ui_message(&alice.id, "m-1", &first).await.expect("record");
-    store.record_ag_ui_message(&alice.id, "m-1", &MessageId::new()).await.expect("record again");
-    assert_eq!(store.ag_ui_message(&alice.id, "m-1").await.expect("get"), Some(first));
-    assert_eq!(store.ag_ui_message(&other.id, "m-1").await.expect("get"), None, "per conversation");
+/// A conversation keeps the agent it was made with, and its runs carry it.
+pub async fn conversations_and_runs_keep_their_agent(store: SharedStore) {
+    let ops = store.create_conversation("alice", &"a".into(), "ops", at(0)).await.expect("create");
+    let billing = store.create_conversation("alice", &"b".into(), "billing", at(0)).await.expect("create");
+    assert_eq!(ops.agent_id.as_deref(), Some("ops"));
+    let read = store.get_conversation(&billing.id).await.expect("get").expect("exists");
+    assert_eq!(read.agent_id.as_deref(), Some("billing"));
+    let listed = store.list_conversations("alice", 10).await.expect("list");
+    assert!(listed.iter().any(|c| c.id == billing.id && c.agent_id.as_deref() == Some("billing")));
+    let started = start(&store, &billing, at(1)).await;
+    assert_eq!(started.run.agent_id.as_deref(), Some("billing"));
+    assert_eq!(get_run(&store, &started.run.id).await.agent_id.as_deref(), Some("billing"));
 }

@@ -3,8 +3,11 @@
 
 pub mod conformance;
 mod postgres;
-pub mod seed;
 mod sqlite;
 
 pub use postgres::PostgresStore;
-pub use sqlite::SqliteStore;
+pub use sqlite::{SqliteOptions, SqliteStore};
+
+/// The drivers, for programs that keep tables of their own beside Keel's
+/// ([`SqliteStore::write_with`], [`PostgresStore::pool`]): the same versions the stores use.
+pub use {rusqlite, sqlx};

@@ -4,8 +4,8 @@
 //! runs at READ COMMITTED, and every check that guards a write is part of a conditional statement
 //! (`UPDATE … WHERE <condition> RETURNING`), so a concurrent writer either waits for the row lock and
 //! then sees the row as it is now, or matches nothing. Where SQLite's single writer serialises a
-//! read-then-write, this backend locks the rows first (the fleet's instances for an effect, the
-//! conversation row for a new run) or folds the read into the write (idempotency keys).
+//! read-then-write, this backend locks the rows first (the conversation row for a new run) or folds
+//! the read into the write (idempotency keys).
 //!
 //! Timestamps are `timestamptz`, which keeps microseconds: times are truncated to the microsecond on
 //! the way in, and the values the store returns are truncated the same way, so a returned record
@@ -21,12 +21,12 @@ use keel_core::domain::{
     RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use keel_core::event::{Event, EventKind};
-use keel_core::fleet::{Effect, ErrorLogEntry, FleetSeed, Instance};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store, StoreError,
-    StoreResult, TextAppend, ToolCallChange,
+    BindingStore, Commit, Committed, ConversationStore, Fence, IdempotencyBegin, IdentityStore, InterruptChange,
+    NewRun, RunChange, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
+    ToolCallUpdate,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -35,9 +35,13 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transaction};
 
-use crate::seed;
-
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
+
+/// Checksums a migration had before an edit that left what it does to an existing database alone:
+/// (version, SHA-384 in hex). 0001 lost the demo's tables when the demo moved out of Keel's schema — a
+/// database it made before still has them, and 0006 drops them.
+const EARLIER_CHECKSUMS: &[(i64, &str)] =
+    &[(1, "a47af493a73e34b5997330377134d296c5d86319b51456f174cf3492b91a696ac578243185d724b5c095899b2fca52e6")];
 
 const MAX_CONNECTIONS: u32 = 10;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -121,6 +125,12 @@ impl PostgresStore {
         Ok(())
     }
 
+    /// The pool, for a program that keeps tables of its own in Keel's database (the demo does).
+    /// Its connections work in the store's schema.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
     /// The dedicated schema, if the store was connected with one.
     pub fn schema(&self) -> Option<&str> {
         self.schema.as_deref()
@@ -132,6 +142,37 @@ impl PostgresStore {
     }
 
     async fn migrate(&self) -> StoreResult<()> {
+        let fail = |e: sqlx::Error| StoreError::Backend(format!("migrate the database: {e}"));
+        // A migration edited without changing what it does to a database it already migrated (see
+        // EARLIER_CHECKSUMS) has its recorded checksum brought up to date first.
+        let recorded: Option<String> = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations')::text")
+            .fetch_one(&self.pool)
+            .await
+            .map_err(fail)?;
+        if recorded.is_some() {
+            let newest: Option<i64> = sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations")
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail)?;
+            let known = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+            if let Some(version) = newest.filter(|v| *v > known) {
+                return Err(StoreError::Backend(format!(
+                    "migrate the database: it was migrated to version {version} by a newer Keel, which this one does not know"
+                )));
+            }
+            for (version, earlier) in EARLIER_CHECKSUMS {
+                let Some(now) = MIGRATOR.iter().find(|m| m.version == *version) else { continue };
+                sqlx::query(
+                    "UPDATE _sqlx_migrations SET checksum = $1 WHERE version = $2 AND encode(checksum, 'hex') = $3",
+                )
+                .bind(now.checksum.as_ref())
+                .bind(version)
+                .bind(earlier)
+                .execute(&self.pool)
+                .await
+                .map_err(fail)?;
+            }
+        }
         MIGRATOR.run(&self.pool).await.map_err(|e| StoreError::Backend(format!("migrate the database: {e}")))
     }
 
@@ -308,6 +349,7 @@ fn conversation_from(row: &PgRow) -> StoreResult<Conversation> {
         id: c.id("id")?,
         user_id: c.get("user_id")?,
         title: c.masked("title")?,
+        agent_id: c.get("agent_id")?,
         version: c.get("version")?,
         created_at: c.ts("created_at")?,
     })
@@ -370,6 +412,7 @@ fn run_from(row: &PgRow) -> StoreResult<Run> {
         conversation_id: c.id("conversation_id")?,
         user_message_id: c.id("user_message_id")?,
         user_id: c.get("user_id")?,
+        agent_id: c.get("agent_id")?,
         status: c.parse("status", RunStatus::parse)?,
         reason: c.get("reason")?,
         cancel_on_disconnect: c.get("cancel_on_disconnect")?,
@@ -419,33 +462,9 @@ fn tool_call_from(row: &PgRow) -> StoreResult<ToolCall> {
         state: c.parse("state", ToolCallState::parse)?,
         result: c.opt_masked_json("result")?,
         summary: c.opt_masked("summary")?,
+        attempts: c.get::<i32>("attempts").map(|n| n.max(0) as u32)?,
         started_at: c.opt_ts("started_at")?,
         finished_at: c.opt_ts("finished_at")?,
-    })
-}
-
-fn instance_from(row: &PgRow) -> StoreResult<Instance> {
-    let c = Cols::new(row, "instances");
-    Ok(Instance {
-        id: c.get("id")?,
-        service: c.get("service")?,
-        env: c.get("env")?,
-        status: c.get("status")?,
-        restart_count: c.get("restart_count")?,
-        release: c.get("release")?,
-        previous_release: c.get("previous_release")?,
-    })
-}
-
-fn error_log_from(row: &PgRow) -> StoreResult<ErrorLogEntry> {
-    let c = Cols::new(row, "error_logs");
-    Ok(ErrorLogEntry {
-        service: c.get("service")?,
-        env: c.get("env")?,
-        instance_id: c.get("instance_id")?,
-        status_code: c.get("status_code")?,
-        message: c.get("message")?,
-        at: c.ts("at")?,
     })
 }
 
@@ -711,7 +730,7 @@ async fn apply_tool_call(
             check_owner(format_args!("tool call {}", call.id), &call.run_id, &c.run_id)?;
             sqlx::query(
                 "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
-                 started_at, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                 started_at, finished_at, attempts) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
             )
             .bind(call.id.as_str())
             .bind(call.run_id.as_str())
@@ -723,18 +742,29 @@ async fn apply_tool_call(
             .bind(call.summary.as_ref().map(|s| s.as_str()))
             .bind(call.started_at)
             .bind(call.finished_at)
+            .bind(call.attempts as i32)
             .execute(&mut *conn)
             .await
             .map_err(insert("tool call"))?;
         }
-        ToolCallChange::Update { id, from, to, args, result, summary, started_at, finished_at } => {
+        ToolCallChange::Update(ToolCallUpdate {
+            id,
+            from,
+            to,
+            args,
+            result,
+            summary,
+            attempts,
+            started_at,
+            finished_at,
+        }) => {
             if !from.can_transition_to(*to) {
                 return Err(StoreError::Conflict(format!("tool call {id}: {from} -> {to} is not allowed")));
             }
             let done = sqlx::query(
                 "UPDATE tool_calls SET state = $1, args = COALESCE($2, args), result = COALESCE($3, result), \
                  summary = COALESCE($4, summary), started_at = COALESCE($5, started_at), \
-                 finished_at = COALESCE($6, finished_at) \
+                 finished_at = COALESCE($6, finished_at), attempts = COALESCE($10, attempts) \
                  WHERE id = $7 AND run_id = $8 AND state = $9",
             )
             .bind(to.as_str())
@@ -746,6 +776,7 @@ async fn apply_tool_call(
             .bind(id.as_str())
             .bind(c.run_id.as_str())
             .bind(from.as_str())
+            .bind(attempts.map(|n| n as i32))
             .execute(&mut *conn)
             .await
             .map_err(db("update a tool call"))?;
@@ -865,87 +896,6 @@ async fn upsert_summary(conn: &mut PgConnection, conversation_id: &ConversationI
     Ok(())
 }
 
-/// Locks, in one statement and in id order, every instance the commit's effects may touch: two
-/// commits with overlapping effects then wait for each other instead of deadlocking, and a
-/// rollback's check of every instance holds until its update.
-async fn lock_instances(conn: &mut PgConnection, effects: &[Effect]) -> StoreResult<()> {
-    let mut ids = Vec::new();
-    let (mut services, mut envs) = (Vec::new(), Vec::new());
-    for effect in effects {
-        match effect {
-            Effect::RestartInstance { instance_id } => ids.push(instance_id.as_str()),
-            Effect::RollbackRelease { service, env, .. } => {
-                services.push(service.as_str());
-                envs.push(env.as_str());
-            }
-        }
-    }
-    sqlx::query(
-        "SELECT id FROM instances WHERE id = ANY($1) \
-            OR (service, env) IN (SELECT s.service, s.env FROM unnest($2::text[], $3::text[]) AS s (service, env)) \
-         ORDER BY id FOR UPDATE",
-    )
-    .bind(&ids)
-    .bind(&services)
-    .bind(&envs)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(db("lock the instances"))?;
-    Ok(())
-}
-
-async fn apply_effect(conn: &mut PgConnection, effect: &Effect) -> StoreResult<()> {
-    match effect {
-        Effect::RestartInstance { instance_id } => {
-            let done = sqlx::query(
-                "UPDATE instances SET status = 'healthy', restart_count = restart_count + 1 \
-                 WHERE id = $1 AND status = 'abnormal'",
-            )
-            .bind(instance_id)
-            .execute(&mut *conn)
-            .await
-            .map_err(db("restart an instance"))?;
-            if done.rows_affected() == 0 {
-                return Err(StoreError::EffectRefused(format!("instance {instance_id} is not abnormal")));
-            }
-        }
-        Effect::RollbackRelease { service, env, from_release } => {
-            let row = sqlx::query(
-                "SELECT COUNT(*) AS total, \
-                 COUNT(*) FILTER (WHERE release = $1 AND previous_release IS NOT NULL) AS ready \
-                 FROM instances WHERE service = $2 AND env = $3",
-            )
-            .bind(from_release)
-            .bind(service)
-            .bind(env)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(db("roll back a release"))?;
-            let cols = Cols::new(&row, "instances");
-            let (total, ready): (i64, i64) = (cols.get("total")?, cols.get("ready")?);
-            if total == 0 {
-                return Err(StoreError::EffectRefused(format!("{service} has no instances in {env}")));
-            }
-            if ready != total {
-                return Err(StoreError::EffectRefused(format!(
-                    "not every instance of {service} in {env} is on {from_release} with a release to go back to"
-                )));
-            }
-            sqlx::query(
-                "UPDATE instances SET release = previous_release, previous_release = $1, status = 'healthy' \
-                 WHERE service = $2 AND env = $3",
-            )
-            .bind(from_release)
-            .bind(service)
-            .bind(env)
-            .execute(&mut *conn)
-            .await
-            .map_err(db("roll back a release"))?;
-        }
-    }
-    Ok(())
-}
-
 /// Everything of one commit, in one transaction; the caller commits or drops it.
 async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Committed> {
     let now = micros(c.now);
@@ -989,12 +939,6 @@ async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Commit
     if let Some(s) = &c.summary {
         upsert_summary(conn, &run.conversation_id, s).await?;
     }
-    if !c.effects.is_empty() {
-        lock_instances(conn, &c.effects).await?;
-    }
-    for effect in &c.effects {
-        apply_effect(conn, effect).await?;
-    }
     let events = insert_events(conn, &c.run_id, run.first_sequence, &c.events, now).await?;
     Ok(Committed { events, cancel_requested: run.cancel_requested })
 }
@@ -1004,8 +948,8 @@ async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Commit
 async fn insert_run(conn: &mut PgConnection, run: &Run) -> StoreResult<bool> {
     let result = sqlx::query(
         "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, reason, cancel_on_disconnect, \
-         cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+         cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, created_at, updated_at, agent_id) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
     )
     .bind(run.id.as_str())
     .bind(run.conversation_id.as_str())
@@ -1021,6 +965,7 @@ async fn insert_run(conn: &mut PgConnection, run: &Run) -> StoreResult<bool> {
     .bind(json("checkpoint", &run.checkpoint)?)
     .bind(run.created_at)
     .bind(run.updated_at)
+    .bind(&run.agent_id)
     .execute(&mut *conn)
     .await;
     match result {
@@ -1051,6 +996,7 @@ async fn try_start_run(tx: &mut PgConnection, new: &NewRun) -> StoreResult<Optio
         conversation_id: new.conversation_id.clone(),
         user_message_id: MessageId::new(),
         user_id: new.user_id.clone(),
+        agent_id: Some(new.agent_id.clone()),
         status: RunStatus::Queued,
         reason: None,
         cancel_on_disconnect: new.cancel_on_disconnect,
@@ -1081,91 +1027,7 @@ async fn try_start_run(tx: &mut PgConnection, new: &NewRun) -> StoreResult<Optio
 }
 
 #[async_trait]
-impl Store for PostgresStore {
-    async fn ping(&self) -> StoreResult<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db("ping"))?;
-        Ok(())
-    }
-
-    async fn db_now(&self) -> StoreResult<Timestamp> {
-        sqlx::query_scalar::<_, Timestamp>("SELECT clock_timestamp()")
-            .fetch_one(&self.pool)
-            .await
-            .map_err(db("read the database clock"))
-    }
-
-    async fn create_conversation(
-        &self,
-        user_id: &str,
-        title: &Masked<String>,
-        now: Timestamp,
-    ) -> StoreResult<Conversation> {
-        let conversation = Conversation {
-            id: ConversationId::new(),
-            user_id: user_id.to_owned(),
-            title: title.clone(),
-            version: 0,
-            created_at: micros(now),
-        };
-        sqlx::query("INSERT INTO conversations (id, user_id, title, version, created_at) VALUES ($1, $2, $3, $4, $5)")
-            .bind(conversation.id.as_str())
-            .bind(&conversation.user_id)
-            .bind(conversation.title.as_str())
-            .bind(conversation.version)
-            .bind(conversation.created_at)
-            .execute(&self.pool)
-            .await
-            .map_err(insert("conversation"))?;
-        Ok(conversation)
-    }
-
-    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
-        let row = sqlx::query("SELECT * FROM conversations WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db("get a conversation"))?;
-        row.as_ref().map(conversation_from).transpose()
-    }
-
-    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>> {
-        let rows =
-            sqlx::query("SELECT * FROM conversations WHERE user_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2")
-                .bind(user_id)
-                .bind(i64::from(limit))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(db("list conversations"))?;
-        all(&rows, conversation_from)
-    }
-
-    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>> {
-        let rows = sqlx::query("SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq")
-            .bind(conversation_id.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db("list messages"))?;
-        all(&rows, message_from)
-    }
-
-    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
-        let rows = sqlx::query("SELECT * FROM facts WHERE conversation_id = $1 ORDER BY key")
-            .bind(conversation_id.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db("list facts"))?;
-        all(&rows, fact_from)
-    }
-
-    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
-        let row = sqlx::query("SELECT * FROM summaries WHERE conversation_id = $1")
-            .bind(conversation_id.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db("get the summary"))?;
-        row.as_ref().map(summary_from).transpose()
-    }
-
+impl RunStore for PostgresStore {
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
         for _ in 0..START_ATTEMPTS {
             let mut tx = self.begin().await?;
@@ -1309,6 +1171,20 @@ impl Store for PostgresStore {
         Ok(committed)
     }
 
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE user_id = $1 AND ($2::text IS NULL OR status = $2) \
+             ORDER BY created_at DESC, id DESC LIMIT $3",
+        )
+        .bind(user_id)
+        .bind(status.map(RunStatus::as_str))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list runs"))?;
+        all(&rows, run_from)
+    }
+
     async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
         let rows = sqlx::query(
             "SELECT sequence, type, data, created_at FROM run_events WHERE run_id = $1 AND sequence > $2 \
@@ -1356,6 +1232,15 @@ impl Store for PostgresStore {
         all(&rows, interrupt_from)
     }
 
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+        let rows = sqlx::query("SELECT * FROM interrupts WHERE run_id = $1 ORDER BY created_at, id")
+            .bind(run_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list interrupts"))?;
+        all(&rows, interrupt_from)
+    }
+
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
         let rows = sqlx::query("SELECT * FROM tool_calls WHERE run_id = $1 ORDER BY seq")
             .bind(run_id.as_str())
@@ -1374,17 +1259,13 @@ impl Store for PostgresStore {
         all(&rows, tool_call_from)
     }
 
-    async fn instances_awaiting_restart(&self) -> StoreResult<Vec<String>> {
-        let rows = sqlx::query(
-            "SELECT DISTINCT (args ->> 'instanceId') COLLATE \"C\" AS instance_id FROM tool_calls \
-             WHERE name = 'restart_instance' AND state = 'asking' \
-               AND jsonb_typeof(args -> 'instanceId') = 'string' \
-             ORDER BY instance_id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("list instances awaiting a restart"))?;
-        rows.iter().map(|row| Cols::new(row, "tool_calls").get("instance_id")).collect()
+    async fn asking_calls(&self, name: &str) -> StoreResult<Vec<ToolCall>> {
+        let rows = sqlx::query("SELECT * FROM tool_calls WHERE name = $1 AND state = 'asking' ORDER BY seq")
+            .bind(name)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list calls waiting for a human"))?;
+        all(&rows, tool_call_from)
     }
 
     async fn idempotency_begin(
@@ -1465,14 +1346,6 @@ impl Store for PostgresStore {
         Ok(())
     }
 
-    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64> {
-        let done = sqlx::query("DELETE FROM idempotency_keys WHERE state = 'in_flight'")
-            .execute(&self.pool)
-            .await
-            .map_err(db("abandon in-flight idempotency keys"))?;
-        Ok(done.rows_affected())
-    }
-
     async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()> {
         sqlx::query("DELETE FROM idempotency_keys WHERE user_id = $1 AND key = $2 AND state = 'in_flight'")
             .bind(user_id)
@@ -1483,6 +1356,97 @@ impl Store for PostgresStore {
         Ok(())
     }
 
+    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64> {
+        let done = sqlx::query("DELETE FROM idempotency_keys WHERE state = 'in_flight'")
+            .execute(&self.pool)
+            .await
+            .map_err(db("abandon in-flight idempotency keys"))?;
+        Ok(done.rows_affected())
+    }
+}
+
+#[async_trait]
+impl ConversationStore for PostgresStore {
+    async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &Masked<String>,
+        agent_id: &str,
+        now: Timestamp,
+    ) -> StoreResult<Conversation> {
+        let conversation = Conversation {
+            id: ConversationId::new(),
+            user_id: user_id.to_owned(),
+            title: title.clone(),
+            agent_id: Some(agent_id.to_owned()),
+            version: 0,
+            created_at: micros(now),
+        };
+        sqlx::query(
+            "INSERT INTO conversations (id, user_id, title, version, created_at, agent_id) VALUES ($1, $2, $3, $4, $5, $6)",
+        )
+        .bind(conversation.id.as_str())
+        .bind(&conversation.user_id)
+        .bind(conversation.title.as_str())
+            .bind(conversation.version)
+        .bind(conversation.created_at)
+        .bind(&conversation.agent_id)
+        .execute(&self.pool)
+            .await
+            .map_err(insert("conversation"))?;
+        Ok(conversation)
+    }
+
+    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
+        let row = sqlx::query("SELECT * FROM conversations WHERE id = $1")
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get a conversation"))?;
+        row.as_ref().map(conversation_from).transpose()
+    }
+
+    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>> {
+        let rows =
+            sqlx::query("SELECT * FROM conversations WHERE user_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2")
+                .bind(user_id)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db("list conversations"))?;
+        all(&rows, conversation_from)
+    }
+
+    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>> {
+        let rows = sqlx::query("SELECT * FROM messages WHERE conversation_id = $1 ORDER BY seq")
+            .bind(conversation_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list messages"))?;
+        all(&rows, message_from)
+    }
+
+    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
+        let rows = sqlx::query("SELECT * FROM facts WHERE conversation_id = $1 ORDER BY key")
+            .bind(conversation_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list facts"))?;
+        all(&rows, fact_from)
+    }
+
+    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
+        let row = sqlx::query("SELECT * FROM summaries WHERE conversation_id = $1")
+            .bind(conversation_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db("get the summary"))?;
+        row.as_ref().map(summary_from).transpose()
+    }
+}
+
+#[async_trait]
+impl IdentityStore for PostgresStore {
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
         let row = sqlx::query("SELECT role FROM users WHERE id = $1")
             .bind(user_id)
@@ -1592,186 +1556,58 @@ impl Store for PostgresStore {
         .map_err(db("redeem a stream ticket"))?;
         row.as_ref().map(stream_ticket_from).transpose()
     }
+}
 
-    async fn seed_fleet(&self, fleet: FleetSeed, now: Timestamp) -> StoreResult<()> {
-        let mut tx = self.begin().await?;
-        // Seeds are serialised with each other and with effects (which lock instance rows): a
-        // second seed deletes what the first inserted instead of colliding with it. Plain reads go on.
-        sqlx::query("LOCK TABLE instances, error_logs IN EXCLUSIVE MODE")
-            .execute(&mut *tx)
-            .await
-            .map_err(db("seed the fleet"))?;
-        for table in ["DELETE FROM error_logs", "DELETE FROM instances"] {
-            sqlx::query(table).execute(&mut *tx).await.map_err(db("seed the fleet"))?;
-        }
-        for i in seed::instances(fleet) {
-            sqlx::query(
-                "INSERT INTO instances (id, service, env, status, restart_count, release, previous_release) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
-            )
-            .bind(&i.id)
-            .bind(&i.service)
-            .bind(&i.env)
-            .bind(&i.status)
-            .bind(i.restart_count)
-            .bind(&i.release)
-            .bind(&i.previous_release)
-            .execute(&mut *tx)
-            .await
-            .map_err(db("seed the fleet"))?;
-        }
-        for e in seed::error_logs(now) {
-            sqlx::query(
-                "INSERT INTO error_logs (service, env, instance_id, status_code, message, at) \
-                 VALUES ($1, $2, $3, $4, $5, $6)",
-            )
-            .bind(&e.service)
-            .bind(&e.env)
-            .bind(&e.instance_id)
-            .bind(e.status_code)
-            .bind(&e.message)
-            .bind(e.at)
-            .execute(&mut *tx)
-            .await
-            .map_err(db("seed the fleet"))?;
-        }
-        sqlx::query("INSERT INTO users (id, role) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING")
-            .bind(seed::DEMO_USER)
-            .bind(UserRole::Operator.as_str())
-            .execute(&mut *tx)
-            .await
-            .map_err(db("seed the fleet"))?;
-        tx.commit().await.map_err(db("seed the fleet"))?;
-        Ok(())
-    }
-
-    async fn list_instances(&self, service: Option<&str>, env: Option<&str>) -> StoreResult<Vec<Instance>> {
-        let rows = sqlx::query(
-            "SELECT * FROM instances WHERE ($1::text IS NULL OR service = $1) AND ($2::text IS NULL OR env = $2) \
-             ORDER BY id",
-        )
-        .bind(service)
-        .bind(env)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("list instances"))?;
-        all(&rows, instance_from)
-    }
-
-    async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>> {
-        let row = sqlx::query("SELECT * FROM instances WHERE id = $1")
-            .bind(id)
+#[async_trait]
+impl BindingStore for PostgresStore {
+    async fn binding(&self, namespace: &str, scope: &str, external_id: &str) -> StoreResult<Option<String>> {
+        sqlx::query_scalar("SELECT value FROM bindings WHERE namespace = $1 AND scope = $2 AND external_id = $3")
+            .bind(namespace)
+            .bind(scope)
+            .bind(external_id)
             .fetch_optional(&self.pool)
             .await
-            .map_err(db("get an instance"))?;
-        row.as_ref().map(instance_from).transpose()
+            .map_err(db("read a binding"))
     }
 
-    async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>> {
-        let rows = sqlx::query(
-            "SELECT * FROM error_logs WHERE service = $1 AND env = $2 AND at >= $3 ORDER BY at DESC, id DESC",
-        )
-        .bind(service)
-        .bind(env)
-        .bind(since)
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("list recent errors"))?;
-        all(&rows, error_log_from)
-    }
-
-    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
-        let rows = sqlx::query(
-            "SELECT * FROM runs WHERE user_id = $1 AND ($2::text IS NULL OR status = $2) \
-             ORDER BY created_at DESC, id DESC LIMIT $3",
-        )
-        .bind(user_id)
-        .bind(status.map(RunStatus::as_str))
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("list runs"))?;
-        all(&rows, run_from)
-    }
-
-    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
-        let rows = sqlx::query("SELECT * FROM interrupts WHERE run_id = $1 ORDER BY created_at, id")
-            .bind(run_id.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db("list interrupts"))?;
-        all(&rows, interrupt_from)
-    }
-
-    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>> {
-        let row = sqlx::query("SELECT conversation_id FROM ag_ui_threads WHERE user_id = $1 AND thread_id = $2")
-            .bind(user_id)
-            .bind(thread_id)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(db("get an AG-UI thread"))?;
-        row.map(|row| Cols::new(&row, "ag_ui_threads").id("conversation_id")).transpose()
-    }
-
-    async fn bind_ag_ui_thread(
+    async fn bind(
         &self,
-        user_id: &str,
-        thread_id: &str,
-        conversation_id: &ConversationId,
+        namespace: &str,
+        scope: &str,
+        external_id: &str,
+        value: &str,
         now: Timestamp,
-    ) -> StoreResult<ConversationId> {
+    ) -> StoreResult<String> {
+        // The first binding wins: a losing insert does nothing, and the row read after it is the
+        // winner's (READ COMMITTED sees the committed row once the insert waited for it).
         sqlx::query(
-            "INSERT INTO ag_ui_threads (user_id, thread_id, conversation_id, created_at) VALUES ($1, $2, $3, $4) \
-             ON CONFLICT (user_id, thread_id) DO NOTHING",
+            "INSERT INTO bindings (namespace, scope, external_id, value, created_at) VALUES ($1, $2, $3, $4, $5) \
+             ON CONFLICT (namespace, scope, external_id) DO NOTHING",
         )
-        .bind(user_id)
-        .bind(thread_id)
-        .bind(conversation_id.as_str())
+        .bind(namespace)
+        .bind(scope)
+        .bind(external_id)
+        .bind(value)
         .bind(micros(now))
         .execute(&self.pool)
         .await
-        .map_err(db("bind an AG-UI thread"))?;
-        let row = sqlx::query("SELECT conversation_id FROM ag_ui_threads WHERE user_id = $1 AND thread_id = $2")
-            .bind(user_id)
-            .bind(thread_id)
+        .map_err(db("bind an id"))?;
+        self.binding(namespace, scope, external_id).await?.ok_or(StoreError::NotFound("binding"))
+    }
+}
+
+#[async_trait]
+impl Store for PostgresStore {
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db("ping"))?;
+        Ok(())
+    }
+
+    async fn db_now(&self) -> StoreResult<Timestamp> {
+        sqlx::query_scalar::<_, Timestamp>("SELECT clock_timestamp()")
             .fetch_one(&self.pool)
             .await
-            .map_err(db("bind an AG-UI thread"))?;
-        Cols::new(&row, "ag_ui_threads").id("conversation_id")
-    }
-
-    async fn ag_ui_message(
-        &self,
-        conversation_id: &ConversationId,
-        client_message_id: &str,
-    ) -> StoreResult<Option<MessageId>> {
-        let row =
-            sqlx::query("SELECT message_id FROM ag_ui_messages WHERE conversation_id = $1 AND client_message_id = $2")
-                .bind(conversation_id.as_str())
-                .bind(client_message_id)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(db("get an AG-UI message id"))?;
-        row.map(|row| Cols::new(&row, "ag_ui_messages").id("message_id")).transpose()
-    }
-
-    async fn record_ag_ui_message(
-        &self,
-        conversation_id: &ConversationId,
-        client_message_id: &str,
-        message_id: &MessageId,
-    ) -> StoreResult<()> {
-        sqlx::query(
-            "INSERT INTO ag_ui_messages (conversation_id, client_message_id, message_id) VALUES ($1, $2, $3) \
-             ON CONFLICT (conversation_id, client_message_id) DO NOTHING",
-        )
-        .bind(conversation_id.as_str())
-        .bind(client_message_id)
-        .bind(message_id.as_str())
-        .execute(&self.pool)
-        .await
-        .map_err(db("record an AG-UI message id"))?;
-        Ok(())
+            .map_err(db("read the database clock"))
     }
 }
 

@@ -12,9 +12,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use keel_core::domain::{Checkpoint, RunStatus};
-use keel_core::fleet::FleetSeed;
 use keel_core::ids::RunId;
-use keel_core::store::{IdempotencyBegin, NewRun, Store, StoreError};
+use keel_core::store::{ConversationStore, IdempotencyBegin, NewRun, RunStore, Store, StoreError};
 use keel_store::PostgresStore;
 use sqlx::{Connection, PgConnection};
 
@@ -84,6 +83,7 @@ fn now() -> DateTime<Utc> {
 fn new_run(conversation_id: &keel_core::ids::ConversationId) -> NewRun {
     NewRun {
         conversation_id: conversation_id.clone(),
+        agent_id: "ops".into(),
         user_id: "alice".into(),
         content: "hi".into(),
         cancel_on_disconnect: false,
@@ -114,7 +114,7 @@ async fn schemas_are_isolated_reconnectable_and_dropped() {
     let Some(url) = url() else { return };
     let (a, _guard_a) = connect_fresh(&url).await;
     let (b, guard_b) = connect_fresh(&url).await;
-    let conversation = a.create_conversation("alice", &"t".into(), now()).await.expect("create");
+    let conversation = a.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
     assert!(b.list_conversations("alice", 10).await.expect("list").is_empty(), "another schema sees nothing");
 
     // connecting again migrates nothing and finds the data
@@ -130,7 +130,7 @@ async fn schemas_are_isolated_reconnectable_and_dropped() {
     let sep = if url.contains('?') { '&' } else { '?' };
     let plain_url = format!("{url}{sep}options=-c%20search_path%3D{plain_schema}");
     let plain = PostgresStore::connect(&plain_url).await.expect("connect");
-    plain.create_conversation("bob", &"t".into(), now()).await.expect("create");
+    plain.create_conversation("bob", &"t".into(), "ops", now()).await.expect("create");
     assert!(matches!(plain.drop_schema().await, Err(StoreError::Backend(_))));
     plain.close().await;
     let tables: i64 = sqlx::query_scalar(
@@ -172,7 +172,7 @@ async fn an_unreachable_database_is_a_backend_error_without_the_password() {
 async fn an_unreadable_row_is_a_backend_error() {
     let Some(url) = url() else { return };
     let (store, _guard) = connect_fresh(&url).await;
-    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
     let started = store.start_run(new_run(&conversation.id)).await.expect("start");
 
     // someone else wrote rows this version cannot read
@@ -206,7 +206,7 @@ async fn an_unreadable_row_is_a_backend_error() {
 async fn a_start_that_loses_to_the_unique_index_reports_the_winner() {
     let Some(url) = url() else { return };
     let (store, _guard) = connect_fresh(&url).await;
-    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
 
     // another writer's active run, not committed yet (it does not lock the conversation row)
     let mut other = raw(&url, store.schema().expect("schema")).await;
@@ -273,32 +273,13 @@ async fn concurrent_begins_of_one_key_start_it_once() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn concurrent_seeds_replace_the_fleet_without_colliding() {
-    let Some(url) = url() else { return };
-    let (store, _guard) = connect_fresh(&url).await;
-    let tasks: Vec<_> = (0..4)
-        .map(|i| {
-            let store = store.clone();
-            tokio::spawn(async move { store.seed_fleet(FleetSeed { extra_abnormal: i }, now()).await })
-        })
-        .collect();
-    for task in tasks {
-        task.await.expect("task").expect("seed");
-    }
-    let n = store.list_instances(None, None).await.expect("instances").len();
-    assert!([15, 18, 21, 24].contains(&n), "one seed's fleet, not a mix: {n}");
-    let errors = store.recent_errors("payment-api", "prod", now() - chrono::Duration::hours(4)).await.expect("errors");
-    assert_eq!(errors.len(), 17);
-}
-
 /// `timestamptz` keeps microseconds: what a call returns is what a read returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returned_times_equal_stored_times() {
     let Some(url) = url() else { return };
     let (store, _guard) = connect_fresh(&url).await;
     let t = now() + chrono::Duration::nanoseconds(123_456_789);
-    let conversation = store.create_conversation("alice", &"t".into(), t).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", t).await.expect("create");
     assert_eq!(conversation.created_at, now() + chrono::Duration::microseconds(123_456));
     assert_eq!(store.get_conversation(&conversation.id).await.expect("get").as_ref(), Some(&conversation));
     let started = store
@@ -317,10 +298,10 @@ async fn returned_times_equal_stored_times() {
     assert_eq!(store.list_events(&started.run.id, 0, 10).await.expect("events"), started.events);
 }
 
-#[tokio::test]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_database_clock_is_read_and_tracked() {
-    let Some(url) = url() else { return };
-    let store: Arc<dyn Store> = Arc::new(PostgresStore::connect(&url).await.expect("Postgres reachable"));
+    // on a schema of its own, like every case: the database's public schema may hold anything
+    let Some((store, _guard)) = fresh().await else { return };
     let db = store.db_now().await.unwrap();
     assert!((db - Utc::now()).num_seconds().abs() < 5, "the test database runs on this machine");
     let clock = keel_core::clock::StoreClock::start(store.clone(), Duration::from_secs(60)).await.unwrap();

@@ -1,7 +1,8 @@
 //! Opening SQLite databases: files, urls, memory, re-opening, and rows the store cannot read.
 
 use chrono::{DateTime, Utc};
-use keel_core::store::{NewRun, Store, StoreError};
+use keel_core::store::prelude::*;
+use keel_core::store::{NewRun, StoreError};
 use keel_store::SqliteStore;
 use tempfile::TempDir;
 
@@ -17,7 +18,7 @@ async fn a_file_keeps_its_data_across_opens_and_migrations() {
     assert!(path.exists());
 
     let store = SqliteStore::open(&path).await.expect("open");
-    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
     store.close().await;
 
     // migrating again is a no-op; the url form opens the same file
@@ -31,7 +32,7 @@ async fn a_file_keeps_its_data_across_opens_and_migrations() {
 #[tokio::test]
 async fn an_in_memory_database_reads_its_own_writes() {
     let store = SqliteStore::open_url("sqlite::memory:").await.expect("open");
-    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
     assert_eq!(store.list_conversations("alice", 10).await.expect("list"), vec![conversation]);
 }
 
@@ -46,10 +47,11 @@ async fn an_unreadable_row_is_a_backend_error() {
     let dir = TempDir::new().expect("temp dir");
     let path = dir.path().join("keel.db");
     let store = SqliteStore::open(&path).await.expect("open");
-    let conversation = store.create_conversation("alice", &"t".into(), now()).await.expect("create");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
     let started = store
         .start_run(NewRun {
             conversation_id: conversation.id.clone(),
+            agent_id: "ops".into(),
             user_id: "alice".into(),
             content: "hi".into(),
             cancel_on_disconnect: false,
@@ -104,6 +106,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0003_ag_ui.sql"),
         include_str!("../migrations/sqlite/0004_runs_by_user.sql"),
         include_str!("../migrations/sqlite/0005_interrupt_notes.sql"),
+        include_str!("../migrations/sqlite/0006_agents.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {
@@ -138,7 +141,7 @@ async fn a_closed_store_answers_with_errors() {
     let store = SqliteStore::open(&dir.path().join("keel.db")).await.expect("open");
     let clone = store.clone();
     store.close().await;
-    assert!(matches!(clone.create_conversation("alice", &"t".into(), now()).await, Err(StoreError::Backend(_))));
+    assert!(matches!(clone.create_conversation("alice", &"t".into(), "ops", now()).await, Err(StoreError::Backend(_))));
     assert!(matches!(clone.list_conversations("alice", 10).await, Err(StoreError::Backend(_))));
 }
 
@@ -151,7 +154,7 @@ async fn the_wal_is_checkpointed_while_the_store_is_open() {
     let store = SqliteStore::open(&path).await.expect("open");
     let before = std::fs::metadata(&path).expect("db file").len();
     for i in 0..300 {
-        store.create_conversation("alice", &"x".repeat(1000 + i).into(), now()).await.expect("create");
+        store.create_conversation("alice", &"x".repeat(1000 + i).into(), "ops", now()).await.expect("create");
     }
     // a few checkpoint periods
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -164,4 +167,57 @@ async fn the_wal_is_checkpointed_while_the_store_is_open() {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     assert_eq!(store.list_conversations("alice", 1000).await.expect("list").len(), 300);
+}
+
+/// Closing checkpoints the whole WAL: afterwards the -wal file is gone (or empty), and a copy of
+/// the database file alone holds every row. Many rounds, each closing right after its last write,
+/// while the checkpointer is busy (the race that used to lose).
+#[tokio::test]
+async fn after_close_the_database_file_alone_holds_every_write() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    let mut expected = Vec::new();
+    for round in 0..20 {
+        let store = SqliteStore::open(&path).await.expect("open");
+        let writes: Vec<_> = (0..40)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let conversation =
+                        store.create_conversation("alice", &format!("{round}-{i}").into(), "ops", now()).await?;
+                    let started = store
+                        .start_run(NewRun {
+                            conversation_id: conversation.id.clone(),
+                            agent_id: "ops".into(),
+                            user_id: "alice".into(),
+                            content: "x".repeat(2000).into(),
+                            cancel_on_disconnect: false,
+                            now: now(),
+                            events: vec![],
+                        })
+                        .await?;
+                    Ok::<_, StoreError>(started.run.id)
+                })
+            })
+            .collect();
+        for write in writes {
+            expected.push(write.await.expect("the task").expect("write"));
+        }
+        store.close().await;
+
+        let wal = dir.path().join("keel.db-wal");
+        let wal_len = std::fs::metadata(&wal).map(|m| m.len()).unwrap_or(0);
+        assert_eq!(wal_len, 0, "round {round}: the WAL is checkpointed whole at close");
+
+        let copy_dir = TempDir::new().expect("temp dir");
+        let copy = copy_dir.path().join("keel.db");
+        std::fs::copy(&path, &copy).expect("copy the database file alone");
+        let raw = rusqlite::Connection::open(&copy).expect("open the copy");
+        let runs: i64 = raw.query_row("SELECT COUNT(*) FROM runs", [], |r| r.get(0)).expect("count runs");
+        assert_eq!(runs as usize, expected.len(), "round {round}: every run is in the file alone");
+        let mut st = raw.prepare("SELECT id FROM runs").expect("query");
+        let ids: std::collections::HashSet<String> =
+            st.query_map([], |r| r.get(0)).expect("ids").collect::<Result<_, _>>().expect("ids");
+        assert!(expected.iter().all(|id| ids.contains(id.as_str())), "round {round}: a run is missing");
+    }
 }

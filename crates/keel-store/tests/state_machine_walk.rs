@@ -7,7 +7,8 @@ use chrono::Utc;
 use keel_core::domain::{Interrupt, InterruptKind, InterruptStatus, RunStatus, ToolCall, ToolCallState};
 use keel_core::event::EventKind;
 use keel_core::ids::{CallId, InterruptId};
-use keel_core::store::{Commit, Fence, InterruptChange, NewRun, RunChange, Store, StoreError, ToolCallChange};
+use keel_core::store::prelude::*;
+use keel_core::store::{Commit, Fence, InterruptChange, NewRun, RunChange, StoreError, ToolCallChange};
 use keel_store::{PostgresStore, SqliteStore};
 use proptest::prelude::*;
 use serde_json::json;
@@ -31,10 +32,11 @@ fn op() -> impl Strategy<Value = Op> {
 async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
     // Microseconds: every backend keeps at least that precision.
     let now = chrono::DateTime::from_timestamp_micros(Utc::now().timestamp_micros()).unwrap();
-    let conv = store.create_conversation("u", &"walk".into(), now).await.unwrap();
+    let conv = store.create_conversation("u", &"walk".into(), "ops", now).await.unwrap();
     let started = store
         .start_run(NewRun {
             conversation_id: conv.id.clone(),
+            agent_id: "ops".into(),
             user_id: "u".into(),
             content: "go".into(),
             cancel_on_disconnect: false,
@@ -57,6 +59,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
         state: ToolCallState::Requested,
         result: None,
         summary: None,
+        attempts: 0,
         started_at: None,
         finished_at: None,
     }));

@@ -16,28 +16,28 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand};
 use keel_bus::RedisBus;
-use keel_core::bus::{Bus, LocalBus};
-use keel_core::clock::{Clock, StoreClock, SystemClock};
-use keel_core::engine::{Engine, EngineConfig, EngineParts};
-use keel_core::fleet::FleetSeed;
+use keel_core::agent::Agent;
+use keel_core::context::ContextConfig;
 use keel_core::model::Model;
-use keel_core::store::Store;
-use keel_core::UserRole;
+use keel_core::store::{RunStore, Store};
+use keel_core::tool::ToolRegistry;
 use keel_models::{DemoModel, OpenAiCompatible};
+use keel_opspilot::{Fleet, FleetSeed, PostgresFleet, SqliteFleet};
+use keel_runtime::{Backend, Builder};
 use keel_server::auth::AuthMode;
 use keel_server::host::AllowedHosts;
-use keel_server::{AppState, ServerConfig, ServerMetrics};
 use keel_store::{PostgresStore, SqliteStore};
-use tokio::sync::watch;
 
-use crate::config::{BusChoice, Database, FileConfig, ModelChoice, Options, Settings};
+use crate::config::{BusChoice, Database, ModelChoice, Options, Settings};
 
 /// The user the demo page acts as; an operator, so it may approve restarts.
 const DEMO_USER: &str = "demo";
-/// How long a graceful shutdown waits for open requests, and then for runs to reach a checkpoint.
-const GRACE: Duration = Duration::from_secs(10);
+
+/// The agent `keel serve` runs when keel.toml declares none: the configured model, no tools.
+const ASSISTANT_ID: &str = "assistant";
+const ASSISTANT_PROMPT: &str = "You are a helpful assistant. You have no tools: say so when a question needs one.";
 
 #[derive(Debug, Parser)]
 #[command(name = "keel", version, about = "Keel: a durable runtime for AI agents")]
@@ -50,9 +50,9 @@ struct Cli {
 
 #[derive(Debug, Clone, Subcommand)]
 enum Command {
-    /// Serve the HTTP API (seeds the demo fleet only if the database has none).
+    /// Serve the HTTP API with the agents of keel.toml (or a plain assistant without tools).
     Serve,
-    /// Serve in demo mode: the fleet re-seeded at start, `POST /v1/demo/reset` enabled.
+    /// Serve the OpsPilot demo beside those agents: its fleet seeded into an empty database, `/v1/demo/*` routed.
     Demo,
     /// Create or upgrade the database schema, then exit.
     Migrate,
@@ -85,14 +85,17 @@ enum UsersCommand {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // As `Cli::parse()`, keeping the matches: they tell a flag from its environment variable, so a
+    // bad value can be named as the user gave it.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.format(&mut Cli::command()).exit());
     // The client commands talk to a server; they need none of the server's settings.
     match cli.command {
         Command::Chat(args) => return client::chat(args),
         Command::Runs { command } => return client::runs(command),
         Command::Serve | Command::Demo | Command::Migrate | Command::Users(_) => {}
     }
-    match try_main(cli) {
+    match try_main(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // The cause chain on one line; no backtrace for a configuration mistake.
@@ -102,9 +105,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn try_main(cli: Cli) -> anyhow::Result<()> {
-    let file = FileConfig::load(cli.options.config.as_deref())?;
-    let settings = Settings::resolve(&cli.options, &file)?;
+fn try_main(cli: Cli, matches: &ArgMatches) -> anyhow::Result<()> {
+    let settings = Settings::load(&cli.options, matches, &config::process_env)?;
     let telemetry = telemetry::init(settings.log_format, settings.otlp_endpoint.as_ref())?;
     let runtime =
         tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the async runtime")?;
@@ -119,21 +121,22 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     std::fs::create_dir_all(&settings.data_dir)
         .with_context(|| format!("creating the data directory {}", settings.data_dir.display()))?;
     let store = open_store(&settings.database).await?;
-    match command {
-        Command::Migrate => {
-            store.close().await;
-            println!("Database {} is up to date.", settings.database);
-            Ok(())
-        }
-        Command::Serve => serve(store, settings, false).await,
-        Command::Demo => serve(store, settings, true).await,
-        Command::Users(command) => {
-            let result = users(store.shared().as_ref(), command).await;
-            store.close().await;
-            result
-        }
+    let database = settings.database.clone();
+    let migrate = matches!(command, Command::Migrate);
+    let result = match command {
+        Command::Migrate => Ok(()),
+        Command::Serve => serve(store.clone(), settings, false).await,
+        Command::Demo => serve(store.clone(), settings, true).await,
+        Command::Users(command) => users(store.store().as_ref(), command).await,
         Command::Chat(_) | Command::Runs { .. } => unreachable!("client commands are dispatched in main"),
+    };
+    // Whatever happened, once nothing uses the store any more (`serve` returns after the engine
+    // shut down): closing SQLite checkpoints its WAL, so keel.db alone holds every write.
+    store.close().await;
+    if result.is_ok() && migrate {
+        println!("Database {database} is up to date.");
     }
+    result
 }
 
 async fn users(store: &dyn Store, command: UsersCommand) -> anyhow::Result<()> {
@@ -201,50 +204,85 @@ fn allowed_hosts(auth: &AuthMode, addr: std::net::SocketAddr, extra: &[String]) 
 }
 
 /// The backend, chosen once, here.
-enum OpenStore {
-    Sqlite(SqliteStore),
-    Postgres(PostgresStore),
-}
-
-impl OpenStore {
-    fn shared(&self) -> Arc<dyn Store> {
-        match self {
-            OpenStore::Sqlite(s) => Arc::new(s.clone()),
-            OpenStore::Postgres(s) => Arc::new(s.clone()),
-        }
-    }
-
-    /// SQLite is opened by this process alone, so leases a previous process left are stale; a
-    /// shared Postgres may have other live instances, whose leases must expire first.
-    fn single_process(&self) -> bool {
-        matches!(self, OpenStore::Sqlite(_))
-    }
-
-    async fn close(&self) {
-        match self {
-            OpenStore::Sqlite(s) => s.close().await,
-            OpenStore::Postgres(s) => s.close().await,
-        }
-    }
-}
-
-async fn open_store(database: &Database) -> anyhow::Result<OpenStore> {
+async fn open_store(database: &Database) -> anyhow::Result<Backend> {
     Ok(match database {
-        Database::Sqlite(path) => OpenStore::Sqlite(
+        Database::Sqlite(path) => Backend::Sqlite(
             SqliteStore::open(path).await.with_context(|| format!("opening the database {}", path.display()))?,
         ),
         Database::Postgres(url) => {
-            OpenStore::Postgres(PostgresStore::connect(url).await.with_context(|| format!("connecting to {database}"))?)
+            Backend::Postgres(PostgresStore::connect(url).await.with_context(|| format!("connecting to {database}"))?)
         }
     })
 }
 
-async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow::Result<()> {
-    let store = opened.shared();
-    let seed = FleetSeed { extra_abnormal: settings.demo_abnormal };
-    if demo_mode || store.list_instances(None, None).await.context("reading the fleet")?.is_empty() {
-        store.seed_fleet(seed, chrono::Utc::now()).await.context("seeding the demo fleet")?;
+fn model_of(choice: &ModelChoice, demo_delay: Duration) -> anyhow::Result<Arc<dyn Model>> {
+    Ok(match choice {
+        ModelChoice::Demo => Arc::new(DemoModel::new(demo_delay)),
+        ModelChoice::OpenAi(config) => {
+            tracing::info!(base_url = %config.base_url, model = %config.model, "using an OpenAI-compatible model");
+            Arc::new(OpenAiCompatible::new((**config).clone()).context("model settings")?)
+        }
+    })
+}
+
+/// A real model writes the summary of earlier turns; the demo model keeps the deterministic
+/// extractive one.
+fn context_for(choice: &ModelChoice, prompt: &str) -> ContextConfig {
+    ContextConfig {
+        system_prompt: prompt.to_owned(),
+        summarize_with_model: matches!(choice, ModelChoice::OpenAi(_)),
+        ..ContextConfig::default()
     }
+}
+
+/// The agents keel.toml declares, each with its model (or the server's) and its tools.
+fn configured_agents(settings: &Settings) -> anyhow::Result<Vec<Agent>> {
+    let mut agents = Vec::new();
+    for config in &settings.agents {
+        let choice = config.model.as_ref().unwrap_or(&settings.model);
+        let model = model_of(choice, settings.demo_delay)?;
+        let mut tools = ToolRegistry::new();
+        for tool in &config.tools {
+            // Checked when the settings were read; built again here for this process.
+            let built = config::agents::build_tool(&tool.table, &config::process_env)
+                .map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
+            tools.register(built).map_err(|e| anyhow::anyhow!("agent {:?}: {e}", config.id))?;
+        }
+        let mut context = context_for(choice, &config.system_prompt);
+        if let Some(budget) = config.context.budget_tokens {
+            context.context_budget_tokens = budget;
+        }
+        if let Some(max) = config.context.summary_max_chars {
+            context.summary_max_chars = max;
+        }
+        if let Some(max) = config.context.tool_result_max_bytes {
+            context.tool_result_max_bytes = max;
+        }
+        let agent = Agent::new(&config.id, &config.name, model, &config.system_prompt)?
+            .description(config.description.as_deref().unwrap_or(""))
+            .suggestions(config.suggestions.clone())
+            .tools(tools)
+            .context(context);
+        agents.push(agent);
+    }
+    Ok(agents)
+}
+
+/// The demo fleet of `backend`, seeded when it has no instance yet (a restarted demo keeps its
+/// fleet; `POST /v1/demo/reset` puts it back as seeded).
+async fn demo_fleet(backend: &Backend, seed: FleetSeed) -> anyhow::Result<Arc<dyn Fleet>> {
+    let fleet: Arc<dyn Fleet> = match backend {
+        Backend::Sqlite(s) => Arc::new(SqliteFleet::open(s).await.context("opening the demo fleet")?),
+        Backend::Postgres(p) => Arc::new(PostgresFleet::open(p).await.context("opening the demo fleet")?),
+    };
+    if fleet.instances(1).await.context("reading the demo fleet")?.is_empty() {
+        fleet.seed(seed, chrono::Utc::now()).await.context("seeding the demo fleet")?;
+    }
+    Ok(fleet)
+}
+
+async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow::Result<()> {
+    let store = backend.store();
     for key in &settings.api_keys {
         keel_server::auth::register_key_hash(store.as_ref(), &key.user, key.role, &key.sha256, chrono::Utc::now())
             .await
@@ -252,148 +290,159 @@ async fn serve(opened: OpenStore, settings: Settings, demo_mode: bool) -> anyhow
     }
     let active_keys = store.count_active_api_keys().await.context("counting API keys")?;
 
-    let model: Arc<dyn Model> = match &settings.model {
-        ModelChoice::Demo => Arc::new(DemoModel::new(settings.demo_delay)),
-        ModelChoice::OpenAi(config) => {
-            tracing::info!(base_url = %config.base_url, model = %config.model, "using an OpenAI-compatible model");
-            Arc::new(OpenAiCompatible::new((**config).clone()).context("model settings")?)
+    let mut builder = Builder::new(backend.clone());
+    if demo_mode {
+        // OpsPilot, a user of the library like any agent, is the demo's default agent.
+        let seed = FleetSeed { extra_abnormal: settings.demo_abnormal };
+        let fleet = demo_fleet(&backend, seed).await?;
+        let calls: Arc<dyn RunStore> = store.clone();
+        let model = model_of(&settings.model, settings.demo_delay)?;
+        let agent = keel_opspilot::agent(fleet.clone(), calls, model)
+            .context(context_for(&settings.model, keel_opspilot::SYSTEM_PROMPT));
+        builder = builder
+            .agent(agent)
+            .default_agent(keel_opspilot::AGENT_ID)
+            .routes(keel_opspilot::routes::routes(fleet, seed, true));
+    }
+    let configured = configured_agents(&settings)?;
+    if !demo_mode {
+        if let Some(default) = settings.agents.iter().find(|a| a.default) {
+            builder = builder.default_agent(&default.id);
         }
-    };
-    let bus: Arc<dyn Bus> = match &settings.bus {
-        BusChoice::Local => Arc::new(LocalBus::default()),
-        BusChoice::Redis(url) => Arc::new(
-            RedisBus::connect(url, "keel:").await.map_err(|e| anyhow::anyhow!("connecting the event bus: {e}"))?,
-        ),
-    };
-    // A shared database's clock decides leases and expiries; an embedded one is this machine's.
-    let clock: Arc<dyn Clock> = if opened.single_process() {
-        Arc::new(SystemClock)
-    } else {
-        StoreClock::start(store.clone(), Duration::from_secs(30)).await.context("reading the database clock")?
-    };
-    let metrics = ServerMetrics::new();
-    let mut engine_config = EngineConfig { metrics: metrics.recorder(), ..EngineConfig::default() };
-    if let Some(id) = &settings.instance_id {
-        engine_config.instance_id = id.clone();
     }
-    let engine = Arc::new(Engine::new(
-        EngineParts { store, model, tools: keel_opspilot::registry(), bus, clock },
-        EngineConfig {
-            steal_leases_on_start: opened.single_process(),
-            interrupt_ttl: settings.interrupt_ttl,
-            max_message_chars: settings.max_message_chars,
-            lease_ttl: settings.lease_ttl,
-            // How often an idle reader re-reads the store: its only news source for runs written by
-            // another instance without a shared bus, a safety net otherwise.
-            poll_interval: match (&settings.bus, opened.single_process()) {
-                (_, true) => Duration::from_secs(10),
-                (BusChoice::Redis(_), false) => Duration::from_secs(3),
-                (BusChoice::Local, false) => Duration::from_secs(1),
-            },
-            // Exported traces: every worker of a run joins the run's trace.
-            run_span_hook: settings.otlp_endpoint.is_some().then(telemetry::run_span_hook),
-            context: keel_core::context::ContextConfig {
-                // A real model writes the summary of earlier turns; the demo model keeps the
-                // deterministic extractive one.
-                summarize_with_model: matches!(settings.model, ModelChoice::OpenAi(_)),
-                ..Default::default()
-            },
-            ..engine_config
-        },
-    ));
-    let recovered = engine.start().await.context("starting the engine")?;
-    if recovered > 0 {
-        tracing::info!(recovered, "continuing runs left by the previous process");
+    if configured.is_empty() && !demo_mode {
+        let model = model_of(&settings.model, settings.demo_delay)?;
+        let agent = Agent::new(ASSISTANT_ID, "Assistant", model, ASSISTANT_PROMPT)?
+            .description("A plain assistant: the configured model, no tools (declare agents in keel.toml).")
+            .context(context_for(&settings.model, ASSISTANT_PROMPT));
+        builder = builder.agent(agent);
     }
-
+    for agent in configured {
+        builder = builder.agent(agent);
+    }
+    if let BusChoice::Redis(url) = &settings.bus {
+        let bus =
+            RedisBus::connect(url, "keel:").await.map_err(|e| anyhow::anyhow!("connecting the event bus: {e}"))?;
+        builder = builder.bus(Arc::new(bus));
+    }
+    let single = backend.single_process();
+    let bus = settings.bus.clone();
     let listener = tokio::net::TcpListener::bind(&settings.listen)
         .await
         .with_context(|| format!("listening on {}", settings.listen))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     let auth = auth_mode(active_keys, addr, settings.insecure_no_auth)?;
-    if matches!(auth, AuthMode::SingleUser(_)) {
-        // The local user of a server without keys is an operator, so the demo can approve restarts.
-        engine.store().set_user_role(DEMO_USER, UserRole::Operator).await.context("setting up the demo user")?;
-    }
-    let server_config = ServerConfig {
-        allowed_hosts: allowed_hosts(&auth, addr, &settings.allowed_hosts),
-        heartbeat: settings.heartbeat,
-        demo_mode,
-        demo_abnormal: settings.demo_abnormal,
-        auth,
-        rate_limit_per_second: settings.rate_limit,
-        rate_limit_burst: settings.rate_burst,
-        max_streams_per_user: settings.max_streams_per_user,
-        body_limit: settings.body_limit,
-        json_max_depth: settings.json_max_depth,
-        replay_page_max: settings.replay_page_max,
-        stream_ticket_ttl: settings.stream_ticket_ttl,
-        ..ServerConfig::default()
-    };
-    let state = AppState::new(engine.clone(), server_config).with_metrics(metrics);
+    let allowed = allowed_hosts(&auth, addr, &settings.allowed_hosts);
+    let keel = builder
+        .engine_config(|c| {
+            if let Some(id) = &settings.instance_id {
+                c.instance_id = id.clone();
+            }
+            c.interrupt_ttl = settings.interrupt_ttl;
+            c.max_message_chars = settings.max_message_chars;
+            c.lease_ttl = settings.lease_ttl;
+            // How often an idle reader re-reads the store: its only news source for runs written by
+            // another instance without a shared bus, a safety net otherwise.
+            c.poll_interval = match (&bus, single) {
+                (_, true) => Duration::from_secs(10),
+                (BusChoice::Redis(_), false) => Duration::from_secs(3),
+                (BusChoice::Local, false) => Duration::from_secs(1),
+            };
+            // Exported traces: every worker of a run joins the run's trace.
+            c.run_span_hook = settings.otlp_endpoint.is_some().then(telemetry::run_span_hook);
+        })
+        .server_config(|c| {
+            c.allowed_hosts = allowed;
+            c.heartbeat = settings.heartbeat;
+            c.auth = auth;
+            c.rate_limit_per_second = settings.rate_limit;
+            c.rate_limit_burst = settings.rate_burst;
+            c.max_streams_per_user = settings.max_streams_per_user;
+            c.body_limit = settings.body_limit;
+            c.json_max_depth = settings.json_max_depth;
+            c.replay_page_max = settings.replay_page_max;
+            c.stream_ticket_ttl = settings.stream_ticket_ttl;
+        })
+        .start()
+        .await
+        .context("starting the engine")?;
 
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Listening before the banner says we serve: a signal sent once it is printed stops cleanly.
+    let mut signals = ShutdownSignals::listen();
     tokio::spawn(async move {
-        shutdown_signal().await;
+        signals.recv().await;
         tracing::info!("shutting down; a second signal exits at once");
         stop_tx.send_replace(true);
-        shutdown_signal().await;
+        signals.recv().await;
         eprintln!("second signal: exiting now");
         std::process::exit(130);
     });
-    let stopped = move || {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|stop| *stop).await;
-        }
-    };
-
     if demo_mode {
         println!("Keel demo running at http://{addr}/");
     } else {
         println!("Keel listening on http://{addr}/");
     }
     tracing::info!(%addr, demo_mode, otlp = ?settings.otlp_endpoint, "serving");
-
-    let mut server = tokio::spawn(keel_server::serve(listener, state, stopped()));
-    tokio::select! {
-        result = &mut server => result.context("the server task failed")?.context("serving")?,
-        () = stopped() => match tokio::time::timeout(GRACE, &mut server).await {
-            Ok(result) => result.context("the server task failed")?.context("serving")?,
-            Err(_) => tracing::warn!("open connections did not close within {GRACE:?}; closing them"),
-        },
-    }
-    engine.shutdown(GRACE).await;
-    let still_running = engine.active_workers();
-    opened.close().await;
-    tracing::info!(still_running, "stopped");
+    let mut rx = stop_rx;
+    keel.serve(listener, async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    })
+    .await
+    .context("serving")?;
     Ok(())
 }
 
-/// SIGINT (Ctrl-C) or, on Unix, SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
+/// SIGINT (Ctrl-C) or, on Unix, SIGTERM, caught from the moment [`ShutdownSignals::listen`]
+/// returns (until then they would end the process at once, without a clean stop).
+struct ShutdownSignals {
+    #[cfg(unix)]
+    interrupt: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    terminate: Option<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignals {
+    fn listen() -> Self {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let listen = |kind: SignalKind, name: &str| match signal(kind) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot listen for {name}");
+                    None
+                }
+            };
+            Self {
+                interrupt: listen(SignalKind::interrupt(), "SIGINT"),
+                terminate: listen(SignalKind::terminate(), "SIGTERM"),
+            }
+        }
+        #[cfg(not(unix))]
+        Self {}
+    }
+
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn next(signal: &mut Option<tokio::signal::unix::Signal>) {
+                match signal {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending().await,
+                }
+            }
+            tokio::select! {
+                () = next(&mut self.interrupt) => {}
+                () = next(&mut self.terminate) => {}
+            }
+        }
+        #[cfg(not(unix))]
         if let Err(e) = tokio::signal::ctrl_c().await {
             tracing::error!(error = %e, "cannot listen for Ctrl-C");
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
     }
 }

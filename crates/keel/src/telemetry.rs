@@ -103,7 +103,6 @@ mod tests {
     use keel_core::bus::LocalBus;
     use keel_core::clock::SystemClock;
     use keel_core::engine::{Engine, EngineConfig, EngineParts, ResumeRequest, SendMessage};
-    use keel_core::fleet::FleetSeed;
     use keel_core::store::Store;
     use keel_core::{EventKind, RunStatus, UserRole};
     use keel_models::DemoModel;
@@ -134,20 +133,23 @@ mod tests {
         tracing::subscriber::set_global_default(subscriber).expect("the only subscriber of this test binary");
 
         let dir = tempfile::tempdir().unwrap();
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.unwrap());
-        store.seed_fleet(FleetSeed { extra_abnormal: 0 }, chrono::Utc::now()).await.unwrap();
+        let sqlite = SqliteStore::open(&dir.path().join("keel.db")).await.unwrap();
+        let (agent, _) =
+            keel_opspilot::on_sqlite(&sqlite, Arc::new(DemoModel::new(Duration::from_millis(1))), Default::default())
+                .await
+                .unwrap();
+        let store: Arc<dyn Store> = Arc::new(sqlite);
         store.set_user_role("demo", UserRole::Operator).await.unwrap();
         let engine = Engine::new(
             EngineParts {
                 store: store.clone(),
-                model: Arc::new(DemoModel::new(Duration::from_millis(1))),
-                tools: keel_opspilot::registry(),
+                agents: keel_core::agent::Agents::single(agent),
                 bus: Arc::new(LocalBus::default()),
                 clock: Arc::new(SystemClock),
             },
             EngineConfig { run_span_hook: Some(run_span_hook()), ..EngineConfig::default() },
         );
-        let conversation = engine.create_conversation("demo", "trace me").await.unwrap();
+        let conversation = engine.create_conversation("demo", "trace me", None).await.unwrap();
         // A secret in the user's words: no span may carry it.
         let content = format!("Restart the abnormal instance of payment-api (my token is {SECRET})");
         let started = engine
@@ -161,7 +163,7 @@ mod tests {
         };
         let request = ResumeRequest {
             interrupt_id: interrupt_id.clone(),
-            decision: "approve".into(),
+            decision: keel_core::engine::Decision::Approve,
             idempotency_key: "k".into(),
             note: None,
         };

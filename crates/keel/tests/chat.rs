@@ -64,10 +64,14 @@ async fn instance(server: &Server, id: &str) -> Value {
 
 /// `keel runs …` with stdin closed and stdout a pipe: its exit code and output.
 fn runs(server: &Server, args: &[&str]) -> (i32, String) {
+    runs_at(&server.url(), args)
+}
+
+fn runs_at(url: &str, args: &[&str]) -> (i32, String) {
     let output = keel()
         .arg("runs")
         .args(args)
-        .args(["--server", &server.url()])
+        .args(["--server", url])
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
@@ -169,6 +173,45 @@ fn edit_resumes_with_the_edited_arguments() {
     let run = rt.block_on(keel.get_run(&rt.block_on(only_run(&keel)))).unwrap();
     assert!(run.interrupts[0].decision.as_ref().unwrap().get("edit").is_some(), "{:?}", run.interrupts);
     assert_eq!(rt.block_on(instance(&server, "pay-prod-2"))["restartCount"], 1);
+}
+
+/// A note may follow the answer ("y, checked …"): it goes with the decision, the run's events show
+/// it, and so does its history. A note longer than the server takes is asked again.
+#[test]
+fn a_note_after_the_answer_goes_with_the_decision() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(dir.path(), 1);
+    let mut chat = chat(&server);
+    chat.expect("you> ");
+    chat.type_line("Restart the abnormal instance of payment-api");
+    let card = chat.expect("Restart pay-prod-2? [y/N/e(dit)] ");
+    assert!(
+        card.contains("(a note may follow the answer, e.g. `n wrong instance`: it is kept with the decision)"),
+        "{card}"
+    );
+    chat.type_line(&format!("y {}", "x".repeat(2001)));
+    chat.expect("a note is at most 2000 characters");
+    chat.expect("Restart pay-prod-2? [y/N/e(dit)] ");
+    chat.type_line("yes, checked the dashboard: pay-prod-2 is stuck");
+    chat.expect("↳ approved by demo after ");
+    chat.expect("  note: checked the dashboard: pay-prod-2 is stuck");
+    chat.expect("✓ restart_instance: restarted pay-prod-2 (restart #1)");
+    chat.expect("you> ");
+    chat.0.send_control('d').unwrap();
+    assert_eq!(chat.exit_code(), 0);
+
+    let rt = runtime();
+    let keel = KeelClient::new(server.url());
+    let run_id = rt.block_on(only_run(&keel));
+    let run = rt.block_on(keel.get_run(&run_id)).unwrap();
+    assert_eq!(
+        run.interrupts[0].note.as_deref().map(String::as_str),
+        Some("checked the dashboard: pay-prod-2 is stuck")
+    );
+    assert_eq!(run.interrupts[0].decision.as_deref(), Some(&serde_json::json!("approve")));
+    let (code, shown) = runs(&server, &["show", run_id.as_str()]);
+    assert_eq!(code, 0, "{shown}");
+    assert!(shown.contains("\n    note: checked the dashboard: pay-prod-2 is stuck\n"), "{shown}");
 }
 
 #[test]
@@ -294,4 +337,330 @@ fn the_api_key_comes_from_the_environment_as_a_bearer_token() {
     let head = server.join().unwrap();
     assert!(head.starts_with("get /v1/runs?limit=20 http/1.1\r\n"), "{head}");
     assert!(head.contains("\r\nauthorization: bearer keel_test_key_42\r\n"), "{head}");
+}
+
+// ------------------------------------------------------------------ an outcome unknown
+
+/// Reads one HTTP/1.1 request: its head (lower-cased) and its body.
+fn read_request(socket: &mut std::net::TcpStream) -> Option<(String, Vec<u8>)> {
+    use std::io::Read;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if socket.read(&mut byte).ok()? == 0 {
+            return None;
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|n| n.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let mut body = vec![0; length];
+    socket.read_exact(&mut body).ok()?;
+    Some((head, body))
+}
+
+/// An OpenAI-compatible model on a free port: asked with tools and no tool result yet, it calls
+/// `restart_service {"service": "checkout"}`; after a tool result, it answers in words.
+fn mock_model() -> String {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for (n, socket) in listener.incoming().enumerate() {
+            let Ok(mut socket) = socket else { continue };
+            std::thread::spawn(move || {
+                let Some((_, body)) = read_request(&mut socket) else { return };
+                let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+                let after_tool =
+                    request["messages"].as_array().and_then(|m| m.last()).is_some_and(|m| m["role"] == "tool");
+                let chunk = |delta: Value, finish: Value| {
+                    serde_json::json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "mock",
+                        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+                };
+                let chunks = if after_tool {
+                    vec![
+                        chunk(serde_json::json!({"content": "Understood: checkout was not restarted."}), Value::Null),
+                        chunk(serde_json::json!({}), "stop".into()),
+                    ]
+                } else {
+                    vec![
+                        chunk(serde_json::json!({"content": "Restarting checkout."}), Value::Null),
+                        chunk(
+                            serde_json::json!({"tool_calls": [{"index": 0, "id": format!("call_chat{n}"), "type": "function",
+                                "function": {"name": "restart_service", "arguments": "{\"service\": \"checkout\"}"}}]}),
+                            Value::Null,
+                        ),
+                        chunk(serde_json::json!({}), "tool_calls".into()),
+                    ]
+                };
+                let body: String =
+                    chunks.iter().map(|c| format!("data: {c}\n\n")).chain(["data: [DONE]\n\n".to_owned()]).collect();
+                let _ = write!(
+                    socket,
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            });
+        }
+    });
+    url
+}
+
+/// A service that takes each request and never answers it; the heads it got go to the channel.
+fn silent_service() -> (String, std::sync::mpsc::Receiver<String>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for socket in listener.incoming() {
+            let Ok(mut socket) = socket else { continue };
+            if let Some((head, _)) = read_request(&mut socket) {
+                let _ = tx.send(head);
+            }
+            held.push(socket); // open, unanswered
+        }
+    });
+    (url, rx)
+}
+
+/// `keel serve --config FILE` on a free port; killed when dropped.
+struct Serve(std::process::Child, String);
+
+impl Serve {
+    fn start(dir: &std::path::Path, toml: &str) -> Self {
+        use std::io::{BufRead, BufReader};
+        let config = dir.join("keel.toml");
+        std::fs::write(&config, toml).unwrap();
+        let mut child = keel()
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .arg("--config")
+            .arg(&config)
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn keel serve");
+        let mut banner = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+        let url = banner
+            .trim()
+            .strip_prefix("Keel listening on ")
+            .map(|u| u.trim_end_matches('/').to_owned())
+            .unwrap_or_else(|| panic!("unexpected banner {banner:?}"));
+        Serve(child, url)
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A call to a tool that is not idempotent times out: its outcome is unknown, so `keel chat` asks
+/// what happened. `r` retries it with the same idempotency key (which times out again), Enter
+/// leaves it for later, a decision with a note from another client ends it, and `keel runs show`
+/// tells the whole story, kinds and note included.
+#[test]
+fn an_unknown_outcome_is_asked_retried_with_the_same_key_and_left_for_later() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = mock_model();
+    let (service, requests) = silent_service();
+    let server = Serve::start(
+        dir.path(),
+        &format!(
+            r#"
+[[agents]]
+id = "ops"
+name = "Ops"
+system_prompt = "You restart services when asked."
+[agents.model]
+kind = "openai"
+base_url = "{model}"
+name = "mock"
+max_retries = 0
+[[agents.tools]]
+kind = "http"
+name = "restart_service"
+description = "Restart a service"
+method = "POST"
+url = "{service}/restart/{{service}}"
+timeout = "300ms"
+idempotent = false
+policy = "allow"
+args_schema = {{ type = "object", properties = {{ service = {{ type = "string" }} }}, required = ["service"] }}
+"#
+        ),
+    );
+    let mut cmd = keel();
+    cmd.args(["chat", "--server", &server.1]);
+    let mut chat = Chat(rexpect::session::spawn_command(cmd, Some(DEADLINE.as_millis() as u64)).unwrap());
+    chat.expect("you> ");
+    chat.type_line("Restart checkout");
+    chat.expect("? restart_service service=checkout: no answer came back");
+    let card = chat.expect("[r]etry / it was [d]one / it [f]ailed / Enter: decide later ");
+    assert!(card.contains("outcome unknown: The request was sent and no answer came back"), "{card}");
+    assert!(card.contains("restart_service {\"service\":\"checkout\"} (outcome unknown after 1 attempt)"), "{card}");
+    chat.type_line("y");
+    chat.expect("answer r (retry with the same idempotency key), d (it was done), f (it failed");
+    chat.expect("Enter: decide later ");
+    chat.type_line("r");
+    chat.expect("↳ retried with the same idempotency key by demo");
+    let again = chat.expect("Enter: decide later ");
+    assert!(again.contains("(outcome unknown after 2 attempts)"), "{again}");
+    chat.type_line("");
+    chat.expect("Left undecided: the run waits for a decision until ");
+    chat.expect("you> ");
+    chat.0.send_control('d').unwrap();
+    assert_eq!(chat.exit_code(), 0);
+
+    // Both attempts carried the call's one idempotency key.
+    let heads: Vec<String> = (0..2).map(|_| requests.recv_timeout(DEADLINE).expect("a request")).collect();
+    let key = |head: &str| head.lines().find_map(|l| l.strip_prefix("idempotency-key:")).map(|k| k.trim().to_owned());
+    assert!(heads[0].starts_with("post /restart/checkout "), "{heads:?}");
+    assert_eq!(key(&heads[0]), key(&heads[1]), "{heads:?}");
+    assert!(key(&heads[0]).is_some(), "{heads:?}");
+
+    // Decided elsewhere, with a note: the run ends, and the history shows kinds, decisions and note.
+    let rt = runtime();
+    let api = KeelClient::new(&server.1);
+    let run_id = rt.block_on(only_run(&api));
+    let run = rt.block_on(api.get_run(&run_id)).unwrap();
+    let pending = run.pending_interrupt.expect("still waiting");
+    assert_eq!(pending.kind.as_str(), "outcome_unknown");
+    let resume = rt.block_on(async {
+        reqwest::Client::new()
+            .post(format!("{}/v1/runs/{run_id}/resume", server.1))
+            .json(&serde_json::json!({"interruptId": pending.id, "decision": "mark_failed",
+                "note": "checked the service: it never restarted", "idempotencyKey": "chat-test-1"}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    assert_eq!(resume, 200);
+    rt.block_on(eventually("the run to end", || async {
+        api.get_run(&run_id).await.unwrap().status.is_terminal().then_some(())
+    }));
+    let (code, shown) = runs_at(&server.1, &["show", run_id.as_str()]);
+    assert_eq!(code, 0, "{shown}");
+    assert!(shown.starts_with(&format!("Run {run_id}: completed\n")), "{shown}");
+    let decisions: Vec<&str> = shown.lines().skip_while(|l| *l != "Decisions:").skip(1).collect();
+    assert_eq!(decisions.len(), 3, "{shown}");
+    assert!(decisions[0].starts_with("  [outcome_unknown] "), "{shown}");
+    assert!(decisions[0].contains(": retried with the same idempotency key by demo at "), "{shown}");
+    assert!(decisions[1].contains(": marked failed by demo at "), "{shown}");
+    assert_eq!(decisions[2], "    note: checked the service: it never restarted", "{shown}");
+    assert!(shown.contains("restart_service failed: marked failed by demo: checked the service"), "{shown}");
+}
+
+/// `keel serve` with two agents: `helper`, the default, and `ops`, whose `restart_service` times
+/// out (the model and the service of the test above).
+fn two_agents(dir: &std::path::Path) -> Serve {
+    let model = mock_model();
+    // What the service is sent is not looked at here: it takes and holds each request all the same.
+    let (service, _) = silent_service();
+    Serve::start(
+        dir,
+        &format!(
+            r#"
+[[agents]]
+id = "helper"
+system_prompt = "You answer questions."
+default = true
+
+[[agents]]
+id = "ops"
+name = "Ops"
+system_prompt = "You restart services when asked."
+[agents.model]
+kind = "openai"
+base_url = "{model}"
+name = "mock"
+max_retries = 0
+[[agents.tools]]
+kind = "http"
+name = "restart_service"
+description = "Restart a service"
+method = "POST"
+url = "{service}/restart/{{service}}"
+timeout = "300ms"
+idempotent = false
+policy = "allow"
+args_schema = {{ type = "object", properties = {{ service = {{ type = "string" }} }}, required = ["service"] }}
+"#
+        ),
+    )
+}
+
+/// `keel chat --agent ops` talks to `ops`, not the default agent; an unknown agent is the server's
+/// UNKNOWN_AGENT, and exit code 1; `--agent` and `--conversation` don't go together. At an
+/// unknown outcome, a note follows the answer and goes with the decision.
+#[test]
+fn chat_with_an_agent_talks_to_it_and_an_outcome_takes_a_note() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = two_agents(dir.path());
+
+    let output =
+        keel().args(["chat", "--server", &server.1, "--agent", "nobody"]).stdin(Stdio::null()).output().unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    assert!(output.stdout.is_empty(), "no conversation: {}", String::from_utf8_lossy(&output.stdout));
+    assert_eq!(
+        String::from_utf8_lossy(&output.stderr),
+        "keel: --agent nobody (the server's agents: helper, ops): HTTP 422 Unprocessable Entity UNKNOWN_AGENT: \
+         agentId: this server runs no such agent (GET /v1/agents lists them)\n"
+    );
+    let output = keel()
+        .args(["chat", "--server", &server.1, "--agent", "ops", "--conversation", "conv_1"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2), "a usage error");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("cannot be used with"), "{output:?}");
+
+    let mut cmd = keel();
+    cmd.args(["chat", "--server", &server.1, "--agent", "ops"]);
+    let mut chat = Chat(rexpect::session::spawn_command(cmd, Some(DEADLINE.as_millis() as u64)).unwrap());
+    chat.expect("Conversation conv_");
+    chat.expect(&format!(" with ops on {}.", server.1));
+    chat.expect("you> ");
+    chat.type_line("Restart checkout");
+    chat.expect("? restart_service service=checkout: no answer came back");
+    let card = chat.expect("[r]etry / it was [d]one / it [f]ailed / Enter: decide later ");
+    assert!(card.contains("(a note may follow the answer, e.g. `f checked: it never restarted`"), "{card}");
+    chat.type_line("f checked the service: it never restarted");
+    chat.expect("↳ marked failed by demo after ");
+    chat.expect("  note: checked the service: it never restarted");
+    chat.expect("✗ restart_service [marked_failed]");
+    let answer = chat.expect("you> ");
+    assert!(answer.contains("Understood: checkout was not restarted."), "{answer}");
+    chat.0.send_control('d').unwrap();
+    assert_eq!(chat.exit_code(), 0);
+
+    let rt = runtime();
+    let api = KeelClient::new(&server.1);
+    let run_id = rt.block_on(only_run(&api));
+    let run = rt.block_on(api.get_run(&run_id)).unwrap();
+    let conversation = rt.block_on(api.get_conversation(&run.conversation_id)).unwrap();
+    assert_eq!(conversation.conversation.agent_id.as_deref(), Some("ops"));
+    assert_eq!(run.interrupts[0].kind.as_str(), "outcome_unknown");
+    assert_eq!(run.interrupts[0].decision.as_deref(), Some(&serde_json::json!("mark_failed")));
+    assert_eq!(run.interrupts[0].note.as_deref().map(String::as_str), Some("checked the service: it never restarted"));
+
+    // Without --agent: the default agent.
+    let mut cmd = keel();
+    cmd.args(["chat", "--server", &server.1]);
+    let mut chat = Chat(rexpect::session::spawn_command(cmd, Some(DEADLINE.as_millis() as u64)).unwrap());
+    chat.expect(" with helper on ");
+    chat.expect("you> ");
+    chat.0.send_control('d').unwrap();
+    assert_eq!(chat.exit_code(), 0);
 }

@@ -300,3 +300,226 @@ fn keyless_loopback_answers_only_loopback_hosts() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     server.kill();
 }
+
+/// `keel demo` in `dir` (which may hold a keel.toml) with `args` and `env`; its address once it
+/// listens.
+fn demo_with(dir: &std::path::Path, args: &[&str], env: &[(&str, &str)]) -> (std::process::Child, String) {
+    // A data directory of its own each time: the demo seeds its fleet only into an empty database.
+    static STARTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let data = dir.join(format!("data-{}", STARTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst)));
+    let mut child = keel(dir)
+        .arg("demo")
+        .arg("--data-dir")
+        .arg(data)
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+    let addr = banner
+        .trim()
+        .strip_prefix("Keel demo running at http://")
+        .and_then(|rest| rest.strip_suffix('/'))
+        .unwrap_or_else(|| panic!("unexpected banner {banner:?} for {args:?} {env:?}"))
+        .to_owned();
+    (child, addr)
+}
+
+/// What a running demo server says about four of its settings: its port (`listen`, a string), how
+/// long a stream ticket lasts (`stream_ticket_ttl`, a duration), how many extra abnormal instances it
+/// seeded (`demo_abnormal`, a number), and which of the names it serves (`allowed_hosts`, a list).
+struct Observed {
+    port: u16,
+    ticket_ttl: Duration,
+    abnormal: u32,
+    serves: Vec<&'static str>,
+}
+
+fn observe(addr: &str) -> Observed {
+    let ticket = http_as_host(addr, addr, "POST", "/v1/ws/ticket", "");
+    assert!(ticket.starts_with("HTTP/1.1 201"), "{ticket}");
+    let expires = ticket.split("\"expiresAt\":\"").nth(1).and_then(|rest| rest.split('"').next()).unwrap();
+    let expires = chrono::DateTime::parse_from_rfc3339(expires).unwrap().with_timezone(&chrono::Utc);
+    let ticket_ttl = (expires - chrono::Utc::now()).to_std().unwrap();
+    let instances = http_get(addr, "/v1/demo/instances");
+    let abnormal = (1..10).take_while(|n| instances.contains(&format!("\"pay-prod-a{n}\""))).count() as u32;
+    let serves = ["file.test", "env.test", "flag.test"]
+        .into_iter()
+        .filter(|host| !http_as_host(addr, host, "GET", "/v1/conversations", "").starts_with("HTTP/1.1 403"))
+        .collect();
+    Observed { port: addr.rsplit(':').next().unwrap().parse().unwrap(), ticket_ttl, abnormal, serves }
+}
+
+/// defaults < keel.toml < KEEL_ environment < flags, for a string, a duration, a number and a list:
+/// each layer is given values of its own, a lower layer's would show, and an unusable address in a
+/// lower layer would stop the server.
+#[cfg(unix)]
+#[test]
+fn each_layer_overrides_the_one_below_for_each_kind_of_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let about = |ttl: Duration, observed: Duration| observed <= ttl && observed + Duration::from_secs(60) > ttl;
+
+    // Defaults: 60 s tickets, no extra instance, loopback names only (the port is a flag: the
+    // default 8080 may be taken).
+    let (mut child, addr) = demo_with(dir.path(), &["--listen", "127.0.0.1:0"], &[]);
+    let seen = observe(&addr);
+    assert!(about(Duration::from_secs(60), seen.ticket_ttl), "{:?}", seen.ticket_ttl);
+    assert_eq!((seen.abnormal, seen.serves.len()), (0, 0));
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    std::fs::write(
+        dir.path().join("keel.toml"),
+        "listen = \"127.0.0.1:0\"\nstream_ticket_ttl = \"2h\"\ndemo_abnormal = 1\nallowed_hosts = [\"file.test\"]\n",
+    )
+    .unwrap();
+    let (mut child, addr) = demo_with(dir.path(), &[], &[]);
+    let seen = observe(&addr);
+    assert_ne!(seen.port, 8080);
+    assert!(about(Duration::from_secs(2 * 3600), seen.ticket_ttl), "{:?}", seen.ticket_ttl);
+    assert_eq!((seen.abnormal, seen.serves), (1, vec!["file.test"]));
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    std::fs::write(
+        dir.path().join("keel.toml"),
+        "listen = \"256.0.0.1:1\"\nstream_ticket_ttl = \"2h\"\ndemo_abnormal = 1\nallowed_hosts = [\"file.test\"]\n",
+    )
+    .unwrap();
+    let env = [
+        ("KEEL_LISTEN", "127.0.0.1:0"),
+        ("KEEL_STREAM_TICKET_TTL", "3h"),
+        ("KEEL_DEMO_ABNORMAL", "2"),
+        ("KEEL_ALLOWED_HOSTS", "env.test"),
+    ];
+    let (mut child, addr) = demo_with(dir.path(), &[], &env);
+    let seen = observe(&addr);
+    assert!(about(Duration::from_secs(3 * 3600), seen.ticket_ttl), "{:?}", seen.ticket_ttl);
+    assert_eq!((seen.abnormal, seen.serves), (2, vec!["env.test"]));
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let env = [
+        ("KEEL_LISTEN", "256.0.0.2:1"),
+        ("KEEL_STREAM_TICKET_TTL", "3h"),
+        ("KEEL_DEMO_ABNORMAL", "2"),
+        ("KEEL_ALLOWED_HOSTS", "env.test"),
+    ];
+    let flags =
+        ["--listen", "127.0.0.1:0", "--stream-ticket-ttl", "4h", "--demo-abnormal", "3", "--allowed-host", "flag.test"];
+    let (mut child, addr) = demo_with(dir.path(), &flags, &env);
+    let seen = observe(&addr);
+    assert!(about(Duration::from_secs(4 * 3600), seen.ticket_ttl), "{:?}", seen.ticket_ttl);
+    assert_eq!((seen.abnormal, seen.serves), (3, vec!["flag.test"]));
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// An `[[agents]]` agent, with `rest` after its id and system prompt.
+fn agent(id: &str, rest: &str) -> String {
+    format!("[[agents]]\nid = \"{id}\"\nsystem_prompt = \"You help.\"\n{rest}\n")
+}
+
+const OPENAI: &str =
+    "[agents.model]\nkind = \"openai\"\nbase_url = \"http://127.0.0.1:11434/v1\"\nname = \"llama3.1\"\n";
+
+/// A variable no test run sets: the agent that names it must be refused.
+const UNSET_KEY_VAR: &str = "KEEL_TEST_UNSET_AGENT_KEY";
+
+/// Each bad keel.toml stops `keel serve` before it listens: exit code 1 and the one line that
+/// names the file, the agent and the field.
+#[test]
+fn a_bad_keel_toml_stops_serve_with_one_line() {
+    let cases: Vec<(String, &str)> = vec![
+        ("lisen = \"127.0.0.1:0\"\n".into(), "keel.toml: lisen: unknown key (did you mean `listen`?)"),
+        (
+            "heartbeat = \"soon\"\n".into(),
+            "keel.toml: heartbeat: \"soon\" is not a duration (expected number at 0); durations look like 500ms, 90s, 15m, 1h30m",
+        ),
+        (format!("{}{}", agent("ops", ""), agent("ops", "")), "keel.toml: agents: two agents have the id \"ops\""),
+        ("[[agents]]\nid = \"ops\"\n".into(), "keel.toml: agents[0] (id \"ops\"): system_prompt: required"),
+        (
+            format!("{}{}", agent("a", ""), agent("ops", "[agents.model]\nkind = \"openai\"\nname = \"llama3.1\"")),
+            "keel.toml: agents[1] (id \"ops\"): model.base_url: required for kind \"openai\"",
+        ),
+        (
+            agent("ops", &format!("{OPENAI}api_key = \"sk-do-not-print\"")),
+            "keel.toml: agents[0] (id \"ops\"): model.api_key: a key is never written in keel.toml; put it in an \
+             environment variable and name that variable with model.api_key_env",
+        ),
+        (
+            agent("ops", &format!("{OPENAI}api_key_env = \"{UNSET_KEY_VAR}\"")),
+            "keel.toml: agent \"ops\": model.api_key_env: the environment variable KEEL_TEST_UNSET_AGENT_KEY is not set",
+        ),
+        (
+            agent("ops", "[[agents.tools]]\nkind = \"http\"\nname = \"restart\"\ndescription = \"Restart it\"\nmethod = \"POST\"\nurl = \"http://127.0.0.1:9/restart\"\nargs_schema = { type = \"object\" }\n[[agents.tools]]\nkind = \"http\"\nname = \"restart\"\ndescription = \"Restart it\"\nmethod = \"POST\"\nurl = \"http://127.0.0.1:9/restart\"\nargs_schema = { type = \"object\" }"),
+            "keel.toml: agent \"ops\": tools[0] (\"restart\"): name: the tool name \"restart\" is used twice",
+        ),
+        (
+            agent("ops", "[[agents.tools]]\nkind = \"\"\nname = \"restart\""),
+            "keel.toml: agent \"ops\": tools[0] (\"restart\"): kind: required, a non-empty string",
+        ),
+        (
+            format!("{}{}", agent("a", "default = true"), agent("b", "default = true")),
+            "keel.toml: agents: two agents say default = true (\"a\" and \"b\"); at most one may",
+        ),
+        (
+            agent("ops", "suggestions = [\"Restart checkout\", \"\"]"),
+            "keel.toml: agents[0] (id \"ops\"): suggestions[1]: empty",
+        ),
+    ];
+    for (file, line) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("keel.toml"), &file).unwrap();
+        let output =
+            keel(dir.path()).args(["serve", "--listen", "127.0.0.1:0"]).env_remove(UNSET_KEY_VAR).output().unwrap();
+        assert_eq!(output.status.code(), Some(1), "{file}");
+        assert_eq!(String::from_utf8_lossy(&output.stderr), format!("keel: {line}\n"), "{file}");
+        assert!(output.stdout.is_empty(), "it never listened: {file}");
+    }
+}
+
+/// A good `[[agents]]` section does not keep the server from starting, and `GET /v1/agents` lists
+/// its agents as declared: the default, the tools, the suggestions (none when none are given).
+#[test]
+fn a_server_with_configured_agents_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = format!(
+        "{}{}",
+        agent(
+            "ops",
+            &format!("{OPENAI}api_key_env = \"OPS_MODEL_KEY\"\n[[agents.tools]]\nkind = \"http\"\nname = \"restart\"\ndescription = \"Restart it\"\nmethod = \"POST\"\nurl = \"http://127.0.0.1:9/restart\"\nargs_schema = {{ type = \"object\" }}")
+        ),
+        agent("helper", "default = true\nsuggestions = [\"What changed in checkout today?\", \"Explain error 503\"]")
+    );
+    std::fs::write(dir.path().join("keel.toml"), file).unwrap();
+    let mut child = keel(dir.path())
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .env("OPS_MODEL_KEY", "sk-test")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+    assert!(banner.starts_with("Keel listening on http://127.0.0.1:"), "{banner:?}");
+    let addr = banner.trim().trim_start_matches("Keel listening on http://").trim_end_matches('/').to_owned();
+    let response = http_get(&addr, "/v1/agents");
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{response}");
+    let listed: serde_json::Value = serde_json::from_str(body).unwrap();
+    let agents = listed["agents"].as_array().unwrap();
+    let by_id = |id: &str| agents.iter().find(|a| a["id"] == id).unwrap_or_else(|| panic!("{id}: {listed}"));
+    assert_eq!(
+        by_id("helper")["suggestions"],
+        serde_json::json!(["What changed in checkout today?", "Explain error 503"])
+    );
+    assert_eq!(by_id("helper")["default"], true);
+    assert_eq!(by_id("ops")["suggestions"], serde_json::json!([]));
+    assert_eq!(by_id("ops")["tools"][0]["name"], "restart");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

@@ -1,6 +1,6 @@
-//! Fault injection against the real binary: `keel serve` on SQLite in a temp `--data-dir` (`serve`,
-//! not `demo`, so the fleet is not re-seeded when it comes back), killed with SIGKILL and restarted
-//! on the same data.
+//! Fault injection against the real binary: `keel demo` on SQLite in a temp `--data-dir` (the fleet
+//! is seeded only into an empty database, so it is not re-seeded when it comes back), killed with
+//! SIGKILL and restarted on the same data.
 //!
 //! - `runs_survive_sigkill_at_random_points`: the approval flow ("restart pay-prod-aN", "Restart
 //!   the abnormal instance of payment-api" → interrupt → approve → done) and plain questions, with
@@ -66,7 +66,7 @@ impl Server {
         }
         // The suite is one user doing the work of many (hundreds of runs, polled): the per-user
         // limits are off here; keel-server's security tests cover them.
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--demo-delay-ms", &delay_ms.to_string()])
+        cmd.args(["demo", "--listen", "127.0.0.1:0", "--demo-delay-ms", &delay_ms.to_string()])
             .args(["--rate-limit", "0", "--max-streams-per-user", "0"])
             .args(["--demo-abnormal", &abnormal.to_string(), "--data-dir"])
             .arg(dir)
@@ -619,7 +619,7 @@ async fn long_run(http: &reqwest::Client, server: &Server, slow_readers: usize) 
     let (status, sent) = post(
         http,
         format!("{base}/v1/conversations/{conv}/messages"),
-        json!({"content": "which instance of payment-api is abnormal?"}),
+        json!({"content": format!("benchmark: stream {LONG_RUN_EVENTS} words")}),
     )
     .await;
     assert_eq!(status, 202, "{sent}");
@@ -717,7 +717,7 @@ async fn a_slow_reader_neither_slows_the_run_nor_grows_the_server() {
     let dir = tempfile::tempdir().unwrap();
     let http = reqwest::Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     let _alone = EXCLUSIVE.lock().await;
-    let server = Server::start(dir.path(), LONG_RUN_EVENTS, 1);
+    let server = Server::start(dir.path(), 0, 1);
     let alone = long_run(&http, &server, 0).await;
     let watched = long_run(&http, &server, READERS).await;
     let stream_kib = alone.events.iter().map(|e| serde_json::to_string(e).unwrap().len() + 40).sum::<usize>() / 1024;

@@ -1,4 +1,4 @@
-//! Two `keel serve` processes on one Postgres (and Redis, when configured): a run started on A is
+//! Two `keel demo` processes (OpsPilot's fleet is shared through the database) on one Postgres (and Redis, when configured): a run started on A is
 //! streamed from B; A killed with SIGKILL mid-run or while the run waits for approval → B continues
 //! it from its checkpoint, its stream shows no gap and no duplicate, and a side effect runs once.
 //!
@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use keel_client::sse::{SseFrame, SseParser};
-use keel_core::store::Store;
+use keel_core::store::prelude::*;
 use keel_core::{Event, EventKind};
+use keel_opspilot::{Fleet, PostgresFleet};
 use keel_store::PostgresStore;
 use serde_json::{json, Value};
 
@@ -32,7 +33,7 @@ impl Instance {
                 cmd.env_remove(key);
             }
         }
-        cmd.args(["serve", "--listen", "127.0.0.1:0", "--db", db, "--lease-ttl", "2s", "--instance-id", name])
+        cmd.args(["demo", "--listen", "127.0.0.1:0", "--db", db, "--lease-ttl", "2s", "--instance-id", name])
             // One user drives everything here; the per-user limits are tested in keel-server.
             .args(["--demo-delay-ms", "40", "--rate-limit", "0", "--max-streams-per-user", "0", "--data-dir"])
             .arg(dir.join(name))
@@ -182,7 +183,7 @@ async fn a_run_survives_its_instance_being_killed() {
     assert_eq!(events.last().unwrap().type_name(), "done");
     let again = post(&http, format!("{}/v1/runs/{run}/resume", b.base), decision).await;
     assert_eq!(again, accepted, "the same key gets the same answer");
-    let pay = setup.get_instance("pay-prod-2").await.unwrap().unwrap();
+    let pay = PostgresFleet::open(&setup).await.unwrap().instance("pay-prod-2").await.unwrap().unwrap();
     assert_eq!((pay.status.as_str(), pay.restart_count), ("healthy", 1), "restarted exactly once");
 
     // 3. The whole of run 2 replays from B with contiguous sequences.
@@ -267,7 +268,10 @@ async fn a_hundred_resumes_spread_over_two_instances_restart_once() {
     assert_eq!(statuses.iter().filter(|s| **s == 409).count(), 99, "{statuses:?}");
     let events = read_stream(&http, &b.base, &run, 0, false).await;
     assert_eq!(events.last().unwrap().type_name(), "done");
-    assert_eq!(setup.get_instance("pay-prod-2").await.unwrap().unwrap().restart_count, 1);
+    assert_eq!(
+        PostgresFleet::open(&setup).await.unwrap().instance("pay-prod-2").await.unwrap().unwrap().restart_count,
+        1
+    );
     drop((a, b));
     setup.drop_schema().await.unwrap();
 }
@@ -366,7 +370,10 @@ async fn a_completed_side_effect_is_not_rerun_and_cancel_reaches_the_holder() {
     post(&http, format!("{}/v1/runs/{run}/resume", a.base), decision).await;
     wait_for_events(&setup, &run, "tool_finished", 1).await;
     a.kill();
-    assert_eq!(setup.get_instance("pay-prod-2").await.unwrap().unwrap().restart_count, 1);
+    assert_eq!(
+        PostgresFleet::open(&setup).await.unwrap().instance("pay-prod-2").await.unwrap().unwrap().restart_count,
+        1
+    );
     let events = read_stream(&http, &b.base, &run, 0, false).await;
     assert_eq!(events.last().unwrap().type_name(), "done");
     let restarts = events
@@ -374,7 +381,10 @@ async fn a_completed_side_effect_is_not_rerun_and_cancel_reaches_the_holder() {
         .filter(|e| matches!(&e.kind, EventKind::ToolStarted { tool, .. } if tool == "restart_instance"))
         .count();
     assert_eq!(restarts, 1, "the restart ran once");
-    assert_eq!(setup.get_instance("pay-prod-2").await.unwrap().unwrap().restart_count, 1);
+    assert_eq!(
+        PostgresFleet::open(&setup).await.unwrap().instance("pay-prod-2").await.unwrap().unwrap().restart_count,
+        1
+    );
     let answer = keel_core::event::render_text(&events).pop().unwrap().1;
     assert!(answer.contains("Restarted pay-prod-2"), "{answer}");
     drop(b);

@@ -8,39 +8,57 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use keel_core::agent::{Agent, Agents};
 use keel_core::bus::LocalBus;
 use keel_core::clock::ManualClock;
-use keel_core::engine::{Engine, EngineConfig, EngineParts, ResumeAccepted, ResumeRequest, SendMessage};
+use keel_core::engine::{Decision, Engine, EngineConfig, EngineParts, ResumeAccepted, ResumeRequest, SendMessage};
 use keel_core::event::render_text;
-use keel_core::fleet::FleetSeed;
 use keel_core::model::{Model, ModelChunk, ModelError, ModelRequest, ModelStream, ModelToolCall};
-use keel_core::store::Store;
+use keel_core::store::{RunStore, Store};
 use keel_core::tool::ToolRegistry;
 use keel_core::{ConversationId, Event, EventKind, InterruptId, RunId, UserRole};
 use keel_models::DemoModel;
+use keel_opspilot::{Fleet, FleetSeed, SqliteFleet};
 use keel_store::SqliteStore;
 use serde_json::Value;
 
 pub struct Harness {
     pub store: Arc<dyn Store>,
+    pub fleet: Arc<dyn Fleet>,
     pub engine: Engine,
     pub clock: Arc<ManualClock>,
 }
 
+/// Builds an agent's tools over the fleet and Keel's records (OpsPilot's, or wrapped ones).
+pub type Tools = Arc<dyn Fn(Arc<dyn Fleet>, Arc<dyn RunStore>) -> ToolRegistry + Send + Sync>;
+
+/// OpsPilot's own tools.
+pub fn opspilot() -> Tools {
+    Arc::new(keel_opspilot::registry)
+}
+
 pub struct Options {
     pub model: Arc<dyn Model>,
-    pub tools: ToolRegistry,
+    pub tools: Tools,
     pub extra_abnormal: u32,
     pub config: EngineConfig,
+    /// The agent's context settings (its system prompt, budget, summaries).
+    pub context: keel_core::context::ContextConfig,
+}
+
+/// OpsPilot's system prompt and the default budget.
+pub fn opspilot_context() -> keel_core::context::ContextConfig {
+    keel_core::context::ContextConfig { system_prompt: keel_opspilot::SYSTEM_PROMPT.into(), ..Default::default() }
 }
 
 impl Default for Options {
     fn default() -> Self {
         Self {
             model: Arc::new(DemoModel::new(Duration::ZERO)),
-            tools: keel_opspilot::registry(),
+            tools: opspilot(),
             extra_abnormal: 0,
             config: engine_config(),
+            context: opspilot_context(),
         }
     }
 }
@@ -58,37 +76,43 @@ impl Harness {
     /// A fresh database with the seeded fleet.
     pub async fn new(dir: &Path, options: Options) -> Self {
         let clock = Arc::new(ManualClock::default());
-        let h = Self::open_with(dir, clock, options.model, options.tools, options.config).await;
-        h.store.seed_fleet(FleetSeed { extra_abnormal: options.extra_abnormal }, h.clock_now()).await.unwrap();
+        let h = Self::open_with(dir, clock, options.model, options.tools, options.config, options.context).await;
+        h.fleet.seed(FleetSeed { extra_abnormal: options.extra_abnormal }, h.clock_now()).await.unwrap();
         h.store.set_user_role("demo", UserRole::Operator).await.unwrap();
         h
     }
 
     /// Opens (or reopens) the database in `dir`; recovers what a previous engine left.
-    pub async fn open(dir: &Path, clock: Arc<ManualClock>, model: Arc<dyn Model>, tools: ToolRegistry) -> Self {
-        Self::open_with(dir, clock, model, tools, engine_config()).await
+    pub async fn open(dir: &Path, clock: Arc<ManualClock>, model: Arc<dyn Model>, tools: Tools) -> Self {
+        Self::open_with(dir, clock, model, tools, engine_config(), opspilot_context()).await
     }
 
     pub async fn open_with(
         dir: &Path,
         clock: Arc<ManualClock>,
         model: Arc<dyn Model>,
-        tools: ToolRegistry,
+        tools: Tools,
         config: EngineConfig,
+        context: keel_core::context::ContextConfig,
     ) -> Self {
-        let store: Arc<dyn Store> = Arc::new(SqliteStore::open(&dir.join("keel.db")).await.unwrap());
+        let sqlite = SqliteStore::open(&dir.join("keel.db")).await.unwrap();
+        let fleet: Arc<dyn Fleet> = Arc::new(SqliteFleet::open(&sqlite).await.unwrap());
+        let store: Arc<dyn Store> = Arc::new(sqlite);
+        let agent = Agent::new(keel_opspilot::AGENT_ID, "OpsPilot", model, keel_opspilot::SYSTEM_PROMPT)
+            .unwrap()
+            .tools(tools(fleet.clone(), store.clone()))
+            .context(context);
         let engine = Engine::new(
             EngineParts {
                 store: store.clone(),
-                model,
-                tools,
+                agents: Agents::single(agent),
                 bus: Arc::new(LocalBus::default()),
                 clock: clock.clone(),
             },
             config,
         );
         engine.start().await.unwrap();
-        Self { store, engine, clock }
+        Self { store, fleet, engine, clock }
     }
 
     pub fn clock_now(&self) -> chrono::DateTime<chrono::Utc> {
@@ -97,7 +121,7 @@ impl Harness {
     }
 
     pub async fn conversation(&self) -> ConversationId {
-        self.engine.create_conversation("demo", "test").await.unwrap().id
+        self.engine.create_conversation("demo", "test", None).await.unwrap().id
     }
 
     /// Sends a message as `demo` and waits until the run pauses or ends.
@@ -134,7 +158,12 @@ impl Harness {
             .resume(
                 "demo",
                 run,
-                ResumeRequest { interrupt_id: interrupt.clone(), decision, idempotency_key: key.into(), note: None },
+                ResumeRequest {
+                    interrupt_id: interrupt.clone(),
+                    decision: Decision::parse(&decision).map_err(keel_core::engine::EngineError::InvalidDecision)?,
+                    idempotency_key: key.into(),
+                    note: None,
+                },
             )
             .await
     }
@@ -151,11 +180,11 @@ impl Harness {
     }
 
     pub async fn restart_count(&self, instance: &str) -> i64 {
-        self.store.get_instance(instance).await.unwrap().unwrap().restart_count
+        self.fleet.instance(instance).await.unwrap().unwrap().restart_count
     }
 
     pub async fn instance_status(&self, instance: &str) -> String {
-        self.store.get_instance(instance).await.unwrap().unwrap().status
+        self.fleet.instance(instance).await.unwrap().unwrap().status
     }
 }
 

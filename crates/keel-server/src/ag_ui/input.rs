@@ -132,16 +132,44 @@ enum Answer {
     Approve,
     Reject,
     Edit(Value),
+    /// `retry`, `mark_done` or `mark_failed`.
+    Outcome(&'static str),
+}
+
+/// The note the answers carry (`payload.note`, a string): the first one given.
+pub fn note(entries: &[(usize, &ResumeEntry, Option<CallId>)]) -> Result<Option<String>, String> {
+    for (i, entry, _) in entries {
+        match entry.payload.as_ref().and_then(|p| p.get("note")) {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(note)) => return Ok(Some(note.clone())),
+            Some(_) => return Err(format!("resume[{i}].payload.note: must be a string")),
+        }
+    }
+    Ok(None)
 }
 
 /// The Keel decision for the `entries` answering an interrupt over `call_ids`: `"approve"`,
-/// `"reject"`, `{"edit": …}` or `{"calls": …}`. `cancelled` means "do not run it" (reject);
-/// `resolved` needs a payload `{approved: bool, args?: object}`.
+/// `"reject"`, `{"edit": …}`, `"retry"`, `"mark_done"`, `"mark_failed"` or `{"calls": …}`.
+/// `cancelled` means "do not run it" (reject); `resolved` needs a payload
+/// `{approved: bool, args?: object}` (a confirmation) or `{decision: "retry" | "mark_done" |
+/// "mark_failed"}` (an unknown outcome), either with an optional `note`.
 pub fn decision(entries: &[(usize, &ResumeEntry, Option<CallId>)], call_ids: &[CallId]) -> Result<Value, String> {
     let mut answers: BTreeMap<CallId, Answer> = BTreeMap::new();
     for (i, entry, call) in entries {
         let answer = match entry.status {
             ResumeStatus::Cancelled => Answer::Reject,
+            ResumeStatus::Resolved if entry.payload.as_ref().is_some_and(|p| p.get("decision").is_some()) => {
+                match entry.payload.as_ref().and_then(|p| p["decision"].as_str()) {
+                    Some("retry") => Answer::Outcome("retry"),
+                    Some("mark_done") => Answer::Outcome("mark_done"),
+                    Some("mark_failed") => Answer::Outcome("mark_failed"),
+                    _ => {
+                        return Err(format!(
+                            "resume[{i}].payload.decision: must be \"retry\", \"mark_done\" or \"mark_failed\""
+                        ))
+                    }
+                }
+            }
             ResumeStatus::Resolved => {
                 let payload = entry.payload.as_ref();
                 let approved = payload.and_then(|p| p.get("approved")).and_then(Value::as_bool).ok_or_else(|| {
@@ -174,6 +202,11 @@ pub fn decision(entries: &[(usize, &ResumeEntry, Option<CallId>)], call_ids: &[C
     if all(&Answer::Reject) {
         return Ok(json!("reject"));
     }
+    if let Some(Answer::Outcome(first)) = answers.values().next() {
+        if all(&Answer::Outcome(first)) {
+            return Ok(json!(first));
+        }
+    }
     if answers.values().all(|a| matches!(a, Answer::Edit(_) | Answer::Approve)) {
         let edits: serde_json::Map<String, Value> = answers
             .iter()
@@ -193,6 +226,7 @@ pub fn decision(entries: &[(usize, &ResumeEntry, Option<CallId>)], call_ids: &[C
                 Answer::Approve => json!("approve"),
                 Answer::Reject => json!("reject"),
                 Answer::Edit(args) => json!({ "edit": args }),
+                Answer::Outcome(decision) => json!(decision),
             };
             (c.to_string(), v)
         })
@@ -222,6 +256,29 @@ mod tests {
     }
 
     #[test]
+    fn unknown_outcomes_are_answered_by_decision_with_a_note() {
+        let one = calls(&["call_a"]);
+        for d in ["retry", "mark_done", "mark_failed"] {
+            let e = entry(ResumeStatus::Resolved, Some(json!({"decision": d, "note": "checked"})));
+            assert_eq!(decision(&[(0, &e, None)], &one).unwrap(), json!(d));
+            assert_eq!(note(&[(0, &e, None)]).unwrap().as_deref(), Some("checked"));
+        }
+        let two = calls(&["call_a", "call_b"]);
+        let (a, b) = (Some(CallId::parse("call_a").unwrap()), Some(CallId::parse("call_b").unwrap()));
+        let done = entry(ResumeStatus::Resolved, Some(json!({"decision": "mark_done"})));
+        let retry = entry(ResumeStatus::Resolved, Some(json!({"decision": "retry"})));
+        assert_eq!(
+            decision(&[(0, &done, a), (1, &retry, b)], &two).unwrap(),
+            json!({"calls": {"call_a": "mark_done", "call_b": "retry"}})
+        );
+        assert_eq!(note(&[(0, &done, None)]).unwrap(), None);
+        let bad = entry(ResumeStatus::Resolved, Some(json!({"decision": "maybe"})));
+        assert!(decision(&[(0, &bad, None)], &one).unwrap_err().contains("payload.decision"));
+        let bad_note = entry(ResumeStatus::Resolved, Some(json!({"decision": "retry", "note": 5})));
+        assert!(note(&[(0, &bad_note, None)]).unwrap_err().contains("payload.note"));
+    }
+
+    #[test]
     fn answers_become_keel_decisions() {
         let one = calls(&["call_a"]);
         let approve = entry(ResumeStatus::Resolved, Some(json!({"approved": true})));
@@ -230,8 +287,8 @@ mod tests {
         assert_eq!(decision(&[(0, &no, None)], &one).unwrap(), json!("reject"));
         let cancelled = entry(ResumeStatus::Cancelled, None);
         assert_eq!(decision(&[(0, &cancelled, None)], &one).unwrap(), json!("reject"));
-        let edit = entry(ResumeStatus::Resolved, Some(json!({"approved": true, "args": {"instanceId": "x"}})));
-        assert_eq!(decision(&[(0, &edit, None)], &one).unwrap(), json!({"edit": {"call_a": {"instanceId": "x"}}}));
+        let edit = entry(ResumeStatus::Resolved, Some(json!({"approved": true, "args": {"ticketId": "x"}})));
+        assert_eq!(decision(&[(0, &edit, None)], &one).unwrap(), json!({"edit": {"call_a": {"ticketId": "x"}}}));
 
         let two = calls(&["call_a", "call_b"]);
         let a = Some(CallId::parse("call_a").unwrap());

@@ -438,9 +438,9 @@ mod tests {
             EventKind::Interrupt {
                 interrupt_id: InterruptId::parse("int_1").unwrap(),
                 kind: InterruptKind::ConfirmAction,
-                payload: json!({"title": "Restart pay-prod-2?", "risk": "drops requests", "outcomeUnknown": false,
-                    "actions": [{"callId": "call_r", "tool": "restart_instance", "args": {"instanceId": "pay-prod-2"},
-                                 "title": "Restart pay-prod-2?", "description": "Restart it"}]})
+                payload: json!({"title": "Close T-42?", "risk": "drops requests", "outcomeUnknown": false,
+                    "actions": [{"callId": "call_r", "tool": "close_ticket", "args": {"ticketId": "T-42"},
+                                 "title": "Close T-42?", "description": "Close it"}]})
                 .into(),
                 expires_at: DateTime::from_timestamp(2_000_000_000, 0).unwrap(),
             },
@@ -495,6 +495,7 @@ mod tests {
                 tool: "get_recent_errors".into(),
                 status: ToolOutcomeStatus::Success,
                 summary: "12 errors".into(),
+                error_code: None,
             },
         );
         let mut out = m.map(&started, Lookup { args: Some(&args), snapshot: None });
@@ -534,7 +535,7 @@ mod tests {
             ]
         );
         assert_eq!(out[1]["toolCallId"], "call_r");
-        assert_eq!(out[2]["delta"], r#"{"instanceId":"pay-prod-2"}"#);
+        assert_eq!(out[2]["delta"], r#"{"ticketId":"T-42"}"#);
         let finished = out.last().unwrap();
         assert_eq!(finished["threadId"], "thread-9");
         assert_eq!(finished["runId"], "agui-run-1");
@@ -543,10 +544,10 @@ mod tests {
         assert_eq!(interrupt["id"], "int_1");
         assert_eq!(interrupt["toolCallId"], "call_r");
         assert_eq!(interrupt["reason"], "tool_call");
-        assert_eq!(interrupt["message"], "Restart pay-prod-2?");
+        assert_eq!(interrupt["message"], "Close T-42?");
         assert_eq!(interrupt["expiresAt"], "2033-05-18T03:33:20+00:00");
         assert!(interrupt["responseSchema"].is_object());
-        assert_eq!(interrupt["metadata"]["keel"]["tool"], "restart_instance");
+        assert_eq!(interrupt["metadata"]["keel"]["tool"], "close_ticket");
         assert!(m.is_finished());
         assert!(
             m.map(&ev(5, EventKind::Done { message_id: None }), Lookup::default()).is_empty(),
@@ -560,7 +561,7 @@ mod tests {
         let snapshot = Snapshot {
             messages: vec![
                 json!({"id": "call_r", "role": "assistant", "toolCalls": [{"id": "call_r", "type": "function",
-                "function": {"name": "restart_instance", "arguments": "{}"}}]}),
+                "function": {"name": "close_ticket", "arguments": "{}"}}]}),
             ],
             state: json!({"facts": {}}),
         };
@@ -576,7 +577,7 @@ mod tests {
                 14,
                 EventKind::ToolStarted {
                     call_id: call("call_r"),
-                    tool: "restart_instance".into(),
+                    tool: "close_ticket".into(),
                     args_summary: "".into(),
                 },
             ),
@@ -587,9 +588,10 @@ mod tests {
                 15,
                 EventKind::ToolFinished {
                     call_id: call("call_r"),
-                    tool: "restart_instance".into(),
+                    tool: "close_ticket".into(),
                     status: ToolOutcomeStatus::Success,
-                    summary: "restarted pay-prod-2 (restart #1)".into(),
+                    summary: "closed T-42".into(),
+                    error_code: None,
                 },
             ),
             Lookup::default(),
@@ -655,8 +657,8 @@ mod tests {
     #[test]
     fn several_actions_become_one_interrupt_each() {
         let payload = json!({"title": "Two things", "actions": [
-            {"callId": "call_a", "tool": "restart_instance", "args": {}},
-            {"callId": "call_b", "tool": "restart_instance", "args": {}}]});
+            {"callId": "call_a", "tool": "close_ticket", "args": {}},
+            {"callId": "call_b", "tool": "close_ticket", "args": {}}]});
         let actions = payload["actions"].as_array().unwrap().clone();
         let out = interrupts("int_1", &payload, &actions, "2030-01-01T00:00:00Z");
         assert_eq!(out.len(), 2);
@@ -682,16 +684,17 @@ mod tests {
         let tool_call = |id: &str, state: ToolCallState, summary: Option<&str>| ToolCall {
             id: call(id),
             run_id: run.clone(),
-            name: "restart_instance".into(),
-            args: json!({"instanceId": "pay-prod-2"}).into(),
+            name: "close_ticket".into(),
+            args: json!({"ticketId": "T-42"}).into(),
             state,
             result: Some(json!({"secret": "full result"}).into()),
             summary: summary.map(Into::into),
+            attempts: 0,
             started_at: None,
             finished_at: None,
         };
         let messages = [
-            message("msg_u", Role::User, "Restart it", None),
+            message("msg_u", Role::User, "Close it", None),
             message("msg_a", Role::Assistant, "Looking.", None),
             message("msg_t", Role::Tool, "{\"secret\": \"full result\"}", Some("call_1")),
             message("msg_e", Role::Assistant, "", None),
@@ -712,7 +715,7 @@ mod tests {
         assert_eq!(snapshot.messages[3]["content"], "found 1");
         assert_eq!(snapshot.messages[3]["toolCallId"], "call_1");
         assert!(!serde_json::to_string(&snapshot.messages).unwrap().contains("full result"));
-        assert_eq!(snapshot.messages[4]["toolCalls"][0]["function"]["arguments"], r#"{"instanceId":"pay-prod-2"}"#);
+        assert_eq!(snapshot.messages[4]["toolCalls"][0]["function"]["arguments"], r#"{"ticketId":"T-42"}"#);
         assert_eq!(snapshot.call_ids(), ["call_1", "call_2"]);
         assert_eq!(snapshot.state, json!({"facts": {"service": "payment-api"}}));
     }

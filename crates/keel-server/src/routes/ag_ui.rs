@@ -1,4 +1,4 @@
-//! `POST /v1/ag-ui` (and `/v1/ag-ui/opspilot`): AG-UI 1.0 over SSE, a view of a Keel run.
+//! `POST /v1/ag-ui` (and `/v1/ag-ui/{agent}`): AG-UI 1.0 over SSE, a view of a Keel run.
 //!
 //! A `RunAgentInput` either starts a turn (its last user message is new to Keel) or answers the
 //! interrupt a previous AG-UI run ended with (`resume`), through the same engine calls as the REST
@@ -13,7 +13,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::response::Response;
 use futures::StreamExt;
-use keel_core::engine::{EngineError, ResumeRequest, SendMessage};
+use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage};
 use keel_core::stream::Until;
 use keel_core::{CallId, Conversation, ConversationId, Event, EventKind, MessageId, RunId};
 use serde_json::{json, Value};
@@ -31,8 +31,11 @@ use crate::sse;
 use crate::state::AppState;
 use crate::views::ErrorBody;
 
-/// The one agent this server runs.
-pub const AGENT: &str = "opspilot";
+/// The namespaces of the ids AG-UI clients choose ([`keel_core::store::BindingStore`]): a
+/// `threadId` per user, bound to a conversation; a client's message id per conversation, bound to
+/// the message Keel stored for it.
+pub const THREADS: &str = "ag_ui.thread";
+pub const MESSAGES: &str = "ag_ui.message";
 
 #[utoipa::path(
     post,
@@ -57,26 +60,27 @@ pub async fn run(
     caller: Caller,
     ApiJson(input): ApiJson<RunAgentInput>,
 ) -> ApiResult<Response> {
-    start(state, caller, input).await
+    start(state, caller, input, None).await
 }
 
-/// The same, for the agent named in the path; only `opspilot` exists.
+/// The same, for the agent named in the path (`GET /v1/agents` lists them): a new thread's
+/// conversation talks to it; an existing thread keeps its conversation's agent.
 #[utoipa::path(
     post,
     path = "/v1/ag-ui/{agent}",
     operation_id = "agUiRunAgent",
     tag = "streams",
-    params(("agent" = String, Path, description = "`opspilot`")),
+    params(("agent" = String, Path, description = "An agent's id (`GET /v1/agents`)")),
     request_body(content = RunAgentInput, description = "AG-UI's `RunAgentInput`; the fields Keel does not read are accepted and ignored"),
     responses(
         (status = 200, description = "AG-UI events over SSE, until the run pauses or ends", content_type = "text/event-stream", body = AgUiEventFrame),
         (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
-        (status = 404, description = "`NOT_FOUND`: the thread is another user's; an unknown interrupt", body = ErrorBody),
+        (status = 404, description = "`NOT_FOUND`: no such agent; the thread is another user's; an unknown interrupt", body = ErrorBody),
         (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
         (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED` (also: the thread's conversation talks to another agent), `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
         (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
     )
 )]
@@ -86,13 +90,13 @@ pub async fn run_agent(
     Path(agent): Path<String>,
     ApiJson(input): ApiJson<RunAgentInput>,
 ) -> ApiResult<Response> {
-    if agent != AGENT {
+    if state.engine.agents().get(&agent).is_none() {
         return Err(ApiError::not_found());
     }
-    start(state, caller, input).await
+    start(state, caller, input, Some(agent)).await
 }
 
-async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResult<Response> {
+async fn start(state: AppState, caller: Caller, input: RunAgentInput, agent: Option<String>) -> ApiResult<Response> {
     input.validate().map_err(ApiError::validation)?;
     // A stream's slot is taken before anything happens, so a refused stream starts nothing.
     let permit = state.limits.streams.acquire(&caller.0)?;
@@ -102,7 +106,8 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
     if !resume.is_empty() {
         // Answers to the interrupt a previous AG-UI run of this thread ended with.
         let not_found = || ApiError::from(EngineError::NotFound("interrupt"));
-        let conversation = thread_conversation(&state, &caller, &input, false).await?.ok_or_else(not_found)?;
+        let conversation =
+            thread_conversation(&state, &caller, &input, agent.as_deref(), false).await?.ok_or_else(not_found)?;
         let mut entries = Vec::new();
         let mut keel_interrupt = None;
         for (i, entry) in resume.iter().enumerate() {
@@ -120,8 +125,15 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
             Err(e) => return Err(e.into()),
         };
         let decision = input::decision(&entries, &interrupt.call_ids).map_err(ApiError::validation)?;
-        let idempotency_key = input::idempotency_key(&interrupt.id, &decision);
-        let request = ResumeRequest { interrupt_id: interrupt.id.clone(), decision, idempotency_key, note: None };
+        let note = input::note(&entries).map_err(ApiError::validation)?;
+        // The same answer (decision and note) is the same request.
+        let answer = match &note {
+            Some(note) => json!({"decision": decision, "note": note}),
+            None => decision.clone(),
+        };
+        let idempotency_key = input::idempotency_key(&interrupt.id, &answer);
+        let decision = Decision::parse(&decision).map_err(ApiError::validation)?;
+        let request = ResumeRequest { interrupt_id: interrupt.id.clone(), decision, idempotency_key, note };
         let accepted = match engine.resume(&caller.0, &run.id, request).await {
             Ok(accepted) => accepted,
             Err(EngineError::InterruptExpired) if resume.iter().all(|e| e.status == ResumeStatus::Cancelled) => {
@@ -138,7 +150,8 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
         return Ok(stream(&state, permit, &input, conversation.id, run.id, after, Some(snapshot)));
     }
 
-    let conversation = thread_conversation(&state, &caller, &input, true).await?.ok_or_else(ApiError::not_found)?;
+    let conversation =
+        thread_conversation(&state, &caller, &input, agent.as_deref(), true).await?.ok_or_else(ApiError::not_found)?;
     let (client_id, content) = input
         .last_user_message()
         .map_err(ApiError::validation)?
@@ -149,25 +162,36 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput) -> ApiResu
     }
     let started =
         engine.send_message(&caller.0, &conversation.id, SendMessage { content, cancel_on_disconnect: false }).await?;
-    store.record_ag_ui_message(&conversation.id, client_id, &started.message.id).await?;
+    store.bind(MESSAGES, conversation.id.as_str(), client_id, started.message.id.as_str(), engine.now()).await?;
     Ok(stream(&state, permit, &input, conversation.id, started.run.id, 0, None))
 }
 
 /// The conversation of `threadId`: a Keel conversation id as it is; any other thread id through its
-/// binding for this user, created on first use (when `create`).
+/// binding for this user, created on first use (when `create`) with `agent` (the default agent when
+/// `None`). A thread whose conversation talks to another agent than the path names is refused.
 async fn thread_conversation(
     state: &AppState,
     caller: &Caller,
     input: &RunAgentInput,
+    agent: Option<&str>,
     create: bool,
 ) -> ApiResult<Option<Conversation>> {
     let engine = &state.engine;
     let store = engine.store();
-    if let Ok(id) = ConversationId::parse(&input.thread_id) {
-        return Ok(Some(engine.conversation(&caller.0, &id).await?));
-    }
-    if let Some(id) = store.ag_ui_thread(&caller.0, &input.thread_id).await? {
-        return Ok(Some(engine.conversation(&caller.0, &id).await?));
+    let found = if let Ok(id) = ConversationId::parse(&input.thread_id) {
+        Some(engine.conversation(&caller.0, &id).await?)
+    } else if let Some(id) = store.binding(THREADS, &caller.0, &input.thread_id).await? {
+        let id = ConversationId::parse(&id).map_err(|e| ApiError::internal(&e))?;
+        Some(engine.conversation(&caller.0, &id).await?)
+    } else {
+        None
+    };
+    if let Some(conversation) = found {
+        let talks_to = engine.agent_of(&conversation).map(|a| a.id.as_str());
+        if agent.is_some() && talks_to != agent {
+            return Err(ApiError::validation("threadId: the thread's conversation talks to another agent"));
+        }
+        return Ok(Some(conversation));
     }
     if !create {
         return Ok(None);
@@ -176,10 +200,11 @@ async fn thread_conversation(
         Ok(Some((_, text))) => keel_core::mask::truncate(text.trim(), 80),
         _ => String::new(),
     };
-    let created = engine.create_conversation(&caller.0, &title).await?;
+    let created = engine.create_conversation(&caller.0, &title, agent).await?;
     // Two first requests of one thread race: both create, the first binding wins, the other
     // conversation stays empty.
-    let bound = store.bind_ag_ui_thread(&caller.0, &input.thread_id, &created.id, engine.now()).await?;
+    let bound = store.bind(THREADS, &caller.0, &input.thread_id, created.id.as_str(), engine.now()).await?;
+    let bound = ConversationId::parse(&bound).map_err(|e| ApiError::internal(&e))?;
     Ok(Some(engine.conversation(&caller.0, &bound).await?))
 }
 
@@ -187,8 +212,8 @@ async fn thread_conversation(
 /// recorded for this conversation, or a Keel message id (as the snapshots show them).
 async fn seen_run(state: &AppState, conversation: &ConversationId, client_id: &str) -> ApiResult<Option<RunId>> {
     let store = state.engine.store();
-    let message_id = match store.ag_ui_message(conversation, client_id).await? {
-        Some(id) => id,
+    let message_id = match store.binding(MESSAGES, conversation.as_str(), client_id).await? {
+        Some(id) => MessageId::parse(&id).map_err(|e| ApiError::internal(&e))?,
         None => match MessageId::parse(client_id) {
             Ok(id) => id,
             Err(_) => return Ok(None),

@@ -27,7 +27,7 @@ use crate::views::{ConversationList, ErrorBody, TurnBody};
         (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`", body = ErrorBody),
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `UNKNOWN_AGENT`", body = ErrorBody),
     )
 )]
 pub async fn create(
@@ -35,7 +35,10 @@ pub async fn create(
     caller: Caller,
     OptionalJson(body): OptionalJson<CreateConversation>,
 ) -> ApiResult<Response> {
-    let conversation = state.engine.create_conversation(&caller.0, body.title.as_deref().unwrap_or("")).await?;
+    let conversation = state
+        .engine
+        .create_conversation(&caller.0, body.title.as_deref().unwrap_or(""), body.agent_id.as_deref())
+        .await?;
     Ok((StatusCode::CREATED, Json(conversation)).into_response())
 }
 

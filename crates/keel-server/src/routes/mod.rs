@@ -1,8 +1,8 @@
 //! The v1 routes, one module per resource.
 
 pub mod ag_ui;
+pub mod agents;
 pub mod conversations;
-pub mod demo;
 pub mod health;
 pub mod metrics;
 pub mod runs;

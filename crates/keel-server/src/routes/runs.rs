@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::engine::{ResumeAccepted, ResumeRequest};
+use keel_core::engine::{Decision, EngineError, ResumeAccepted, ResumeRequest};
 use keel_core::stream::Until;
 use keel_core::wire::{ResumeBody, RunList, RunSummary};
 use keel_core::{InterruptId, RunId, RunStatus, TicketScope};
@@ -217,6 +217,7 @@ pub async fn resume(
             return Err(ApiError::validation("idempotencyKey: required (in the body or an Idempotency-Key header)"))
         }
     };
+    let decision = Decision::parse(&decision).map_err(|e| ApiError::from(EngineError::InvalidDecision(e)))?;
     let request = ResumeRequest { interrupt_id, decision, idempotency_key, note: body.note };
     // A stream's slot is taken before the resume, so a refused stream resumes nothing.
     let permit = sse::permit_if_streaming(&state, &caller, &headers)?;

@@ -19,7 +19,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
-use keel_core::engine::{EngineError, ResumeRequest, SendMessage};
+use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage};
 use keel_core::stream::Until;
 use keel_core::{ConversationId, InterruptId, RunId};
 use serde::Deserialize;
@@ -88,6 +88,15 @@ enum Request {
     },
     Unsubscribe {
         run_id: String,
+        #[serde(default)]
+        request_id: Option<Value>,
+    },
+    /// A new conversation, with the agent named (the default agent when absent).
+    CreateConversation {
+        #[serde(default)]
+        title: Option<String>,
+        #[serde(default)]
+        agent_id: Option<String>,
         #[serde(default)]
         request_id: Option<Value>,
     },
@@ -370,6 +379,15 @@ async fn handle(
             });
             outbox.reply(&request_id, outcome).await;
         }
+        Request::CreateConversation { title, agent_id, request_id } => {
+            let outcome = async {
+                let created =
+                    engine.create_conversation(&caller.0, title.as_deref().unwrap_or(""), agent_id.as_deref()).await?;
+                serde_json::to_value(created).map_err(|e| ApiError::internal(&e))
+            }
+            .await;
+            outbox.reply(&request_id, outcome).await;
+        }
         Request::Send { conversation_id, content, cancel_on_disconnect, request_id } => {
             let outcome = async {
                 let id = ConversationId::parse(&conversation_id)
@@ -389,6 +407,8 @@ async fn handle(
                 if decision.is_null() {
                     return Err(ApiError::validation("decision: required"));
                 }
+                let decision =
+                    Decision::parse(&decision).map_err(|e| ApiError::from(EngineError::InvalidDecision(e)))?;
                 let request = ResumeRequest { interrupt_id, decision, idempotency_key, note };
                 let accepted = engine.resume(&caller.0, &run_id, request).await?;
                 serde_json::to_value(accepted).map_err(|e| ApiError::internal(&e))

@@ -179,7 +179,7 @@ async fn a_graceful_shutdown_ends_open_streams_and_returns() {
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let state = keel_server::AppState::new(app.engine.clone(), keel_server::ServerConfig::default());
-    let server = tokio::spawn(keel_server::serve(listener, state, async {
+    let server = tokio::spawn(keel_server::serve(listener, state, Default::default(), async {
         let _ = stopped.await;
     }));
     let url = |path: &str| format!("http://{addr}{path}");

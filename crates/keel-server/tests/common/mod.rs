@@ -11,18 +11,19 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use keel_client::sse::{SseFrame, SseParser};
+use keel_core::agent::Agents;
 use keel_core::bus::LocalBus;
 use keel_core::clock::SystemClock;
 use keel_core::engine::{Engine, EngineConfig, EngineParts};
-use keel_core::fleet::FleetSeed;
 use keel_core::model::Model;
 use keel_core::store::Store;
 use keel_core::tool::Tool;
 use keel_core::{Event, UserRole};
 use keel_models::DemoModel;
+use keel_opspilot::{Fleet, FleetSeed};
 use keel_server::auth::{issue_api_key, AuthMode};
 use keel_server::{AppState, ServerConfig, ServerMetrics};
-use keel_store::SqliteStore;
+use keel_store::{PostgresStore, SqliteStore};
 use reqwest::header::{HeaderMap, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 use reqwest::StatusCode;
 use serde_json::{json, Value};
@@ -54,8 +55,9 @@ pub struct Options {
     /// `SO_SNDBUF` of the server's sockets (accepted sockets inherit the listener's): a small one
     /// lets a test fill the path to a client that stopped reading with little data.
     pub send_buffer: Option<u32>,
-    /// Instead of a SQLite database in the temporary directory (a Postgres schema, say).
-    pub store: Option<Arc<dyn Store>>,
+    /// Instead of a SQLite database in the temporary directory: this Postgres store (a schema of
+    /// its own).
+    pub postgres: Option<PostgresStore>,
 }
 
 impl Default for Options {
@@ -72,7 +74,7 @@ impl Default for Options {
             ws_send_timeout: Duration::from_secs(5),
             ws_buffer: 64,
             send_buffer: None,
-            store: None,
+            postgres: None,
         }
     }
 }
@@ -83,6 +85,8 @@ pub struct TestApp {
     pub client: reqwest::Client,
     pub engine: Arc<Engine>,
     pub store: Arc<dyn Store>,
+    /// OpsPilot's fleet (the default agent's).
+    pub fleet: Arc<dyn Fleet>,
     /// API keys by user: `demo`, `alice`, `bob` and `mallory` are operators, `vera` a viewer. `client` sends
     /// demo's with every request unless the request names another.
     pub keys: HashMap<String, String>,
@@ -110,11 +114,19 @@ impl TestApp {
     pub async fn with(options: Options) -> Self {
         init_tracing();
         let dir = tempfile::tempdir().expect("temp dir");
-        let store: Arc<dyn Store> = match &options.store {
-            Some(store) => store.clone(),
-            None => Arc::new(SqliteStore::open(&dir.path().join("keel.db")).await.expect("open the store")),
+        let model = options.model.clone().unwrap_or_else(|| Arc::new(DemoModel::new(options.demo_delay)));
+        let (store, (agent, fleet)): (Arc<dyn Store>, _) = match &options.postgres {
+            Some(pg) => (
+                Arc::new(pg.clone()),
+                keel_opspilot::on_postgres(pg, model, FleetSeed::default()).await.expect("the demo fleet"),
+            ),
+            None => {
+                let sqlite = SqliteStore::open(&dir.path().join("keel.db")).await.expect("open the store");
+                let opened =
+                    keel_opspilot::on_sqlite(&sqlite, model, FleetSeed::default()).await.expect("the demo fleet");
+                (Arc::new(sqlite), opened)
+            }
         };
-        store.seed_fleet(FleetSeed { extra_abnormal: 0 }, chrono::Utc::now()).await.expect("seed");
         let mut keys = HashMap::new();
         for (user, role) in [
             ("demo", UserRole::Operator),
@@ -126,16 +138,15 @@ impl TestApp {
             let issued = issue_api_key(store.as_ref(), user, role, chrono::Utc::now()).await.expect("an api key");
             keys.insert(user.to_owned(), issued.secret);
         }
-        let mut tools = keel_opspilot::registry();
+        let mut agent = agent;
         for tool in &options.extra_tools {
-            tools.register(tool.clone());
+            agent.tools.register(tool.clone()).expect("a valid extra tool");
         }
         let metrics = ServerMetrics::new();
         let engine = Arc::new(Engine::new(
             EngineParts {
                 store: store.clone(),
-                model: options.model.clone().unwrap_or_else(|| Arc::new(DemoModel::new(options.demo_delay))),
-                tools,
+                agents: Agents::single(agent),
                 bus: Arc::new(LocalBus::default()),
                 clock: Arc::new(SystemClock),
             },
@@ -151,7 +162,6 @@ impl TestApp {
         engine.start().await.expect("start the engine");
         let config = ServerConfig {
             heartbeat: options.heartbeat,
-            demo_mode: options.demo_mode,
             body_limit: options.body_limit,
             ws_send_timeout: options.ws_send_timeout,
             ws_buffer: options.ws_buffer,
@@ -166,7 +176,8 @@ impl TestApp {
         let addr = listener.local_addr().expect("local addr");
         let (stop, stopped) = oneshot::channel::<()>();
         let state = AppState::new(engine.clone(), config).with_metrics(metrics.clone());
-        tokio::spawn(keel_server::serve(listener, state.clone(), async move {
+        let routes = keel_opspilot::routes::routes(fleet.clone(), FleetSeed::default(), options.demo_mode);
+        tokio::spawn(keel_server::serve(listener, state.clone(), routes, async move {
             let _ = stopped.await;
         }));
         Self {
@@ -175,6 +186,7 @@ impl TestApp {
             client: client_as(&keys["demo"]),
             engine,
             store,
+            fleet,
             keys,
             metrics,
             state,

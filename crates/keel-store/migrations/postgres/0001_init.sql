@@ -111,7 +111,7 @@ CREATE TABLE tool_calls (
 );
 CREATE INDEX tool_calls_by_run ON tool_calls (run_id, seq);
 CREATE INDEX tool_calls_by_conversation ON tool_calls (conversation_id, seq);
--- instances_awaiting_restart
+-- calls of a tool waiting for a human (asking_calls)
 CREATE INDEX tool_calls_asking ON tool_calls (name) WHERE state = 'asking';
 
 CREATE TABLE idempotency_keys (
@@ -129,26 +129,3 @@ CREATE TABLE users (
     id    text COLLATE "C" PRIMARY KEY,
     role  text NOT NULL CHECK (role IN ('viewer', 'operator', 'admin'))
 );
-
--- The OpsPilot fleet, in the same database so an effect commits with the tool result recording it.
-CREATE TABLE instances (
-    id                text COLLATE "C" PRIMARY KEY,
-    service           text COLLATE "C" NOT NULL,
-    env               text COLLATE "C" NOT NULL,
-    status            text NOT NULL,
-    restart_count     bigint NOT NULL DEFAULT 0,
-    release           text NOT NULL,
-    previous_release  text
-);
-CREATE INDEX instances_by_service ON instances (service, env);
-
-CREATE TABLE error_logs (
-    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    service      text COLLATE "C" NOT NULL,
-    env          text COLLATE "C" NOT NULL,
-    instance_id  text COLLATE "C" NOT NULL,
-    status_code  bigint NOT NULL,
-    message      text NOT NULL,
-    at           timestamptz NOT NULL
-);
-CREATE INDEX error_logs_by_service ON error_logs (service, env, at);

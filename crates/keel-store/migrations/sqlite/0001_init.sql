@@ -109,7 +109,7 @@ CREATE TABLE tool_calls (
 );
 CREATE INDEX tool_calls_by_run ON tool_calls (run_id, seq);
 CREATE INDEX tool_calls_by_conversation ON tool_calls (conversation_id, seq);
--- instances_awaiting_restart
+-- calls of a tool waiting for a human (asking_calls)
 CREATE INDEX tool_calls_asking ON tool_calls (name) WHERE state = 'asking';
 
 CREATE TABLE idempotency_keys (
@@ -127,26 +127,3 @@ CREATE TABLE users (
     id    TEXT PRIMARY KEY NOT NULL,
     role  TEXT NOT NULL CHECK (role IN ('viewer', 'operator', 'admin'))
 );
-
--- The OpsPilot fleet, in the same database so an effect commits with the tool result recording it.
-CREATE TABLE instances (
-    id                TEXT PRIMARY KEY NOT NULL,
-    service           TEXT NOT NULL,
-    env               TEXT NOT NULL,
-    status            TEXT NOT NULL,
-    restart_count     INTEGER NOT NULL DEFAULT 0,
-    release           TEXT NOT NULL,
-    previous_release  TEXT
-);
-CREATE INDEX instances_by_service ON instances (service, env);
-
-CREATE TABLE error_logs (
-    id           INTEGER PRIMARY KEY AUTOINCREMENT,
-    service      TEXT NOT NULL,
-    env          TEXT NOT NULL,
-    instance_id  TEXT NOT NULL,
-    status_code  INTEGER NOT NULL,
-    message      TEXT NOT NULL,
-    at           TEXT NOT NULL
-);
-CREATE INDEX error_logs_by_service ON error_logs (service, env, at);

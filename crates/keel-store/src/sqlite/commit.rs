@@ -5,10 +5,10 @@
 use chrono::SecondsFormat;
 use keel_core::domain::{Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary, Timestamp};
 use keel_core::event::{Event, EventKind};
-use keel_core::fleet::Effect;
 use keel_core::ids::{ConversationId, MessageId, RunId};
 use keel_core::store::{
     Commit, Committed, Fence, InterruptChange, RunChange, StoreError, StoreResult, TextAppend, ToolCallChange,
+    ToolCallUpdate,
 };
 use rusqlite::{params, Connection, ToSql};
 use serde::Serialize;
@@ -281,7 +281,7 @@ fn apply_tool_call(
             exec_or(
                 conn,
                 "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
-                 started_at, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                 attempts, started_at, finished_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 params![
                     call.id.as_str(),
                     call.run_id.as_str(),
@@ -291,13 +291,24 @@ fn apply_tool_call(
                     call.state.as_str(),
                     result,
                     call.summary.as_ref().map(|s| s.as_str()),
+                    call.attempts,
                     opt_ts(&call.started_at),
                     opt_ts(&call.finished_at),
                 ],
                 insert("tool call"),
             )?;
         }
-        ToolCallChange::Update { id, from, to, args, result, summary, started_at, finished_at } => {
+        ToolCallChange::Update(ToolCallUpdate {
+            id,
+            from,
+            to,
+            args,
+            result,
+            summary,
+            attempts,
+            started_at,
+            finished_at,
+        }) => {
             if !from.can_transition_to(*to) {
                 return Err(StoreError::Conflict(format!("tool call {id}: {from} -> {to} is not allowed")));
             }
@@ -305,14 +316,15 @@ fn apply_tool_call(
                 conn,
                 "update a tool call",
                 "UPDATE tool_calls SET state = ?, args = COALESCE(?, args), result = COALESCE(?, result), \
-                 summary = COALESCE(?, summary), started_at = COALESCE(?, started_at), \
-                 finished_at = COALESCE(?, finished_at) \
+                 summary = COALESCE(?, summary), attempts = COALESCE(?, attempts), \
+                 started_at = COALESCE(?, started_at), finished_at = COALESCE(?, finished_at) \
                  WHERE id = ? AND run_id = ? AND state = ?",
                 params![
                     to.as_str(),
                     args.as_ref().map(|a| json("tool call args", a)).transpose()?,
                     opt_json("tool call result", result)?,
                     summary.as_ref().map(|s| s.as_str()),
+                    attempts,
                     opt_ts(started_at),
                     opt_ts(finished_at),
                     id.as_str(),
@@ -434,54 +446,6 @@ fn upsert_summary(conn: &Connection, conversation_id: &ConversationId, s: &Summa
     Ok(())
 }
 
-fn apply_effect(conn: &Connection, effect: &Effect) -> StoreResult<()> {
-    match effect {
-        Effect::RestartInstance { instance_id } => {
-            let done = exec(
-                conn,
-                "restart an instance",
-                "UPDATE instances SET status = 'healthy', restart_count = restart_count + 1 \
-                 WHERE id = ? AND status = 'abnormal'",
-                [instance_id],
-            )?;
-            if done == 0 {
-                return Err(StoreError::EffectRefused(format!("instance {instance_id} is not abnormal")));
-            }
-        }
-        Effect::RollbackRelease { service, env, from_release } => {
-            let counts = one(
-                conn,
-                "roll back a release",
-                "SELECT COUNT(*) AS total, \
-                 COALESCE(SUM(release = ? AND previous_release IS NOT NULL), 0) AS ready \
-                 FROM instances WHERE service = ? AND env = ?",
-                [from_release, service, env],
-                |r| {
-                    let cols = Cols::new(r, "instances");
-                    Ok((cols.get::<i64>("total")?, cols.get::<i64>("ready")?))
-                },
-            )?;
-            let (total, ready) = counts.unwrap_or((0, 0));
-            if total == 0 {
-                return Err(StoreError::EffectRefused(format!("{service} has no instances in {env}")));
-            }
-            if ready != total {
-                return Err(StoreError::EffectRefused(format!(
-                    "not every instance of {service} in {env} is on {from_release} with a release to go back to"
-                )));
-            }
-            exec(
-                conn,
-                "roll back a release",
-                "UPDATE instances SET release = previous_release, previous_release = ?, status = 'healthy' \
-                 WHERE service = ? AND env = ?",
-                [from_release, service, env],
-            )?;
-        }
-    }
-    Ok(())
-}
-
 /// Everything of one commit, and the answer stored under its idempotency key, in the writer's
 /// transaction.
 pub fn apply_commit(conn: &Connection, c: &Commit) -> StoreResult<Committed> {
@@ -525,9 +489,6 @@ pub fn apply_commit(conn: &Connection, c: &Commit) -> StoreResult<Committed> {
     if let Some(s) = &c.summary {
         upsert_summary(conn, &run.conversation_id, s)?;
     }
-    for effect in &c.effects {
-        apply_effect(conn, effect)?;
-    }
     if let Some(answer) = &c.idempotency {
         let done = exec(
             conn,
@@ -554,9 +515,9 @@ pub fn insert_run(conn: &Connection, run: &Run) -> StoreResult<()> {
     let checkpoint = json("checkpoint", &run.checkpoint)?;
     let result = conn
         .prepare_cached(
-            "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, reason, cancel_on_disconnect, \
-             cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, created_at, updated_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO runs (id, conversation_id, user_message_id, user_id, agent_id, status, reason, \
+             cancel_on_disconnect, cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, \
+             created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .and_then(|mut s| {
             s.execute(params![
@@ -564,6 +525,7 @@ pub fn insert_run(conn: &Connection, run: &Run) -> StoreResult<()> {
                 run.conversation_id.as_str(),
                 run.user_message_id.as_str(),
                 run.user_id,
+                run.agent_id,
                 run.status.as_str(),
                 run.reason,
                 run.cancel_on_disconnect,

@@ -5,15 +5,18 @@
 //! nothing behind and does not affect the others (the group runs again without it); every caller is
 //! answered after the shared `COMMIT`, and if that fails, with its error, and none of the group was
 //! written. Commits of one run never share a group out of order: a run's worker waits for each
-//! answer before it writes again. Reads run in place on a pool of read-only connections (WAL mode
-//! lets them read while the writer writes), and a checkpointer thread copies the WAL into the
-//! database file. [`db`] says why.
+//! answer before it writes again. The writer's queue is bounded ([`SqliteOptions::write_queue`]),
+//! and a write that panics fails alone. Reads run on a few reading threads, each with its read-only
+//! connection (WAL mode lets them read while the writer writes), off the async runtime's threads; a
+//! checkpointer thread copies the WAL into the database file, and closing checkpoints it whole.
+//! [`db`] and [`readers`] say why.
 //!
 //! Timestamps are stored as fixed-width RFC 3339 text (see the migration), so SQL compares them
 //! correctly.
 
 mod commit;
 mod db;
+mod readers;
 mod rows;
 
 use std::path::Path;
@@ -24,20 +27,21 @@ use keel_core::domain::{
     ToolCall, User, UserRole,
 };
 use keel_core::event::Event;
-use keel_core::fleet::{ErrorLogEntry, FleetSeed, Instance};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
-use keel_core::store::{Commit, Committed, IdempotencyBegin, NewRun, StartedRun, Store, StoreError, StoreResult};
+use keel_core::store::{
+    BindingStore, Commit, Committed, ConversationStore, IdempotencyBegin, IdentityStore, NewRun, RunStore, StartedRun,
+    Store, StoreError, StoreResult,
+};
 use rusqlite::params;
 use serde_json::Value;
 
 use self::commit::{active_run_id, apply_commit, insert_events, insert_message, insert_run, json, opt_ts, ts, ACTIVE};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
 use self::rows::{
-    conversation_from, error_log_from, event_from, exec, exec_or, fact_from, instance_from, interrupt_from, many,
-    message_from, one, run_from, stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
+    conversation_from, event_from, exec, exec_or, fact_from, interrupt_from, many, message_from, one, run_from,
+    stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
 };
-use crate::seed;
 
 /// The SQLite store. Cloning shares the connections and the writer thread.
 #[derive(Debug, Clone)]
@@ -45,20 +49,44 @@ pub struct SqliteStore {
     db: Database,
 }
 
+/// How a [`SqliteStore`] is opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqliteOptions {
+    /// The most writes that may wait for the writer thread, besides the group it is running; a
+    /// write beyond them fails at once with [`StoreError::Overloaded`] (the API answers 503 with
+    /// `Retry-After`) instead of queueing without bound. Default [`SqliteOptions::WRITE_QUEUE`].
+    pub write_queue: usize,
+}
+
+impl SqliteOptions {
+    pub const WRITE_QUEUE: usize = db::WRITE_QUEUE;
+}
+
+impl Default for SqliteOptions {
+    fn default() -> Self {
+        Self { write_queue: Self::WRITE_QUEUE }
+    }
+}
+
 impl SqliteStore {
     /// Opens (creating it and its directory if needed) the database file at `path` and migrates it.
     pub async fn open(path: &Path) -> StoreResult<Self> {
-        Self::open_at(Location::File(path.to_owned())).await
+        Self::open_with(path, SqliteOptions::default()).await
+    }
+
+    /// [`SqliteStore::open`] with options.
+    pub async fn open_with(path: &Path, options: SqliteOptions) -> StoreResult<Self> {
+        Self::open_at(Location::File(path.to_owned()), options).await
     }
 
     /// Opens `sqlite://path/to/file.db` (or `sqlite::memory:`) and migrates it.
     pub async fn open_url(url: &str) -> StoreResult<Self> {
-        Self::open_at(Location::parse_url(url)?).await
+        Self::open_at(Location::parse_url(url)?, SqliteOptions::default()).await
     }
 
-    async fn open_at(location: Location) -> StoreResult<Self> {
+    async fn open_at(location: Location, options: SqliteOptions) -> StoreResult<Self> {
         // opening and migrating block on the disk: not on a runtime thread
-        let db = tokio::task::spawn_blocking(move || Database::open(location))
+        let db = tokio::task::spawn_blocking(move || Database::open(location, options.write_queue))
             .await
             .map_err(|e| StoreError::Backend(format!("open the database: {e}")))??;
         Ok(Self { db })
@@ -76,112 +104,39 @@ impl SqliteStore {
         Ok(())
     }
 
-    /// Closes the readers, and the writer once the writes queued before this call are done. Every
-    /// later call on any clone of the store is an error.
+    /// For a program that keeps tables of its own in Keel's database (the demo does): runs `work` on
+    /// the writer thread, in a transaction it may share with other writes (group commit). `work`
+    /// may run more than once — a group that refused another write runs again without it — so it
+    /// must keep its effects inside the transaction and answer the same on the same state. An error
+    /// it returns rolls back what it did, and only that.
+    pub async fn write_with<R, F>(&self, work: F) -> StoreResult<R>
+    where
+        R: Send + 'static,
+        F: FnMut(&rusqlite::Connection) -> StoreResult<R> + Send + 'static,
+    {
+        self.db.write(work).await
+    }
+
+    /// Runs `work` on a reading connection (see [`SqliteStore::write_with`]).
+    pub async fn read_with<R, F>(&self, work: F) -> StoreResult<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&rusqlite::Connection) -> StoreResult<R> + Send + 'static,
+    {
+        self.db.read(work).await
+    }
+
+    /// Closes the readers, and the writer once the writes queued before this call are done, then
+    /// checkpoints the whole WAL into the database file: when this returns, the database file alone
+    /// holds every write (a copy of it is a backup). Every later call on any clone of the store is an
+    /// error.
     pub async fn close(&self) {
         self.db.close().await;
     }
 }
 
 #[async_trait]
-impl Store for SqliteStore {
-    async fn ping(&self) -> StoreResult<()> {
-        self.db.read(|c| one(c, "ping", "SELECT 1", [], |_| Ok(())))?;
-        // the writer thread answers too
-        self.db.write(|_| Ok(())).await
-    }
-
-    /// An embedded database runs on this machine: its clock is this process's.
-    async fn db_now(&self) -> StoreResult<Timestamp> {
-        Ok(chrono::Utc::now())
-    }
-
-    async fn create_conversation(
-        &self,
-        user_id: &str,
-        title: &Masked<String>,
-        now: Timestamp,
-    ) -> StoreResult<Conversation> {
-        let conversation = Conversation {
-            id: ConversationId::new(),
-            user_id: user_id.to_owned(),
-            title: title.clone(),
-            version: 0,
-            created_at: now,
-        };
-        self.db
-            .write(move |c| {
-                exec_or(
-                    c,
-                    "INSERT INTO conversations (id, user_id, title, version, created_at) VALUES (?, ?, ?, ?, ?)",
-                    params![
-                        conversation.id.as_str(),
-                        conversation.user_id,
-                        conversation.title.as_str(),
-                        conversation.version,
-                        ts(&conversation.created_at),
-                    ],
-                    insert("conversation"),
-                )?;
-                Ok(conversation.clone())
-            })
-            .await
-    }
-
-    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
-        self.db.read(|c| {
-            one(c, "get a conversation", "SELECT * FROM conversations WHERE id = ?", [id.as_str()], conversation_from)
-        })
-    }
-
-    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list conversations",
-                "SELECT * FROM conversations WHERE user_id = ? ORDER BY created_at DESC, id DESC LIMIT ?",
-                params![user_id, i64::from(limit)],
-                conversation_from,
-            )
-        })
-    }
-
-    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list messages",
-                "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq",
-                [conversation_id.as_str()],
-                message_from,
-            )
-        })
-    }
-
-    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list facts",
-                "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
-                [conversation_id.as_str()],
-                fact_from,
-            )
-        })
-    }
-
-    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
-        self.db.read(|c| {
-            one(
-                c,
-                "get the summary",
-                "SELECT * FROM summaries WHERE conversation_id = ?",
-                [conversation_id.as_str()],
-                summary_from,
-            )
-        })
-    }
-
+impl RunStore for SqliteStore {
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
         // made once, outside the write, which may run more than once and must answer the same
         let (run_id, message_id) = (RunId::new(), MessageId::new());
@@ -205,6 +160,7 @@ impl Store for SqliteStore {
                     conversation_id: new.conversation_id.clone(),
                     user_message_id: message_id.clone(),
                     user_id: new.user_id.clone(),
+                    agent_id: Some(new.agent_id.clone()),
                     status: RunStatus::Queued,
                     reason: None,
                     cancel_on_disconnect: new.cancel_on_disconnect,
@@ -235,19 +191,23 @@ impl Store for SqliteStore {
     }
 
     async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>> {
-        self.db.read(|c| one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from))
+        let id = id.to_owned();
+        self.db.read(move |c| one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from)).await
     }
 
     async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
-        self.db.read(|c| {
-            one(
-                c,
-                "get the active run",
-                &format!("SELECT * FROM runs WHERE conversation_id = ? AND status IN {ACTIVE} LIMIT 1"),
-                [conversation_id.as_str()],
-                run_from,
-            )
-        })
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                one(
+                    c,
+                    "get the active run",
+                    &format!("SELECT * FROM runs WHERE conversation_id = ? AND status IN {ACTIVE} LIMIT 1"),
+                    [conversation_id.as_str()],
+                    run_from,
+                )
+            })
+            .await
     }
 
     async fn claim_runs(
@@ -342,87 +302,135 @@ impl Store for SqliteStore {
         self.db.write(move |c| apply_commit(c, &commit)).await
     }
 
+    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
+        let user_id = user_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list runs",
+                    "SELECT * FROM runs WHERE user_id = ?1 AND (?2 IS NULL OR status = ?2) \
+                 ORDER BY created_at DESC, id DESC LIMIT ?3",
+                    params![user_id, status.map(RunStatus::as_str), i64::from(limit)],
+                    run_from,
+                )
+            })
+            .await
+    }
+
     async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list events",
-                "SELECT sequence, type, data, created_at FROM run_events WHERE run_id = ? AND sequence > ? \
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list events",
+                    "SELECT sequence, type, data, created_at FROM run_events WHERE run_id = ? AND sequence > ? \
                  ORDER BY sequence LIMIT ?",
-                params![run_id.as_str(), after, i64::from(limit)],
-                |r| event_from(run_id, r),
-            )
-        })
+                    params![run_id.as_str(), after, i64::from(limit)],
+                    |r| event_from(&run_id, r),
+                )
+            })
+            .await
     }
 
     async fn get_interrupt(&self, id: &InterruptId) -> StoreResult<Option<Interrupt>> {
-        self.db.read(|c| {
-            one(c, "get an interrupt", "SELECT * FROM interrupts WHERE id = ?", [id.as_str()], interrupt_from)
-        })
+        let id = id.to_owned();
+        self.db
+            .read(move |c| {
+                one(c, "get an interrupt", "SELECT * FROM interrupts WHERE id = ?", [id.as_str()], interrupt_from)
+            })
+            .await
     }
 
     async fn pending_interrupt(&self, run_id: &RunId) -> StoreResult<Option<Interrupt>> {
-        self.db.read(|c| {
-            one(
-                c,
-                "get the pending interrupt",
-                "SELECT * FROM interrupts WHERE run_id = ? AND status = 'pending' \
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                one(
+                    c,
+                    "get the pending interrupt",
+                    "SELECT * FROM interrupts WHERE run_id = ? AND status = 'pending' \
                  ORDER BY created_at DESC, id DESC LIMIT 1",
-                [run_id.as_str()],
-                interrupt_from,
-            )
-        })
+                    [run_id.as_str()],
+                    interrupt_from,
+                )
+            })
+            .await
     }
 
     async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>> {
-        self.db.read(|c| {
-            many(
+        self.db
+            .read(move |c| {
+                many(
                 c,
                 "list due interrupts",
                 "SELECT * FROM interrupts WHERE status = 'pending' AND expires_at <= ? ORDER BY expires_at, id LIMIT ?",
                 params![ts(&now), i64::from(limit)],
                 interrupt_from,
             )
-        })
+            })
+            .await
+    }
+
+    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list interrupts",
+                    "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id",
+                    [run_id.as_str()],
+                    interrupt_from,
+                )
+            })
+            .await
     }
 
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list tool calls",
-                "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
-                [run_id.as_str()],
-                tool_call_from,
-            )
-        })
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list tool calls",
+                    "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
+                    [run_id.as_str()],
+                    tool_call_from,
+                )
+            })
+            .await
     }
 
     async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list tool calls",
-                "SELECT * FROM tool_calls WHERE conversation_id = ? ORDER BY seq",
-                [conversation_id.as_str()],
-                tool_call_from,
-            )
-        })
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list tool calls",
+                    "SELECT * FROM tool_calls WHERE conversation_id = ? ORDER BY seq",
+                    [conversation_id.as_str()],
+                    tool_call_from,
+                )
+            })
+            .await
     }
 
-    async fn instances_awaiting_restart(&self) -> StoreResult<Vec<String>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list instances awaiting a restart",
-                "SELECT DISTINCT json_extract(args, '$.instanceId') AS instance_id FROM tool_calls \
-                 WHERE name = 'restart_instance' AND state = 'asking' \
-                   AND json_type(args, '$.instanceId') = 'text' \
-                 ORDER BY instance_id",
-                [],
-                |r| Cols::new(r, "tool_calls").get("instance_id"),
-            )
-        })
+    async fn asking_calls(&self, name: &str) -> StoreResult<Vec<ToolCall>> {
+        let name = name.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list calls waiting for a human",
+                    "SELECT * FROM tool_calls WHERE name = ? AND state = 'asking' ORDER BY seq",
+                    [name],
+                    tool_call_from,
+                )
+            })
+            .await
     }
 
     async fn idempotency_begin(
@@ -496,21 +504,6 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64> {
-        let done = self
-            .db
-            .write(|c| {
-                exec(
-                    c,
-                    "abandon in-flight idempotency keys",
-                    "DELETE FROM idempotency_keys WHERE state = 'in_flight'",
-                    [],
-                )
-            })
-            .await?;
-        Ok(done as u64)
-    }
-
     async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()> {
         let (user_id, key) = (user_id.to_owned(), key.to_owned());
         self.db
@@ -526,12 +519,146 @@ impl Store for SqliteStore {
         Ok(())
     }
 
-    async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
-        self.db.read(|c| {
-            one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
-                Cols::new(r, "users").parse("role", UserRole::parse)
+    async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64> {
+        let done = self
+            .db
+            .write(|c| {
+                exec(
+                    c,
+                    "abandon in-flight idempotency keys",
+                    "DELETE FROM idempotency_keys WHERE state = 'in_flight'",
+                    [],
+                )
             })
-        })
+            .await?;
+        Ok(done as u64)
+    }
+}
+
+#[async_trait]
+impl ConversationStore for SqliteStore {
+    async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &Masked<String>,
+        agent_id: &str,
+        now: Timestamp,
+    ) -> StoreResult<Conversation> {
+        let conversation = Conversation {
+            id: ConversationId::new(),
+            user_id: user_id.to_owned(),
+            title: title.clone(),
+            agent_id: Some(agent_id.to_owned()),
+            version: 0,
+            created_at: now,
+        };
+        self.db
+            .write(move |c| {
+                exec_or(
+                    c,
+                    "INSERT INTO conversations (id, user_id, title, agent_id, version, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    params![
+                        conversation.id.as_str(),
+                        conversation.user_id,
+                        conversation.title.as_str(),
+                        conversation.agent_id,
+                        conversation.version,
+                        ts(&conversation.created_at),
+                    ],
+                    insert("conversation"),
+                )?;
+                Ok(conversation.clone())
+            })
+            .await
+    }
+
+    async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
+        let id = id.to_owned();
+        self.db
+            .read(move |c| {
+                one(
+                    c,
+                    "get a conversation",
+                    "SELECT * FROM conversations WHERE id = ?",
+                    [id.as_str()],
+                    conversation_from,
+                )
+            })
+            .await
+    }
+
+    async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>> {
+        let user_id = user_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list conversations",
+                    "SELECT * FROM conversations WHERE user_id = ? ORDER BY created_at DESC, id DESC LIMIT ?",
+                    params![user_id, i64::from(limit)],
+                    conversation_from,
+                )
+            })
+            .await
+    }
+
+    async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>> {
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list messages",
+                    "SELECT * FROM messages WHERE conversation_id = ? ORDER BY seq",
+                    [conversation_id.as_str()],
+                    message_from,
+                )
+            })
+            .await
+    }
+
+    async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list facts",
+                    "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
+                    [conversation_id.as_str()],
+                    fact_from,
+                )
+            })
+            .await
+    }
+
+    async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                one(
+                    c,
+                    "get the summary",
+                    "SELECT * FROM summaries WHERE conversation_id = ?",
+                    [conversation_id.as_str()],
+                    summary_from,
+                )
+            })
+            .await
+    }
+}
+
+#[async_trait]
+impl IdentityStore for SqliteStore {
+    async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
+        let user_id = user_id.to_owned();
+        self.db
+            .read(move |c| {
+                one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
+                    Cols::new(r, "users").parse("role", UserRole::parse)
+                })
+            })
+            .await
     }
 
     async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()> {
@@ -550,17 +677,19 @@ impl Store for SqliteStore {
     }
 
     async fn list_users(&self) -> StoreResult<Vec<User>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list users",
-                "SELECT u.id, u.role, \
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list users",
+                    "SELECT u.id, u.role, \
                  (SELECT COUNT(*) FROM api_keys k WHERE k.user_id = u.id AND k.revoked_at IS NULL) AS active_keys \
                  FROM users u ORDER BY u.id",
-                [],
-                user_from,
-            )
-        })
+                    [],
+                    user_from,
+                )
+            })
+            .await
     }
 
     async fn insert_api_key(&self, key: &ApiKey) -> StoreResult<()> {
@@ -585,23 +714,29 @@ impl Store for SqliteStore {
     }
 
     async fn api_key_user(&self, key_hash: &str) -> StoreResult<Option<String>> {
-        self.db.read(|c| {
-            one(
-                c,
-                "look up an api key",
-                "SELECT user_id FROM api_keys WHERE key_hash = ? AND revoked_at IS NULL",
-                [key_hash],
-                |r| Cols::new(r, "api_keys").get("user_id"),
-            )
-        })
+        let key_hash = key_hash.to_owned();
+        self.db
+            .read(move |c| {
+                one(
+                    c,
+                    "look up an api key",
+                    "SELECT user_id FROM api_keys WHERE key_hash = ? AND revoked_at IS NULL",
+                    [key_hash],
+                    |r| Cols::new(r, "api_keys").get("user_id"),
+                )
+            })
+            .await
     }
 
     async fn count_active_api_keys(&self) -> StoreResult<u64> {
-        let n = self.db.read(|c| {
-            one(c, "count api keys", "SELECT COUNT(*) AS n FROM api_keys WHERE revoked_at IS NULL", [], |r| {
-                Cols::new(r, "api_keys").get::<i64>("n")
+        let n = self
+            .db
+            .read(move |c| {
+                one(c, "count api keys", "SELECT COUNT(*) AS n FROM api_keys WHERE revoked_at IS NULL", [], |r| {
+                    Cols::new(r, "api_keys").get::<i64>("n")
+                })
             })
-        })?;
+            .await?;
         Ok(n.unwrap_or(0) as u64)
     }
 
@@ -665,171 +800,70 @@ impl Store for SqliteStore {
             })
             .await
     }
+}
 
-    async fn seed_fleet(&self, fleet: FleetSeed, now: Timestamp) -> StoreResult<()> {
+#[async_trait]
+impl BindingStore for SqliteStore {
+    async fn binding(&self, namespace: &str, scope: &str, external_id: &str) -> StoreResult<Option<String>> {
+        let namespace = namespace.to_owned();
+        let scope = scope.to_owned();
+        let external_id = external_id.to_owned();
         self.db
-            .write(move |c| {
-                for table in ["DELETE FROM error_logs", "DELETE FROM instances"] {
-                    exec(c, "seed the fleet", table, [])?;
-                }
-                for i in seed::instances(fleet) {
-                    exec(
-                        c,
-                        "seed the fleet",
-                        "INSERT INTO instances (id, service, env, status, restart_count, release, previous_release) \
-                         VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        params![i.id, i.service, i.env, i.status, i.restart_count, i.release, i.previous_release],
-                    )?;
-                }
-                for e in seed::error_logs(now) {
-                    exec(
-                        c,
-                        "seed the fleet",
-                        "INSERT INTO error_logs (service, env, instance_id, status_code, message, at) \
-                         VALUES (?, ?, ?, ?, ?, ?)",
-                        params![e.service, e.env, e.instance_id, e.status_code, e.message, ts(&e.at)],
-                    )?;
-                }
-                exec(
+            .read(move |c| {
+                one(
                     c,
-                    "seed the fleet",
-                    "INSERT INTO users (id, role) VALUES (?, ?) ON CONFLICT (id) DO NOTHING",
-                    [seed::DEMO_USER, UserRole::Operator.as_str()],
-                )?;
-                Ok(())
+                    "read a binding",
+                    "SELECT value FROM bindings WHERE namespace = ? AND scope = ? AND external_id = ?",
+                    [namespace, scope, external_id],
+                    |r| Cols::new(r, "bindings").get("value"),
+                )
             })
             .await
     }
 
-    async fn list_instances(&self, service: Option<&str>, env: Option<&str>) -> StoreResult<Vec<Instance>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list instances",
-                "SELECT * FROM instances WHERE (?1 IS NULL OR service = ?1) AND (?2 IS NULL OR env = ?2) ORDER BY id",
-                [service, env],
-                instance_from,
-            )
-        })
-    }
-
-    async fn get_instance(&self, id: &str) -> StoreResult<Option<Instance>> {
-        self.db.read(|c| one(c, "get an instance", "SELECT * FROM instances WHERE id = ?", [id], instance_from))
-    }
-
-    async fn recent_errors(&self, service: &str, env: &str, since: Timestamp) -> StoreResult<Vec<ErrorLogEntry>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list recent errors",
-                "SELECT * FROM error_logs WHERE service = ? AND env = ? AND at >= ? ORDER BY at DESC, id DESC",
-                [service, env, ts(&since).as_str()],
-                error_log_from,
-            )
-        })
-    }
-
-    async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list runs",
-                "SELECT * FROM runs WHERE user_id = ?1 AND (?2 IS NULL OR status = ?2) \
-                 ORDER BY created_at DESC, id DESC LIMIT ?3",
-                params![user_id, status.map(RunStatus::as_str), i64::from(limit)],
-                run_from,
-            )
-        })
-    }
-
-    async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
-        self.db.read(|c| {
-            many(
-                c,
-                "list interrupts",
-                "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id",
-                [run_id.as_str()],
-                interrupt_from,
-            )
-        })
-    }
-
-    async fn ag_ui_thread(&self, user_id: &str, thread_id: &str) -> StoreResult<Option<ConversationId>> {
-        self.db.read(|c| {
-            one(
-                c,
-                "get an AG-UI thread",
-                "SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?",
-                [user_id, thread_id],
-                |r| Cols::new(r, "ag_ui_threads").id("conversation_id"),
-            )
-        })
-    }
-
-    async fn bind_ag_ui_thread(
+    async fn bind(
         &self,
-        user_id: &str,
-        thread_id: &str,
-        conversation_id: &ConversationId,
+        namespace: &str,
+        scope: &str,
+        external_id: &str,
+        value: &str,
         now: Timestamp,
-    ) -> StoreResult<ConversationId> {
-        let (user_id, thread_id, conversation_id) = (user_id.to_owned(), thread_id.to_owned(), conversation_id.clone());
+    ) -> StoreResult<String> {
+        let values = [namespace.to_owned(), scope.to_owned(), external_id.to_owned(), value.to_owned(), ts(&now)];
         self.db
             .write(move |c| {
+                let [namespace, scope, external_id, value, now] = &values;
                 exec(
                     c,
-                    "bind an AG-UI thread",
-                    "INSERT INTO ag_ui_threads (user_id, thread_id, conversation_id, created_at) VALUES (?, ?, ?, ?) \
-                     ON CONFLICT (user_id, thread_id) DO NOTHING",
-                    [user_id.as_str(), thread_id.as_str(), conversation_id.as_str(), ts(&now).as_str()],
+                    "bind an id",
+                    "INSERT INTO bindings (namespace, scope, external_id, value, created_at) VALUES (?, ?, ?, ?, ?) \
+                     ON CONFLICT (namespace, scope, external_id) DO NOTHING",
+                    [namespace, scope, external_id, value, now],
                 )?;
                 one(
                     c,
-                    "bind an AG-UI thread",
-                    "SELECT conversation_id FROM ag_ui_threads WHERE user_id = ? AND thread_id = ?",
-                    [user_id.as_str(), thread_id.as_str()],
-                    |r| Cols::new(r, "ag_ui_threads").id("conversation_id"),
+                    "bind an id",
+                    "SELECT value FROM bindings WHERE namespace = ? AND scope = ? AND external_id = ?",
+                    [namespace, scope, external_id],
+                    |r| Cols::new(r, "bindings").get("value"),
                 )?
-                .ok_or(StoreError::NotFound("AG-UI thread"))
+                .ok_or(StoreError::NotFound("binding"))
             })
             .await
     }
+}
 
-    async fn ag_ui_message(
-        &self,
-        conversation_id: &ConversationId,
-        client_message_id: &str,
-    ) -> StoreResult<Option<MessageId>> {
-        self.db.read(|c| {
-            one(
-                c,
-                "get an AG-UI message id",
-                "SELECT message_id FROM ag_ui_messages WHERE conversation_id = ? AND client_message_id = ?",
-                [conversation_id.as_str(), client_message_id],
-                |r| Cols::new(r, "ag_ui_messages").id("message_id"),
-            )
-        })
+#[async_trait]
+impl Store for SqliteStore {
+    async fn ping(&self) -> StoreResult<()> {
+        self.db.read(move |c| one(c, "ping", "SELECT 1", [], |_| Ok(()))).await?;
+        // the writer thread answers too
+        self.db.write(|_| Ok(())).await
     }
 
-    async fn record_ag_ui_message(
-        &self,
-        conversation_id: &ConversationId,
-        client_message_id: &str,
-        message_id: &MessageId,
-    ) -> StoreResult<()> {
-        let values = [conversation_id.to_string(), client_message_id.to_owned(), message_id.to_string()];
-        self.db
-            .write(move |c| {
-                exec(
-                    c,
-                    "record an AG-UI message id",
-                    "INSERT INTO ag_ui_messages (conversation_id, client_message_id, message_id) VALUES (?, ?, ?) \
-                     ON CONFLICT (conversation_id, client_message_id) DO NOTHING",
-                    [values[0].as_str(), values[1].as_str(), values[2].as_str()],
-                )
-            })
-            .await?;
-        Ok(())
+    /// An embedded database runs on this machine: its clock is this process's.
+    async fn db_now(&self) -> StoreResult<Timestamp> {
+        Ok(chrono::Utc::now())
     }
 }
 

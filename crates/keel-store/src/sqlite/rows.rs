@@ -9,7 +9,6 @@ use keel_core::domain::{
     StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use keel_core::event::{Event, EventKind};
-use keel_core::fleet::{ErrorLogEntry, Instance};
 use keel_core::ids::{InvalidId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{StoreError, StoreResult};
@@ -162,6 +161,7 @@ pub fn conversation_from(row: &Row<'_>) -> StoreResult<Conversation> {
         id: c.id("id")?,
         user_id: c.get("user_id")?,
         title: c.masked("title")?,
+        agent_id: c.get("agent_id")?,
         version: c.get("version")?,
         created_at: c.ts("created_at")?,
     })
@@ -224,6 +224,7 @@ pub fn run_from(row: &Row<'_>) -> StoreResult<Run> {
         conversation_id: c.id("conversation_id")?,
         user_message_id: c.id("user_message_id")?,
         user_id: c.get("user_id")?,
+        agent_id: c.get("agent_id")?,
         status: c.parse("status", RunStatus::parse)?,
         reason: c.get("reason")?,
         cancel_on_disconnect: c.get("cancel_on_disconnect")?,
@@ -273,32 +274,8 @@ pub fn tool_call_from(row: &Row<'_>) -> StoreResult<ToolCall> {
         state: c.parse("state", ToolCallState::parse)?,
         result: c.opt_masked_json("result")?,
         summary: c.opt_masked("summary")?,
+        attempts: c.get("attempts")?,
         started_at: c.opt_ts("started_at")?,
         finished_at: c.opt_ts("finished_at")?,
-    })
-}
-
-pub fn instance_from(row: &Row<'_>) -> StoreResult<Instance> {
-    let c = Cols::new(row, "instances");
-    Ok(Instance {
-        id: c.get("id")?,
-        service: c.get("service")?,
-        env: c.get("env")?,
-        status: c.get("status")?,
-        restart_count: c.get("restart_count")?,
-        release: c.get("release")?,
-        previous_release: c.get("previous_release")?,
-    })
-}
-
-pub fn error_log_from(row: &Row<'_>) -> StoreResult<ErrorLogEntry> {
-    let c = Cols::new(row, "error_logs");
-    Ok(ErrorLogEntry {
-        service: c.get("service")?,
-        env: c.get("env")?,
-        instance_id: c.get("instance_id")?,
-        status_code: c.get("status_code")?,
-        message: c.get("message")?,
-        at: c.ts("at")?,
     })
 }

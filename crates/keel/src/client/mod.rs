@@ -13,10 +13,10 @@ use anyhow::Context;
 use clap::{Args, Subcommand};
 use futures::StreamExt;
 use keel_client::{decision, KeelClient};
-use keel_core::{EventKind, InterruptId, RunId, RunStatus, Timestamp};
+use keel_core::{EventKind, InterruptId, InterruptKind, RunId, RunStatus, Timestamp};
 use serde_json::Value;
 
-use term::{Answer, Input, Renderer};
+use term::{Answer, Input, OutcomeAnswer, Renderer};
 
 /// Where the server is.
 #[derive(Debug, Clone, Args)]
@@ -33,6 +33,10 @@ pub struct ChatArgs {
     /// Continue this conversation instead of starting a new one.
     #[arg(long, value_name = "CONV_ID")]
     pub conversation: Option<String>,
+    /// Start the new conversation with this agent (one of `GET /v1/agents`) instead of the
+    /// server's default one.
+    #[arg(long, value_name = "ID", conflicts_with = "conversation")]
+    pub agent: Option<String>,
 }
 
 #[derive(Debug, Clone, Subcommand)]
@@ -121,6 +125,8 @@ enum Followed {
     Ended(RunStatus),
     /// The user pressed Ctrl-C (or closed stdin at a question): the run goes on without us.
     Detached,
+    /// The run waits for a decision the user left for later (or that this client cannot take).
+    Undecided,
 }
 
 /// Shows the run's events after `after` as they come, until its terminal event; asks the user when
@@ -149,12 +155,24 @@ async fn follow(
         let event = event.with_context(|| format!("following run {run_id}"))?;
         out.event(&event.kind);
         match &event.kind {
-            EventKind::Interrupt { interrupt_id, payload, .. } => {
+            EventKind::Interrupt { interrupt_id, kind, payload, expires_at } => {
                 // A replay shows decisions taken long ago: ask only while this one is still open.
                 let run = keel.get_run(run_id).await?;
                 let open = run.pending_interrupt.as_ref().map(|i| &i.id) == Some(interrupt_id);
-                if open && ask(keel, run_id, interrupt_id, payload, input, out).await? == Asked::Detached {
-                    return Ok(Followed::Detached);
+                if !open {
+                    continue;
+                }
+                let question = Question { run_id, interrupt_id, kind: *kind, payload };
+                match ask(keel, &question, input, out).await? {
+                    Asked::Answered => {}
+                    Asked::Detached => return Ok(Followed::Detached),
+                    Asked::Later => {
+                        out.line(&format!(
+                            "  Left undecided: the run waits for a decision until {}. Decide with: keel runs watch {run_id}",
+                            time(expires_at)
+                        ));
+                        return Ok(Followed::Undecided);
+                    }
                 }
             }
             EventKind::Done { .. } => return Ok(Followed::Ended(RunStatus::Completed)),
@@ -169,24 +187,64 @@ async fn follow(
 enum Asked {
     Answered,
     Detached,
+    /// Nothing was sent: the run keeps waiting.
+    Later,
 }
 
-/// "Restart pay-prod-2? [y/N/e(dit)]", then the resume. A refused resume (someone else decided, it
-/// expired) is shown, and the events tell what happened instead.
-async fn ask(
-    keel: &KeelClient,
-    run_id: &RunId,
-    interrupt_id: &InterruptId,
+/// An open interrupt of a run.
+struct Question<'a> {
+    run_id: &'a RunId,
+    interrupt_id: &'a InterruptId,
+    kind: InterruptKind,
+    payload: &'a Value,
+}
+
+/// Asks the user what to do about an open interrupt, then resumes the run with the answer (and
+/// the note that followed it, if any). A refused resume (someone else decided, it expired) is
+/// shown, and the events tell what happened instead.
+async fn ask(keel: &KeelClient, q: &Question<'_>, input: &mut Input, out: &mut Renderer) -> anyhow::Result<Asked> {
+    let (decision, note) = match q.kind {
+        InterruptKind::ConfirmAction => match confirm(q.payload, input, out).await? {
+            Some(decided) => decided,
+            None => return Ok(Asked::Detached),
+        },
+        InterruptKind::OutcomeUnknown => match outcome(q.payload, input, out).await? {
+            None => return Ok(Asked::Detached),
+            Some((answer, note)) => match answer.decision() {
+                Some(decision) => (decision, note),
+                None => return Ok(Asked::Later),
+            },
+        },
+        other => {
+            out.line(&format!("  keel chat cannot answer a {other} question; answer it from another client."));
+            return Ok(Asked::Later);
+        }
+    };
+    if let Err(e) = keel.resume_with_note(q.run_id, q.interrupt_id, decision, note.as_deref()).await {
+        // Someone else decided, or it expired: the events that follow say what happened. Refused
+        // (a role that may not approve): the run keeps waiting for someone who may.
+        out.line(&format!("  the decision was not taken: {e}"));
+        out.line("  (the run's events follow; Ctrl-C detaches)");
+    }
+    Ok(Asked::Answered)
+}
+
+/// "Restart pay-prod-2? [y/N/e(dit)]": the decision and the note after the answer ("n wrong
+/// instance"), or `None` when the user detached.
+async fn confirm(
     payload: &Value,
     input: &mut Input,
     out: &mut Renderer,
-) -> anyhow::Result<Asked> {
-    let answer = loop {
+) -> anyhow::Result<Option<(Value, Option<String>)>> {
+    out.line(&term::note_hint("n wrong instance"));
+    let (answer, note) = loop {
         out.prompt(&format!("{} [y/N/e(dit)] ", term::title(payload)));
-        let Some(line) = input.line().await else { return Ok(Asked::Detached) };
-        match term::parse_answer(&line) {
-            Some(answer) => break answer,
-            None => out.line("  answer y (approve), n (reject, the default) or e (edit the arguments)"),
+        let Some(line) = input.line().await else { return Ok(None) };
+        let (choice, note) = term::split_note(&line);
+        match (term::parse_answer(choice), term::check_note(note)) {
+            (Some(answer), Ok(())) => break (answer, note.map(str::to_owned)),
+            (Some(_), Err(e)) => out.line(&format!("  {e}")),
+            (None, _) => out.line("  answer y (approve), n (reject, the default) or e (edit the arguments)"),
         }
     };
     let decision = match answer {
@@ -197,7 +255,7 @@ async fn ask(
             for action in term::actions(payload) {
                 let args = loop {
                     out.prompt(&format!("{} arguments (JSON; empty keeps {}): ", action.tool, action.args));
-                    let Some(line) = input.line().await else { return Ok(Asked::Detached) };
+                    let Some(line) = input.line().await else { return Ok(None) };
                     match term::parse_args(&line, &action.args) {
                         Ok(args) => break args,
                         Err(e) => out.line(&format!("  {e}")),
@@ -208,13 +266,31 @@ async fn ask(
             decision::edit(edits.iter().map(|(id, args)| (id.as_str(), args.clone())))
         }
     };
-    if let Err(e) = keel.resume(run_id, interrupt_id, decision).await {
-        // Someone else decided, or it expired: the events that follow say what happened. Refused
-        // (a role that may not approve): the run keeps waiting for someone who may.
-        out.line(&format!("  the decision was not taken: {e}"));
-        out.line("  (the run's events follow; Ctrl-C detaches)");
+    Ok(Some((decision, note)))
+}
+
+/// "Did … happen? [r]etry / it was [d]one / it [f]ailed / Enter: decide later": there is no safe
+/// default here (the call may or may not have happened), so an empty line sends nothing. The
+/// answer and the note after it ("d it restarted at 12:03").
+async fn outcome(
+    payload: &Value,
+    input: &mut Input,
+    out: &mut Renderer,
+) -> anyhow::Result<Option<(OutcomeAnswer, Option<String>)>> {
+    out.line(&term::note_hint("f checked: it never restarted"));
+    loop {
+        out.prompt(&format!("{} {} ", term::title(payload), term::OUTCOME_CHOICES));
+        let Some(line) = input.line().await else { return Ok(None) };
+        let (choice, note) = term::split_note(&line);
+        match (term::parse_outcome(choice), term::check_note(note)) {
+            (Some(answer), Ok(())) => return Ok(Some((answer, note.map(str::to_owned)))),
+            (Some(_), Err(e)) => out.line(&format!("  {e}")),
+            (None, _) => out.line(
+                "  answer r (retry with the same idempotency key), d (it was done), f (it failed, it did not \
+                 happen) or Enter (decide later)",
+            ),
+        }
     }
-    Ok(Asked::Answered)
 }
 
 fn detached(out: &mut Renderer, run_id: &RunId) {
@@ -232,6 +308,9 @@ fn decision_text(decision: &Value) -> String {
     match decision {
         Value::String(s) if s == "approve" => "approved".into(),
         Value::String(s) if s == "reject" => "rejected".into(),
+        Value::String(s) if s == "retry" => "retried with the same idempotency key".into(),
+        Value::String(s) if s == "mark_done" => "marked done".into(),
+        Value::String(s) if s == "mark_failed" => "marked failed".into(),
         Value::Object(o) if o.contains_key("edit") => format!("approved with edited arguments {}", o["edit"]),
         Value::Object(o) if o.contains_key("calls") => format!("decided per call {}", o["calls"]),
         Value::Object(o) if o.contains_key("select") => format!("selected {}", o["select"]),
@@ -249,6 +328,9 @@ mod tests {
     fn decisions_read_as_words() {
         assert_eq!(decision_text(&json!("approve")), "approved");
         assert_eq!(decision_text(&json!("reject")), "rejected");
+        assert_eq!(decision_text(&json!("retry")), "retried with the same idempotency key");
+        assert_eq!(decision_text(&json!("mark_done")), "marked done");
+        assert_eq!(decision_text(&json!("mark_failed")), "marked failed");
         assert_eq!(
             decision_text(&json!({"edit": {"call_1": {"instanceId": "pay-prod-3"}}})),
             r#"approved with edited arguments {"call_1":{"instanceId":"pay-prod-3"}}"#

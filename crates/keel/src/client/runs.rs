@@ -59,6 +59,7 @@ pub async fn run(command: RunsCommand) -> anyhow::Result<Exit> {
                     detached(&mut out, &run_id);
                     Ok(Exit::Detached)
                 }
+                Followed::Undecided => Ok(Exit::Done),
             }
         }
     }
@@ -98,14 +99,27 @@ fn history(run: &RunBody) -> String {
     }
     if !run.interrupts.is_empty() {
         line("Decisions:".into());
-        for interrupt in &run.interrupts {
-            line(format!("  {}", decided(interrupt)));
+        for text in decision_lines(&run.interrupts) {
+            line(text);
         }
     }
     s
 }
 
-/// "Restart pay-prod-2? (restart_instance {…}): approved by demo at 2030-01-01 12:00:05 UTC".
+/// Each interrupt on a line of its own, and the decider's note, if any, on the next one.
+fn decision_lines(interrupts: &[Interrupt]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for interrupt in interrupts {
+        lines.push(format!("  {}", decided(interrupt)));
+        if let Some(note) = &interrupt.note {
+            lines.push(format!("    note: {note}"));
+        }
+    }
+    lines
+}
+
+/// "[confirm_action] Restart pay-prod-2? (restart_instance {…}): approved by demo at 2030-01-01
+/// 12:00:05 UTC (asked …)".
 fn decided(interrupt: &Interrupt) -> String {
     let actions: Vec<String> =
         term::actions(&interrupt.payload).into_iter().map(|a| format!("{} {}", a.tool, a.args)).collect();
@@ -128,7 +142,7 @@ fn decided(interrupt: &Interrupt) -> String {
             format!("cancelled at {at}")
         }
     };
-    format!("{what}: {outcome} (asked {})", time(&interrupt.created_at))
+    format!("[{}] {what}: {outcome} (asked {})", interrupt.kind, time(&interrupt.created_at))
 }
 
 #[cfg(test)]
@@ -137,8 +151,12 @@ mod tests {
     use serde_json::json;
 
     fn interrupt(status: &str, decision: serde_json::Value) -> Interrupt {
+        interrupt_of("confirm_action", status, decision, None)
+    }
+
+    fn interrupt_of(kind: &str, status: &str, decision: serde_json::Value, note: Option<&str>) -> Interrupt {
         serde_json::from_value(json!({
-            "id": "int_1", "runId": "run_1", "kind": "confirm_action", "status": status,
+            "id": "int_1", "runId": "run_1", "kind": kind, "status": status, "note": note,
             "payload": {"title": "Restart pay-prod-2?", "actions": [
                 {"callId": "call_1", "tool": "restart_instance", "args": {"instanceId": "pay-prod-2"}}]},
             "callIds": ["call_1"], "createdAt": "2030-01-01T12:00:00Z", "expiresAt": "2030-01-01T12:15:00Z",
@@ -151,7 +169,7 @@ mod tests {
     fn a_decision_says_who_decided_what_and_when() {
         assert_eq!(
             decided(&interrupt("resolved", json!("approve"))),
-            "Restart pay-prod-2? (restart_instance {\"instanceId\":\"pay-prod-2\"}): approved by alice at \
+            "[confirm_action] Restart pay-prod-2? (restart_instance {\"instanceId\":\"pay-prod-2\"}): approved by alice at \
              2030-01-01 12:00:05 UTC (asked 2030-01-01 12:00:00 UTC)"
         );
         assert!(decided(&interrupt("resolved", json!("reject"))).contains(": rejected by alice at"));
@@ -161,5 +179,23 @@ mod tests {
         assert!(
             decided(&interrupt("expired", json!(null))).contains("expired at 2030-01-01 12:15:00 UTC, nobody decided")
         );
+    }
+
+    #[test]
+    fn the_history_names_each_kind_and_shows_the_notes() {
+        let unknown =
+            interrupt_of("outcome_unknown", "resolved", json!("mark_failed"), Some("checked: it never restarted"));
+        assert!(decided(&unknown).starts_with("[outcome_unknown] Restart pay-prod-2? "), "{}", decided(&unknown));
+        assert!(
+            decided(&unknown).contains(": marked failed by alice at 2030-01-01 12:00:05 UTC"),
+            "{}",
+            decided(&unknown)
+        );
+        let lines = decision_lines(&[unknown, interrupt("resolved", json!("approve"))]);
+        let shown = lines.join("\n");
+        assert_eq!(lines.len(), 3, "{shown}");
+        assert!(lines[0].starts_with("  [outcome_unknown] "), "{shown}");
+        assert_eq!(lines[1], "    note: checked: it never restarted");
+        assert!(lines[2].starts_with("  [confirm_action] "), "{shown}");
     }
 }

@@ -5,7 +5,7 @@
 
 use std::io::{BufRead, IsTerminal, Write};
 
-use keel_core::{EventKind, ToolOutcomeStatus};
+use keel_core::{EventKind, InterruptKind, ToolOutcomeStatus};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
@@ -136,28 +136,45 @@ impl Renderer {
                     self.write(&format!("… {label}\n"));
                 }
             }
-            EventKind::ToolFinished { tool, status, summary, .. } => {
+            EventKind::ToolFinished { tool, status, summary, error_code, .. } => {
                 let mark = match status {
                     ToolOutcomeStatus::Success => '✓',
                     ToolOutcomeStatus::Error => '✗',
                     ToolOutcomeStatus::Denied => '⊘',
                 };
                 self.clear_spinner();
-                self.line(&format!("{mark} {tool}: {summary}"));
+                // Why it failed, as a code (`timeout`, `http_503`, `marked_failed`, …).
+                let code = error_code.as_deref().map(|c| format!(" [{c}]")).unwrap_or_default();
+                self.line(&format!("{mark} {tool}{code}: {summary}"));
             }
-            EventKind::Interrupt { payload, expires_at, .. } => {
+            EventKind::Interrupt { kind, payload, expires_at, .. } => {
+                let unknown = *kind == InterruptKind::OutcomeUnknown;
+                if let (true, Some((label, _))) = (unknown, self.spinning.take()) {
+                    // The step that was sent and never answered.
+                    self.write("\r\x1b[2K");
+                    self.line(&format!("? {label}: no answer came back"));
+                }
                 self.line(&format!("⏸ {}", title(payload)));
                 if let Some(risk) = payload.get("risk").and_then(Value::as_str) {
-                    self.line(&format!("  risk: {risk}"));
+                    self.line(&format!("  {}: {risk}", if unknown { "outcome unknown" } else { "risk" }));
                 }
                 for action in actions(payload) {
-                    self.line(&format!("  {} {}", action.tool, action.args));
+                    let attempts = match action.attempts {
+                        Some(1) => " (outcome unknown after 1 attempt)".to_owned(),
+                        Some(n) => format!(" (outcome unknown after {n} attempts)"),
+                        None if unknown => " (outcome unknown)".to_owned(),
+                        None => String::new(),
+                    };
+                    self.line(&format!("  {} {}{attempts}", action.tool, action.args));
                 }
                 self.line(&format!("  (decide before {})", super::time(expires_at)));
             }
-            EventKind::Resumed { decision, resolved_by, human_wait_ms, .. } => {
+            EventKind::Resumed { decision, note, resolved_by, human_wait_ms, .. } => {
                 let waited = std::time::Duration::from_millis(*human_wait_ms);
                 self.line(&format!("↳ {} by {resolved_by} after {waited:.1?}", super::decision_text(decision)));
+                if let Some(note) = note {
+                    self.line(&format!("  note: {note}"));
+                }
             }
             EventKind::Done { .. } => self.end_line(),
             EventKind::Error { code, message } => self.line(&format!("error {code}: {message}")),
@@ -192,12 +209,14 @@ impl Renderer {
     }
 }
 
-/// One action of a `confirm_action` payload.
+/// One action of an interrupt's payload (`confirm_action`, `outcome_unknown`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Action {
     pub call_id: String,
     pub tool: String,
     pub args: Value,
+    /// `outcome_unknown`: how often the call was sent without an answer.
+    pub attempts: Option<u64>,
 }
 
 pub fn actions(payload: &Value) -> Vec<Action> {
@@ -211,6 +230,7 @@ pub fn actions(payload: &Value) -> Vec<Action> {
                     call_id: a.get("callId").and_then(Value::as_str).unwrap_or_default().to_owned(),
                     tool: a.get("tool").and_then(Value::as_str).unwrap_or("?").to_owned(),
                     args: a.get("args").cloned().unwrap_or(Value::Null),
+                    attempts: a.get("attempts").and_then(Value::as_u64),
                 })
                 .collect()
         })
@@ -237,6 +257,75 @@ pub fn parse_answer(line: &str) -> Option<Answer> {
         "" | "n" | "no" => Some(Answer::Reject),
         "e" | "edit" => Some(Answer::Edit),
         _ => None,
+    }
+}
+
+/// What an `outcome_unknown` question offers.
+pub const OUTCOME_CHOICES: &str = "[r]etry / it was [d]one / it [f]ailed / Enter: decide later";
+
+/// An answer to an `outcome_unknown` question: a call was sent and no answer came back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeAnswer {
+    /// Send it again, with the same idempotency key.
+    Retry,
+    /// It happened.
+    Done,
+    /// It did not happen.
+    Failed,
+    /// Send nothing now; the run keeps waiting.
+    Later,
+}
+
+impl OutcomeAnswer {
+    /// The resume's `decision`; `None` for [`OutcomeAnswer::Later`].
+    pub fn decision(self) -> Option<Value> {
+        match self {
+            OutcomeAnswer::Retry => Some(Value::from("retry")),
+            OutcomeAnswer::Done => Some(Value::from("mark_done")),
+            OutcomeAnswer::Failed => Some(Value::from("mark_failed")),
+            OutcomeAnswer::Later => None,
+        }
+    }
+}
+
+/// `r`/`retry`, `d`/`done`, `f`/`failed`, an empty line for later; anything else is asked again.
+/// No answer is the default: the call may or may not have happened, so guessing is never safe.
+pub fn parse_outcome(line: &str) -> Option<OutcomeAnswer> {
+    match line.trim().to_ascii_lowercase().as_str() {
+        "r" | "retry" => Some(OutcomeAnswer::Retry),
+        "d" | "done" => Some(OutcomeAnswer::Done),
+        "f" | "failed" | "fail" => Some(OutcomeAnswer::Failed),
+        "" => Some(OutcomeAnswer::Later),
+        _ => None,
+    }
+}
+
+/// The line said at a question that may take a note, e.g. "n wrong instance" or "d: it restarted":
+/// its first word (the choice, with a trailing `:` or `,` dropped) and the rest, trimmed, as the
+/// note (`None` when there is none).
+pub fn split_note(line: &str) -> (&str, Option<&str>) {
+    let line = line.trim();
+    let (choice, rest) = line.split_once(char::is_whitespace).unwrap_or((line, ""));
+    let (choice, rest) = match choice.find([':', ',']) {
+        // "d:it restarted" as well as "d: it restarted"; ": text" is no choice (not Enter's).
+        Some(i) if i > 0 => (&choice[..i], &line[i + 1..]),
+        _ => (choice, rest),
+    };
+    let note = rest.trim();
+    (choice, (!note.is_empty()).then_some(note))
+}
+
+/// Said before a question that takes a note: how to give one.
+pub fn note_hint(example: &str) -> String {
+    format!("  (a note may follow the answer, e.g. `{example}`: it is kept with the decision)")
+}
+
+/// A note the server takes: at most [`keel_core::engine::MAX_NOTE_CHARS`] characters.
+pub fn check_note(note: Option<&str>) -> Result<(), String> {
+    let max = keel_core::engine::MAX_NOTE_CHARS;
+    match note {
+        Some(note) if note.chars().count() > max => Err(format!("a note is at most {max} characters")),
+        _ => Ok(()),
     }
 }
 
@@ -271,6 +360,48 @@ mod tests {
     }
 
     #[test]
+    fn outcome_answers_have_no_default_but_later() {
+        assert_eq!(parse_outcome("r"), Some(OutcomeAnswer::Retry));
+        assert_eq!(parse_outcome(" Retry "), Some(OutcomeAnswer::Retry));
+        assert_eq!(parse_outcome("d"), Some(OutcomeAnswer::Done));
+        assert_eq!(parse_outcome("DONE"), Some(OutcomeAnswer::Done));
+        assert_eq!(parse_outcome("f"), Some(OutcomeAnswer::Failed));
+        assert_eq!(parse_outcome("failed"), Some(OutcomeAnswer::Failed));
+        assert_eq!(parse_outcome(""), Some(OutcomeAnswer::Later));
+        assert_eq!(parse_outcome("   "), Some(OutcomeAnswer::Later));
+        for wrong in ["y", "n", "yes", "e", "rd", "maybe"] {
+            assert_eq!(parse_outcome(wrong), None, "{wrong:?}");
+        }
+        assert_eq!(OutcomeAnswer::Retry.decision(), Some(json!("retry")));
+        assert_eq!(OutcomeAnswer::Done.decision(), Some(json!("mark_done")));
+        assert_eq!(OutcomeAnswer::Failed.decision(), Some(json!("mark_failed")));
+        assert_eq!(OutcomeAnswer::Later.decision(), None);
+    }
+
+    #[test]
+    fn a_note_follows_the_choice() {
+        assert_eq!(split_note("y"), ("y", None));
+        assert_eq!(split_note(""), ("", None));
+        assert_eq!(split_note("   "), ("", None));
+        assert_eq!(split_note(" n  wrong instance "), ("n", Some("wrong instance")));
+        assert_eq!(split_note("d: it restarted at 12:03"), ("d", Some("it restarted at 12:03")));
+        assert_eq!(split_note("d:it restarted"), ("d", Some("it restarted")));
+        assert_eq!(split_note("yes, checked the dashboard"), ("yes", Some("checked the dashboard")));
+        assert_eq!(split_note("y:"), ("y", None));
+        assert_eq!(split_note("e\tpay-prod-3 instead"), ("e", Some("pay-prod-3 instead")));
+        assert_eq!(split_note("maybe later"), ("maybe", Some("later")), "the choice is still checked");
+        assert_eq!(split_note(": wrong"), (":", Some("wrong")), "no choice: asked again");
+        assert_eq!(parse_answer(split_note(", wrong").0), None);
+        assert_eq!(parse_outcome(split_note(":later").0), None);
+        assert_eq!(parse_answer(split_note("yy ok").0), None);
+        assert_eq!(parse_answer(split_note("n: no").0), Some(Answer::Reject));
+        assert_eq!(parse_outcome(split_note("f it never restarted").0), Some(OutcomeAnswer::Failed));
+        assert_eq!(check_note(Some(&"é".repeat(2000))), Ok(()));
+        assert_eq!(check_note(Some(&"é".repeat(2001))), Err("a note is at most 2000 characters".into()));
+        assert_eq!(check_note(None), Ok(()));
+    }
+
+    #[test]
     fn edited_args_are_a_json_object_or_kept() {
         let current = json!({"instanceId": "pay-prod-2"});
         assert_eq!(parse_args("  ", &current), Ok(current.clone()));
@@ -290,9 +421,12 @@ mod tests {
             vec![Action {
                 call_id: "call_1".into(),
                 tool: "restart_instance".into(),
-                args: json!({"instanceId": "pay-prod-2"})
+                args: json!({"instanceId": "pay-prod-2"}),
+                attempts: None,
             }]
         );
+        let unknown = json!({"actions": [{"callId": "call_2", "tool": "restart_service", "args": {}, "attempts": 2}]});
+        assert_eq!(actions(&unknown)[0].attempts, Some(2));
         assert!(actions(&json!({})).is_empty());
         assert_eq!(title(&json!({"title": 3})), "A decision is needed");
     }

@@ -25,7 +25,7 @@ pub fn keel() -> Command {
     cmd
 }
 
-/// A running `keel serve`; killed when dropped.
+/// A running `keel demo`; killed when dropped.
 pub struct Server {
     child: Child,
     pub addr: String,
@@ -33,7 +33,7 @@ pub struct Server {
 }
 
 impl Server {
-    /// `keel serve` on 127.0.0.1:0 with the demo model pausing `demo_delay_ms` before each word.
+    /// `keel demo` (OpsPilot over a seeded fleet) on 127.0.0.1:0 with the demo model pausing `demo_delay_ms` before each word.
     /// Returns once it listens (its banner is printed after the bind).
     pub fn start(data_dir: &Path, demo_delay_ms: u64) -> Self {
         Self::start_with(data_dir, demo_delay_ms, &[])
@@ -42,7 +42,7 @@ impl Server {
     /// [`Server::start`] with more flags.
     pub fn start_with(data_dir: &Path, demo_delay_ms: u64, flags: &[&str]) -> Self {
         let mut child = keel()
-            .args(["serve", "--listen", "127.0.0.1:0", "--demo-delay-ms", &demo_delay_ms.to_string()])
+            .args(["demo", "--listen", "127.0.0.1:0", "--demo-delay-ms", &demo_delay_ms.to_string()])
             .arg("--data-dir")
             .arg(data_dir)
             .args(flags)
@@ -55,7 +55,7 @@ impl Server {
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut banner).expect("banner");
         let addr = banner
             .trim()
-            .strip_prefix("Keel listening on http://")
+            .strip_prefix("Keel demo running at http://")
             .and_then(|rest| rest.strip_suffix('/'))
             .unwrap_or_else(|| panic!("unexpected banner {banner:?}"))
             .to_owned();
@@ -64,6 +64,20 @@ impl Server {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// SIGTERM, then waits (up to [`DEADLINE`]) for the process to exit: a clean stop.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let sent = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("run kill");
+        assert!(sent.success(), "kill -TERM {}", self.child.id());
+        let start = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait for keel serve") {
+                return status;
+            }
+            assert!(start.elapsed() < DEADLINE, "keel serve did not exit within {DEADLINE:?} of SIGTERM");
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// SIGKILL: no graceful shutdown, no lease released — a crash.

@@ -1,0 +1,68 @@
+//! The engine's settings.
+
+use super::*;
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Names this process in leases and logs.
+    pub instance_id: String,
+    /// How long a human has to decide.
+    pub interrupt_ttl: Duration,
+    pub lease_ttl: Duration,
+    /// Model calls per run before it fails with `MAX_ITERATIONS`.
+    pub max_iterations: u32,
+    /// Text deltas are committed in groups: at most this long after the first buffered one …
+    pub delta_flush_interval: Duration,
+    /// … or this many, whichever comes first.
+    pub delta_flush_max: usize,
+    /// Take over runs whose lease is held by someone else at start-up. Right for an embedded store
+    /// that only one process opens; wrong for a shared one.
+    pub steal_leases_on_start: bool,
+    /// How often expired interrupts are swept and orphaned runs looked for.
+    pub sweep_interval: Duration,
+    /// How often an idle event reader re-reads the store.
+    pub poll_interval: Duration,
+    /// Retries of a model call that failed transiently.
+    pub model_retries: u32,
+    /// The role of a user the store does not know.
+    pub default_role: Option<UserRole>,
+    /// How long an idempotency key stays reserved by a request that never finished (its process
+    /// died): until then a retry is told `IDEMPOTENCY_KEY_IN_FLIGHT`, after it the retry proceeds.
+    pub idempotency_in_flight_ttl: Duration,
+    /// Attempts of one tool call before it fails (or, without an answer from a tool that is not
+    /// idempotent, before a human is asked): the first and the retries with the same key.
+    pub tool_max_attempts: u32,
+    /// The pause before the second attempt; doubled before each next one.
+    pub tool_retry_backoff: Duration,
+    /// The longest user message accepted, in characters.
+    pub max_message_chars: usize,
+    /// Where the engine's measurements go (the server's Prometheus registry); nowhere by default.
+    pub metrics: Metrics,
+    /// Links each `run` span to the run's trace (an OpenTelemetry exporter); none by default.
+    pub run_span_hook: Option<RunSpanHook>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            instance_id: format!("keel-{}", uuid::Uuid::now_v7().simple()),
+            interrupt_ttl: Duration::from_secs(15 * 60),
+            lease_ttl: Duration::from_secs(30),
+            max_iterations: 8,
+            delta_flush_interval: Duration::from_millis(5),
+            delta_flush_max: 128,
+            steal_leases_on_start: false,
+            sweep_interval: Duration::from_secs(1),
+            poll_interval: Duration::from_secs(1),
+            // Model clients retry before the first token themselves; this is one more try on top.
+            model_retries: 1,
+            default_role: None,
+            idempotency_in_flight_ttl: Duration::from_secs(30),
+            tool_max_attempts: 3,
+            tool_retry_backoff: Duration::from_millis(200),
+            max_message_chars: 32_000,
+            metrics: Metrics::default(),
+            run_span_hook: None,
+        }
+    }
+}

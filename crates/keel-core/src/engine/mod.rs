@@ -1,0 +1,436 @@
+//! The durable agent loop.
+//!
+//! A run is driven by one worker at a time — the holder of its lease — step by step from its
+//! checkpoint: `call_model → execute_tools → (await_interrupt → execute_tools)* → … → finalize`.
+//! Every step ends in one [`Commit`]: its state change, its checkpoint and the events that announce
+//! them, in one transaction, before anything is published. A worker that dies anywhere leaves a
+//! checkpoint another worker continues from.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::{Stream, StreamExt};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use tokio::task::JoinHandle;
+use tracing::Instrument;
+
+use crate::agent::{Agent, Agents};
+use crate::bus::Bus;
+use crate::clock::Clock;
+use crate::context::{plan as plan_context, ContextInput};
+use crate::domain::{
+    Conversation, Fact, FactMap, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, NextStep, Role, Run,
+    RunStatus, Timestamp, ToolCall, ToolCallState, UserRole,
+};
+use crate::event::{Event, EventKind, GraphEdge, GraphNode, ToolOutcomeStatus};
+use crate::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+use crate::mask::{looks_secret, mask_value, truncate, Masked};
+use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
+use crate::model::{ModelChunk, ModelError, ModelRequest};
+use crate::store::{
+    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun,
+    Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
+};
+use crate::stream::{run_events, Until};
+use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
+
+mod config;
+mod decision;
+mod error;
+mod resume;
+mod supervisor;
+mod tools;
+mod worker;
+
+pub use config::EngineConfig;
+use decision::per_call;
+pub use decision::{CallDecision, Decision};
+pub use error::{EngineError, EngineResult};
+pub use resume::{ResumeAccepted, ResumeRequest, MAX_NOTE_CHARS};
+use tools::*;
+use worker::*;
+
+/// The nodes of the agent loop, as drawn by clients (`graph_topology`).
+pub mod nodes {
+    pub const CONTEXT: &str = "context";
+    pub const MODEL: &str = "model";
+    pub const TOOLS: &str = "tools";
+    pub const APPROVAL: &str = "approval";
+    pub const FINALIZE: &str = "finalize";
+}
+
+fn topology() -> EventKind {
+    let node = |id: &str, label: &str| GraphNode { id: id.into(), label: label.into() };
+    let edge = |from: &str, to: &str| GraphEdge { from: from.into(), to: to.into() };
+    EventKind::GraphTopology {
+        nodes: vec![
+            node(nodes::CONTEXT, "Assemble context"),
+            node(nodes::MODEL, "Call model"),
+            node(nodes::TOOLS, "Execute tools"),
+            node(nodes::APPROVAL, "Await approval"),
+            node(nodes::FINALIZE, "Finalize"),
+        ],
+        edges: vec![
+            edge(nodes::CONTEXT, nodes::MODEL),
+            edge(nodes::MODEL, nodes::TOOLS),
+            edge(nodes::TOOLS, nodes::APPROVAL),
+            edge(nodes::APPROVAL, nodes::TOOLS),
+            edge(nodes::TOOLS, nodes::CONTEXT),
+            edge(nodes::MODEL, nodes::FINALIZE),
+        ],
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SendMessage {
+    pub content: String,
+    pub cancel_on_disconnect: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ConversationView {
+    #[serde(flatten)]
+    pub conversation: Conversation,
+    #[cfg_attr(feature = "openapi", schema(inline))]
+    pub facts: FactMap,
+    pub active_run_id: Option<RunId>,
+    pub messages: Vec<Message>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RunView {
+    pub run: Run,
+    pub pending_interrupt: Option<Interrupt>,
+    pub tool_calls: Vec<ToolCall>,
+    /// Every interrupt of the run, oldest first.
+    #[serde(default)]
+    pub interrupts: Vec<Interrupt>,
+}
+
+/// Everything the engine is built from.
+pub struct EngineParts {
+    pub store: Arc<dyn Store>,
+    /// The agents conversations talk to, each with its model and tools.
+    pub agents: Agents,
+    pub bus: Arc<dyn Bus>,
+    pub clock: Arc<dyn Clock>,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    agents: Agents,
+    bus: Arc<dyn Bus>,
+    clock: Arc<dyn Clock>,
+    config: EngineConfig,
+    workers: Mutex<HashMap<RunId, JoinHandle<()>>>,
+    /// Wakes a local worker at once when its run is cancelled (the durable flag is the truth; this
+    /// only saves waiting for the next model chunk).
+    cancel_signals: Mutex<HashMap<RunId, Arc<tokio::sync::Notify>>>,
+    /// Why a local run was asked to cancel, for its `cancelled` event. Another instance's request
+    /// is reported as `cancelled_by_user`.
+    cancel_reasons: Mutex<HashMap<RunId, String>>,
+    shutting_down: AtomicBool,
+}
+
+/// The engine. Dropping it aborts its workers at once, as a crash would; [`Engine::shutdown`] lets
+/// them reach a checkpoint first.
+pub struct Engine {
+    inner: Arc<Inner>,
+    background: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        for h in self.background.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            h.abort();
+        }
+        for (_, h) in self.inner.workers.lock().unwrap_or_else(|e| e.into_inner()).drain() {
+            h.abort();
+        }
+    }
+}
+
+fn chrono_dur(d: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+}
+
+impl Engine {
+    pub fn new(parts: EngineParts, config: EngineConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                store: parts.store,
+                agents: parts.agents,
+                bus: parts.bus,
+                clock: parts.clock,
+                config,
+                workers: Mutex::new(HashMap::new()),
+                cancel_signals: Mutex::new(HashMap::new()),
+                cancel_reasons: Mutex::new(HashMap::new()),
+                shutting_down: AtomicBool::new(false),
+            }),
+            background: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    /// The engine's clock (tests move it; the binary uses the wall clock).
+    pub fn now(&self) -> Timestamp {
+        self.inner.clock.now()
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// The agents this engine runs.
+    pub fn agents(&self) -> &Agents {
+        &self.inner.agents
+    }
+
+    /// Recovers the runs left by a dead process (continuing each from its checkpoint), then starts
+    /// the background sweeper (interrupt expiry, orphaned runs). Returns how many runs it took over.
+    pub async fn start(&self) -> EngineResult<usize> {
+        if self.inner.config.steal_leases_on_start {
+            // The previous process is gone: so are the requests it was answering. Their keys are
+            // released, so a client's retry is evaluated now instead of after the in-flight TTL.
+            let released = self.inner.store.abandon_all_in_flight_keys().await?;
+            if released > 0 {
+                tracing::info!(released, "released idempotency keys of requests the previous process never answered");
+            }
+        }
+        let recovered = self.inner.claim_and_spawn(self.inner.config.steal_leases_on_start).await?;
+        let inner = self.inner.clone();
+        let sweeper = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(inner.config.sweep_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if inner.shutting_down.load(Ordering::SeqCst) {
+                    break;
+                }
+                if let Err(e) = inner.sweep_expired().await {
+                    inner.config.metrics.store_error("sweep_expired");
+                    tracing::warn!(error = %e, "interrupt expiry sweep failed");
+                }
+                if let Err(e) = inner.claim_and_spawn(false).await {
+                    inner.config.metrics.store_error("claim_runs");
+                    tracing::warn!(error = %e, "claiming orphaned runs failed");
+                }
+            }
+        });
+        self.background.lock().unwrap_or_else(|e| e.into_inner()).push(sweeper);
+        Ok(recovered)
+    }
+
+    /// Expires every pending interrupt past its `expires_at` (its run ends `cancelled` with reason
+    /// `interrupt_expired`). The background sweeper calls this; tests may call it directly.
+    pub async fn sweep_expired(&self) -> EngineResult<usize> {
+        self.inner.sweep_expired().await
+    }
+
+    /// Stops taking work and lets every worker reach its next checkpoint, release its lease and
+    /// stop. Runs continue from there when a process starts again.
+    pub async fn shutdown(&self, grace: Duration) {
+        self.inner.shutting_down.store(true, Ordering::SeqCst);
+        let deadline = Instant::now() + grace;
+        loop {
+            let live = {
+                let mut workers = self.inner.workers.lock().unwrap_or_else(|e| e.into_inner());
+                workers.retain(|_, h| !h.is_finished());
+                workers.len()
+            };
+            if live == 0 || Instant::now() >= deadline {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.inner.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Events the bus failed to fan out (see [`Bus::dropped_events`]).
+    pub fn bus_dropped_events(&self) -> u64 {
+        self.inner.bus.dropped_events()
+    }
+
+    /// Workers currently driving a run in this process.
+    pub fn active_workers(&self) -> usize {
+        let mut workers = self.inner.workers.lock().unwrap_or_else(|e| e.into_inner());
+        workers.retain(|_, h| !h.is_finished());
+        workers.len()
+    }
+
+    // ---------------------------------------------------------------- conversations
+
+    /// A conversation with `agent_id` (the default agent when `None`); `UnknownAgent` for an id this
+    /// engine does not run.
+    pub async fn create_conversation(
+        &self,
+        user_id: &str,
+        title: &str,
+        agent_id: Option<&str>,
+    ) -> EngineResult<Conversation> {
+        let title = title.trim();
+        if title.chars().count() > 200 {
+            return Err(EngineError::Invalid("title: must be at most 200 characters".into()));
+        }
+        let agent = self.inner.agents.resolve(agent_id).ok_or(EngineError::UnknownAgent)?;
+        let title = Masked::from(if title.is_empty() { "New conversation" } else { title });
+        Ok(self.inner.store.create_conversation(user_id, &title, &agent.id, self.inner.clock.now()).await?)
+    }
+
+    /// The agent a conversation talks to (the default one for a conversation made before agents).
+    pub fn agent_of(&self, conversation: &Conversation) -> Option<&Arc<Agent>> {
+        self.inner.agents.resolve(conversation.agent_id.as_deref())
+    }
+
+    pub async fn list_conversations(&self, user_id: &str) -> EngineResult<Vec<Conversation>> {
+        Ok(self.inner.store.list_conversations(user_id, 100).await?)
+    }
+
+    /// The conversation of `user_id`; someone else's is `NotFound`, like one that doesn't exist.
+    pub async fn conversation(&self, user_id: &str, id: &ConversationId) -> EngineResult<Conversation> {
+        match self.inner.store.get_conversation(id).await? {
+            Some(c) if c.user_id == user_id => Ok(c),
+            _ => Err(EngineError::NotFound("conversation")),
+        }
+    }
+
+    pub async fn conversation_view(&self, user_id: &str, id: &ConversationId) -> EngineResult<ConversationView> {
+        let conversation = self.conversation(user_id, id).await?;
+        let store = &self.inner.store;
+        let facts = crate::domain::fact_map(&store.list_facts(id).await?);
+        let active_run_id = store.active_run(id).await?.map(|r| r.id);
+        let messages = store.list_messages(id).await?.into_iter().filter(|m| m.role != Role::Tool).collect::<Vec<_>>();
+        let skip = messages.len().saturating_sub(100);
+        Ok(ConversationView { conversation, facts, active_run_id, messages: messages.into_iter().skip(skip).collect() })
+    }
+
+    /// Stores the user message and starts a run for it. `RunActive` while the conversation has one.
+    pub async fn send_message(
+        &self,
+        user_id: &str,
+        conversation_id: &ConversationId,
+        message: SendMessage,
+    ) -> EngineResult<StartedRun> {
+        if self.is_shutting_down() {
+            return Err(EngineError::ShuttingDown);
+        }
+        let content = message.content.trim();
+        if content.is_empty() {
+            return Err(EngineError::Invalid("content: must not be empty".into()));
+        }
+        if content.contains('\0') {
+            return Err(EngineError::Invalid("content: must not contain NUL characters".into()));
+        }
+        let max = self.inner.config.max_message_chars;
+        if content.chars().count() > max {
+            return Err(EngineError::Invalid(format!("content: must be at most {max} characters")));
+        }
+        let conversation = self.conversation(user_id, conversation_id).await?;
+        // A conversation of an agent this server no longer runs can be read, not continued.
+        let agent = self.agent_of(&conversation).ok_or(EngineError::UnknownAgent)?;
+        // A key or password pasted into the chat is masked before it is stored, streamed or shown to
+        // the model.
+        let content = Masked::from(content);
+        let started = self
+            .inner
+            .store
+            .start_run(NewRun {
+                conversation_id: conversation_id.clone(),
+                agent_id: agent.id.clone(),
+                user_id: user_id.to_owned(),
+                content,
+                cancel_on_disconnect: message.cancel_on_disconnect,
+                now: self.inner.clock.now(),
+                events: vec![
+                    EventKind::RunStarted { conversation_id: conversation_id.clone(), trace_id: Some(new_trace_id()) },
+                    topology(),
+                ],
+            })
+            .await
+            .map_err(|e| match e {
+                StoreError::RunActive(id) => EngineError::RunActive(id),
+                StoreError::NotFound(what) => EngineError::NotFound(what),
+                other => other.into(),
+            })?;
+        self.inner.committed(started.run.created_at, &started.events);
+        self.inner.spawn_worker(started.run.id.clone(), Lease::Acquire(vec![RunStatus::Queued]));
+        Ok(started)
+    }
+
+    // ---------------------------------------------------------------- runs
+
+    /// The run of `user_id`; someone else's is `NotFound`.
+    pub async fn run(&self, user_id: &str, run_id: &RunId) -> EngineResult<Run> {
+        match self.inner.store.get_run(run_id).await? {
+            Some(r) if r.user_id == user_id => Ok(r),
+            _ => Err(EngineError::NotFound("run")),
+        }
+    }
+
+    pub async fn run_view(&self, user_id: &str, run_id: &RunId) -> EngineResult<RunView> {
+        let run = self.run(user_id, run_id).await?;
+        let pending_interrupt = self.inner.store.pending_interrupt(run_id).await?;
+        let tool_calls = self.inner.store.list_tool_calls(run_id).await?;
+        let interrupts = self.inner.store.list_interrupts(run_id).await?;
+        Ok(RunView { run, pending_interrupt, tool_calls, interrupts })
+    }
+
+    /// The run's events after `after`, stored then live, until `until`. Check ownership first with
+    /// [`Engine::run`].
+    pub fn events(
+        &self,
+        run_id: &RunId,
+        after: i64,
+        until: Until,
+    ) -> impl Stream<Item = Result<Event, StoreError>> + Send + 'static {
+        run_events(
+            self.inner.store.clone(),
+            self.inner.bus.clone(),
+            run_id.clone(),
+            after,
+            until,
+            self.inner.config.poll_interval,
+        )
+    }
+
+    /// Waits until the run pauses or ends; returns its events after `after` up to that point.
+    pub async fn wait_settled(&self, run_id: &RunId, after: i64) -> EngineResult<Vec<Event>> {
+        let mut events = Vec::new();
+        let mut stream = std::pin::pin!(self.events(run_id, after, Until::PauseOrTerminal));
+        while let Some(e) = stream.next().await {
+            events.push(e?);
+        }
+        Ok(events)
+    }
+
+    /// Durable cancel: any instance sees it. A queued or paused run ends at once; a running one at
+    /// its worker's next step or model chunk.
+    pub async fn cancel(&self, user_id: &str, run_id: &RunId) -> EngineResult<Run> {
+        self.run(user_id, run_id).await?;
+        self.inner.cancel(run_id, "cancelled_by_user").await
+    }
+
+    /// The client streaming this run went away. The run goes on, unless its policy says cancel.
+    pub async fn client_detached(&self, run_id: &RunId) -> EngineResult<()> {
+        let Some(run) = self.inner.store.get_run(run_id).await? else { return Ok(()) };
+        if run.cancel_on_disconnect && run.status.is_active() {
+            tracing::info!(run_id = %run_id, "client disconnected; cancelling as the run's policy says");
+            self.inner.cancel(run_id, "client_disconnected").await?;
+        }
+        Ok(())
+    }
+}

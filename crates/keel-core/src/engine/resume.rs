@@ -1,0 +1,284 @@
+//! A human's decision on a pending interrupt: authorize, check expiry, reserve the idempotency
+//! key, claim the interrupt with one conditional commit, continue the run.
+
+use super::*;
+
+/// A resume request, after transport-level parsing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ResumeRequest {
+    pub interrupt_id: InterruptId,
+    pub decision: Decision,
+    pub idempotency_key: String,
+    /// What the human writes with the decision (at most [`MAX_NOTE_CHARS`]); stored masked.
+    pub note: Option<String>,
+}
+
+/// The longest note a resume may carry, in characters.
+pub const MAX_NOTE_CHARS: usize = 2000;
+
+/// The answer to an accepted resume, stored under its idempotency key and given again on a retry.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ResumeAccepted {
+    pub run_id: RunId,
+    pub interrupt_id: InterruptId,
+    pub status: RunStatus,
+    #[cfg_attr(feature = "openapi", schema(value_type = serde_json::Value))]
+    pub decision: Masked<Value>,
+    /// The sequence of the `resumed` event: a stream answering this resume starts there.
+    pub resumed_sequence: i64,
+}
+
+/// Whether a resume's answer is the stored answer of an earlier request with the same key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Replayed(bool);
+
+impl Engine {
+    /// A human's decision on a pending interrupt, in the order that makes it safe: authorize the
+    /// current caller, check expiry, validate the decision, reserve the idempotency key, claim the
+    /// interrupt with a conditional update (one winner), then continue the run. The side effects
+    /// happen in the worker, after a precheck and a conditional claim of each call.
+    pub async fn resume(&self, user_id: &str, run_id: &RunId, req: ResumeRequest) -> EngineResult<ResumeAccepted> {
+        let outcome = self.resume_once(user_id, run_id, req).await;
+        let metrics = &self.inner.config.metrics;
+        match &outcome {
+            Ok((_, Replayed(true))) => metrics.resume("REPLAYED"),
+            Ok(_) => metrics.resume("OK"),
+            Err(e) => {
+                if let EngineError::Store(StoreError::Backend(_)) = e {
+                    metrics.store_error("resume");
+                }
+                metrics.resume(e.code())
+            }
+        }
+        outcome.map(|(accepted, _)| accepted)
+    }
+
+    pub(super) async fn resume_once(
+        &self,
+        user_id: &str,
+        run_id: &RunId,
+        req: ResumeRequest,
+    ) -> EngineResult<(ResumeAccepted, Replayed)> {
+        if self.is_shutting_down() {
+            return Err(EngineError::ShuttingDown);
+        }
+        let inner = &self.inner;
+        let store = &inner.store;
+        let run = self.run(user_id, run_id).await?;
+        let interrupt = match store.get_interrupt(&req.interrupt_id).await? {
+            Some(i) if i.run_id == run.id => i,
+            _ => return Err(EngineError::NotFound("interrupt")),
+        };
+        if req.idempotency_key.is_empty() || req.idempotency_key.len() > 200 {
+            return Err(EngineError::Invalid("idempotencyKey: must be 1 to 200 characters".into()));
+        }
+        if looks_secret(&req.idempotency_key) {
+            // It would be stored and echoed in errors and logs: an id must not be a credential.
+            return Err(EngineError::Invalid(
+                "idempotencyKey: looks like a secret (a key, token or password); use an opaque id".into(),
+            ));
+        }
+        if let Some(note) = &req.note {
+            if note.chars().count() > MAX_NOTE_CHARS || note.contains('\0') {
+                return Err(EngineError::Invalid(format!(
+                    "note: must be at most {MAX_NOTE_CHARS} characters, without NUL characters"
+                )));
+            }
+        }
+        let calls = store.list_tool_calls(run_id).await?;
+        let agent = inner.agent_of_run(&run).ok_or(EngineError::UnknownAgent)?;
+        let decisions = per_call(&interrupt, &req.decision, &calls, &agent.tools)?;
+
+        // 1. Authorize the caller as of now, not as of when the run started: anything but a
+        //    rejection needs a role the tool's policy does not deny.
+        let role = inner.role_of(user_id).await?;
+        for (call_id, decision) in &decisions {
+            if *decision == CallDecision::Reject {
+                continue;
+            }
+            let Some(call) = calls.iter().find(|c| &c.id == call_id) else { continue };
+            let allowed = agent.tools.get(&call.name).map(|t| t.spec().policy_for(role)).unwrap_or(Policy::Deny);
+            if allowed == Policy::Deny {
+                return Err(EngineError::Forbidden(format!(
+                    "your role ({}) may not decide on {}",
+                    role.map(|r| r.as_str()).unwrap_or("none"),
+                    call.name
+                )));
+            }
+        }
+
+        // 2. Expiry.
+        let now = inner.clock.now();
+        if interrupt.status == InterruptStatus::Expired
+            || (interrupt.status == InterruptStatus::Pending && interrupt.expires_at <= now)
+        {
+            if interrupt.status == InterruptStatus::Pending {
+                inner.expire(&interrupt).await?;
+            }
+            return Err(EngineError::InterruptExpired);
+        }
+
+        // 3. The idempotency key: the same request again gets the first answer.
+        let hash = request_hash(run_id, &req.interrupt_id, &req.decision.to_value(), req.note.as_deref());
+        let in_flight_until = now + chrono_dur(inner.config.idempotency_in_flight_ttl);
+        match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, in_flight_until).await? {
+            IdempotencyBegin::Done { response, .. } => {
+                return serde_json::from_value(response)
+                    .map(|accepted| (accepted, Replayed(true)))
+                    .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored resume answer: {e}"))));
+            }
+            IdempotencyBegin::InFlight => return Err(EngineError::IdempotencyKeyInFlight),
+            IdempotencyBegin::Mismatch => return Err(EngineError::IdempotencyKeyReused),
+            IdempotencyBegin::Started => {}
+        }
+
+        // The answer is stored under the key in the claim's own transaction.
+        let outcome = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, now).await;
+        if outcome.is_err() {
+            // Nothing happened under this key: let a retry be evaluated afresh.
+            store.idempotency_abandon(user_id, &req.idempotency_key).await?;
+        }
+        outcome.map(|accepted| (accepted, Replayed(false)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn claim_and_continue(
+        &self,
+        run: &Run,
+        interrupt: &Interrupt,
+        req: &ResumeRequest,
+        decisions: BTreeMap<CallId, CallDecision>,
+        calls: &[ToolCall],
+        user_id: &str,
+        now: Timestamp,
+    ) -> EngineResult<ResumeAccepted> {
+        let inner = &self.inner;
+        if interrupt.status != InterruptStatus::Pending {
+            return Err(EngineError::InterruptAlreadyResolved);
+        }
+        // 4. Claim: the interrupt (pending, unexpired) and the run (interrupted) in one conditional
+        //    commit. Of concurrent resumes exactly one matches; the rest find nothing to update.
+        let owner = inner.lease_token();
+        let lease_until = now + chrono_dur(inner.config.lease_ttl);
+        let mut commit = Commit::new(
+            run.id.clone(),
+            Fence::Acquire { owner: owner.clone(), from: vec![RunStatus::Interrupted], lease_until },
+            now,
+        );
+        let decision = Masked::new(req.decision.to_value());
+        let note = req.note.as_deref().map(str::trim).filter(|n| !n.is_empty()).map(Masked::from);
+        commit.interrupt_changes.push(InterruptChange {
+            id: interrupt.id.clone(),
+            to: InterruptStatus::Resolved,
+            decision: Some(decision.clone()),
+            note: note.clone(),
+            resolved_by: Some(user_id.to_owned()),
+        });
+        commit.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        let human_wait_ms = (now - interrupt.created_at).num_milliseconds().max(0) as u64;
+        commit.events.push(EventKind::Resumed {
+            interrupt_id: interrupt.id.clone(),
+            decision: decision.clone(),
+            note,
+            human_wait_ms,
+            resolved_by: user_id.to_owned(),
+        });
+        commit.events.push(EventKind::NodeFinished { node: nodes::APPROVAL.into(), duration_ms: human_wait_ms });
+        let mut pending = Vec::new();
+        for call_id in &interrupt.call_ids {
+            let Some(call) = calls.iter().find(|c| &c.id == call_id) else { continue };
+            pending.push(call_id.clone());
+            match decisions.get(call_id).unwrap_or(&CallDecision::Reject) {
+                // A retry runs the call again with the same idempotency key.
+                CallDecision::Approve | CallDecision::Retry => {
+                    commit.tool_calls.push(ToolCallChange::transition(call_id, call.state, ToolCallState::Allowed))
+                }
+                CallDecision::MarkDone => {
+                    settle_by_human(&mut commit, run, call, true, user_id, req.note.as_deref(), now)
+                }
+                CallDecision::MarkFailed => {
+                    settle_by_human(&mut commit, run, call, false, user_id, req.note.as_deref(), now)
+                }
+                CallDecision::Edit(args) => commit.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+                    args: Some(Masked::from(args)),
+                    ..ToolCallUpdate::new(call_id, call.state, ToolCallState::Allowed)
+                })),
+                CallDecision::Reject => {
+                    let reason = format!("rejected by {user_id}; it did not run");
+                    deny_call(&mut commit, run, call, &reason, now);
+                }
+            }
+        }
+        let mut checkpoint = run.checkpoint.clone();
+        checkpoint.next_step = NextStep::ExecuteTools;
+        checkpoint.pending_call_ids = pending;
+        commit.checkpoint = Some(checkpoint);
+        // `resumed` is the commit's first event. Nobody writes to an interrupted run without moving
+        // it out of `interrupted` (which fails this commit's fence), so its sequence is known now.
+        let accepted = ResumeAccepted {
+            run_id: run.id.clone(),
+            interrupt_id: interrupt.id.clone(),
+            status: RunStatus::Running,
+            decision: decision.clone(),
+            resumed_sequence: run.next_sequence,
+        };
+        commit.idempotency = Some(IdempotencyAnswer {
+            user_id: user_id.to_owned(),
+            key: req.idempotency_key.clone(),
+            status: 200,
+            response: serde_json::to_value(&accepted).unwrap_or(Value::Null),
+            expires_at: now + chrono::Duration::hours(24),
+        });
+
+        let committed = match inner.store.commit(commit).await {
+            Ok(c) => c,
+            Err(StoreError::Conflict(_)) => {
+                // Lost the race, or expired meanwhile: say which.
+                let current = inner.store.get_interrupt(&interrupt.id).await?;
+                return Err(match current.map(|i| i.status) {
+                    Some(InterruptStatus::Expired) => EngineError::InterruptExpired,
+                    Some(InterruptStatus::Pending) if interrupt.expires_at <= inner.clock.now() => {
+                        EngineError::InterruptExpired
+                    }
+                    Some(InterruptStatus::Pending) => EngineError::RunNotInterrupted,
+                    _ => EngineError::InterruptAlreadyResolved,
+                });
+            }
+            Err(e) => return Err(e.into()),
+        };
+        inner.committed(run.created_at, &committed.events);
+        let resumed_sequence = committed
+            .events
+            .iter()
+            .find(|e| matches!(e.kind, EventKind::Resumed { .. }))
+            .map(|e| e.sequence)
+            .unwrap_or_default();
+        inner.spawn_worker(run.id.clone(), Lease::Held(owner));
+        if resumed_sequence != accepted.resumed_sequence {
+            // Can't happen under the fence; if it ever does, the stored answer is corrected.
+            tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
+            let accepted = ResumeAccepted { resumed_sequence, ..accepted };
+            let body = serde_json::to_value(&accepted).unwrap_or(Value::Null);
+            inner.store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
+            return Ok(accepted);
+        }
+        Ok(accepted)
+    }
+}
+
+pub(super) fn request_hash(run_id: &RunId, interrupt_id: &InterruptId, decision: &Value, note: Option<&str>) -> String {
+    let mut h = Sha256::new();
+    h.update(run_id.as_str());
+    h.update(b"\n");
+    h.update(interrupt_id.as_str());
+    h.update(b"\n");
+    // serde_json maps are ordered, so equal decisions hash equally whatever their key order.
+    h.update(decision.to_string());
+    if let Some(note) = note {
+        h.update(b"\nnote\n");
+        h.update(note);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,257 @@
+//! What drives workers: claiming runs that need one, the sweeper (interrupt expiry, orphaned
+//! runs), leases, cancellation, and publishing what was committed.
+
+use super::*;
+
+impl Inner {
+    /// After a commit: publishes its events and measures what they announce.
+    pub(super) fn committed(&self, run_created_at: Timestamp, events: &[Event]) {
+        self.bus.publish(events);
+        let metrics = &self.config.metrics;
+        let ms = Duration::from_millis;
+        for event in events {
+            metrics.event_appended(event.type_name());
+            match &event.kind {
+                EventKind::RunStarted { .. } => metrics.run_started(),
+                EventKind::NodeFinished { node, duration_ms } => metrics.node_finished(node, ms(*duration_ms)),
+                EventKind::Resumed { human_wait_ms, .. } => metrics.human_wait(ms(*human_wait_ms)),
+                EventKind::Done { .. } | EventKind::Error { .. } | EventKind::Cancelled { .. } => {
+                    let status = match event.kind {
+                        EventKind::Done { .. } => RunStatus::Completed,
+                        EventKind::Error { .. } => RunStatus::Failed,
+                        _ => RunStatus::Cancelled,
+                    };
+                    let age = (event.ts - run_created_at).to_std().unwrap_or_default();
+                    metrics.run_finished(status, age);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    pub(super) fn lease_token(&self) -> String {
+        format!("{}:{}", self.config.instance_id, uuid::Uuid::now_v7().simple())
+    }
+
+    pub(super) fn lease_until(&self) -> Timestamp {
+        self.clock.now() + chrono_dur(self.config.lease_ttl)
+    }
+
+    pub(super) async fn role_of(&self, user_id: &str) -> Result<Option<UserRole>, StoreError> {
+        Ok(self.store.user_role(user_id).await?.or(self.config.default_role))
+    }
+
+    pub(super) fn spawn_worker(self: &Arc<Self>, run_id: RunId, lease: Lease) {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        let inner = self.clone();
+        let key = run_id.clone();
+        let handle = tokio::spawn(async move {
+            let Ok(Some(mut run)) = inner.store.get_run(&run_id).await else {
+                tracing::warn!(run_id = %run_id, "run vanished before its worker started");
+                return;
+            };
+            let trace_id = match run.checkpoint.trace_id.clone() {
+                Some(id) => id,
+                None => inner.trace_id_of(&run_id).await,
+            };
+            let span = tracing::info_span!(
+                "run",
+                run_id = %run_id,
+                trace_id = %trace_id,
+                step = %run.checkpoint.next_step,
+                outcome = tracing::field::Empty,
+            );
+            if let Some(hook) = &inner.config.run_span_hook {
+                hook.call(&span, &trace_id);
+            }
+            run.checkpoint.trace_id = Some(trace_id);
+            inner.clone().work(run, lease).instrument(span).await;
+        });
+        let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
+        workers.retain(|_, h| !h.is_finished());
+        workers.insert(key, handle);
+    }
+
+    /// The trace id a run's first event carries, or a new one for a run from before trace ids.
+    pub(super) async fn trace_id_of(&self, run_id: &RunId) -> String {
+        match self.store.list_events(run_id, 0, 1).await.as_deref() {
+            Ok([Event { kind: EventKind::RunStarted { trace_id: Some(id), .. }, .. }]) => id.clone(),
+            _ => new_trace_id(),
+        }
+    }
+
+    /// The agent that runs `run`: its own, or the default for a run made before agents.
+    pub(super) fn agent_of_run(&self, run: &Run) -> Option<&Arc<Agent>> {
+        self.agents.resolve(run.agent_id.as_deref())
+    }
+
+    /// One worker's life: drive the run from its checkpoint until it pauses, ends or is not ours.
+    pub(super) async fn work(self: Arc<Self>, run: Run, lease: Lease) {
+        let inner = self;
+        let run_id = run.id.clone();
+        let (owner, acquire) = match lease {
+            Lease::Held(owner) => (owner, None),
+            Lease::Acquire(from) => (inner.lease_token(), Some(from)),
+        };
+        let cancel_signal = Arc::new(tokio::sync::Notify::new());
+        inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
+        let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
+        // A run of an agent this process does not run (a config that dropped it) fails at its first
+        // step, with a clear code, instead of running as another agent.
+        let (agent, agent_missing) = match inner.agent_of_run(&run) {
+            Some(agent) => (agent.clone(), false),
+            None => (inner.agents.default_agent().clone(), true),
+        };
+        let mut worker = Worker {
+            inner: inner.clone(),
+            agent,
+            agent_missing,
+            run,
+            owner,
+            acquire,
+            cancel_signal,
+            deferred: Vec::new(),
+            deferred_text: Vec::new(),
+        };
+        let outcome = match worker.drive().await {
+            Ok(Stop::Settled) => "settled",
+            Ok(Stop::NotOurs) => "not_ours",
+            Ok(Stop::Shutdown) => {
+                let _ = inner.store.release_lease(&worker.run.id, &worker.owner).await;
+                "shutdown"
+            }
+            Err(e) => {
+                if let WorkerError::Store(_) = e {
+                    inner.config.metrics.store_error("worker");
+                }
+                worker.fail(e).await;
+                "failed"
+            }
+        };
+        tracing::Span::current().record("outcome", outcome);
+        renewer.abort();
+        inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
+        inner.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
+    }
+
+    /// Keeps the lease alive while the worker waits on a slow model or tool. A renewal that fails
+    /// means the lease was lost; the worker's next commit is then refused by its fence.
+    pub(super) fn spawn_lease_renewer(self: &Arc<Self>, run_id: RunId, owner: String) -> JoinHandle<()> {
+        let inner = self.clone();
+        tokio::spawn(async move {
+            let period = (inner.config.lease_ttl / 3).max(Duration::from_millis(100));
+            loop {
+                tokio::time::sleep(period).await;
+                match inner.store.renew_lease(&run_id, &owner, inner.lease_until()).await {
+                    Ok(true) => {}
+                    Ok(false) => break,
+                    Err(e) => {
+                        inner.config.metrics.store_error("renew_lease");
+                        tracing::warn!(run_id = %run_id, error = %e, "lease renewal failed")
+                    }
+                }
+            }
+        })
+    }
+
+    pub(super) async fn claim_and_spawn(self: &Arc<Self>, steal: bool) -> Result<usize, StoreError> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Ok(0);
+        }
+        let mut total = 0;
+        loop {
+            let owner = self.lease_token();
+            let now = self.clock.now();
+            let claimed = self.store.claim_runs(&owner, now, self.lease_until(), steal, 50).await?;
+            let n = claimed.len();
+            for run in claimed {
+                tracing::info!(run_id = %run.id, step = %run.checkpoint.next_step, "continuing run from its checkpoint");
+                self.spawn_worker(run.id, Lease::Held(owner.clone()));
+            }
+            total += n;
+            if n < 50 {
+                return Ok(total);
+            }
+        }
+    }
+
+    pub(super) async fn sweep_expired(&self) -> EngineResult<usize> {
+        let due = self.store.due_interrupts(self.clock.now(), 100).await?;
+        let mut n = 0;
+        for interrupt in due {
+            if self.expire(&interrupt).await? {
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Expires a pending interrupt and cancels its run; `false` if a resume or cancel got there first.
+    pub(super) async fn expire(&self, interrupt: &Interrupt) -> EngineResult<bool> {
+        let Some(run) = self.store.get_run(&interrupt.run_id).await? else { return Ok(false) };
+        let now = self.clock.now();
+        let mut commit = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, now);
+        commit.interrupt_changes.push(InterruptChange {
+            id: interrupt.id.clone(),
+            to: InterruptStatus::Expired,
+            decision: None,
+            note: None,
+            resolved_by: None,
+        });
+        let calls = self.store.list_tool_calls(&run.id).await?;
+        for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Asking) {
+            deny_call(&mut commit, &run, call, "the approval request expired; it did not run", now);
+        }
+        commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt_expired".into()) });
+        commit.events.push(EventKind::Cancelled { reason: "interrupt_expired".into() });
+        match self.store.commit(commit).await {
+            Ok(c) => {
+                tracing::info!(run_id = %run.id, interrupt_id = %interrupt.id, "interrupt expired; run cancelled");
+                self.committed(run.created_at, &c.events);
+                Ok(true)
+            }
+            Err(StoreError::Conflict(_)) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    pub(super) async fn cancel(&self, run_id: &RunId, reason: &str) -> EngineResult<Run> {
+        let now = self.clock.now();
+        let run = self.store.request_cancel(run_id, now).await?;
+        if let Some(signal) = self.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).get(run_id) {
+            self.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), reason.to_owned());
+            signal.notify_one();
+        }
+        if !matches!(run.status, RunStatus::Queued | RunStatus::Interrupted) {
+            // Running: its worker sees the flag at its next commit. Terminal: nothing to do.
+            return Ok(run);
+        }
+        let mut commit =
+            Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Queued, RunStatus::Interrupted] }, now);
+        if let Some(interrupt) = self.store.pending_interrupt(run_id).await? {
+            commit.interrupt_changes.push(InterruptChange {
+                id: interrupt.id.clone(),
+                to: InterruptStatus::Cancelled,
+                decision: None,
+                note: None,
+                resolved_by: None,
+            });
+            let calls = self.store.list_tool_calls(run_id).await?;
+            for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Asking)
+            {
+                deny_call(&mut commit, &run, call, "the run was cancelled; it did not run", now);
+            }
+        }
+        commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()) });
+        commit.events.push(EventKind::Cancelled { reason: reason.to_owned() });
+        match self.store.commit(commit).await {
+            Ok(c) => self.committed(run.created_at, &c.events),
+            // It started or resumed meanwhile: the flag is set, its worker ends it.
+            Err(StoreError::Conflict(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
+        Ok(self.store.get_run(run_id).await?.unwrap_or(run))
+    }
+}

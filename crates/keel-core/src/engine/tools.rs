@@ -1,0 +1,595 @@
+//! The tools step: classify each call by its tool's policy, run what is allowed (each attempt
+//! committed `executing`, with its idempotency key, before the tool is called), and pause for what
+//! needs a human — an approval, or a decision on a call whose outcome is unknown.
+
+use super::*;
+use crate::tool::TIMEOUT_GRACE;
+
+/// Why a call waits for a human.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Ask {
+    /// Its policy says ask: approve, reject or edit.
+    Approval,
+    /// It may or may not have happened: retry with the same key, mark done, mark failed.
+    OutcomeUnknown,
+}
+
+/// One attempt's end, before it is recorded.
+enum Attempt {
+    Done(ToolOutput),
+    Failed(ToolError),
+}
+
+impl Worker {
+    pub(super) async fn execute_tools(&mut self) -> Result<bool, WorkerError> {
+        let started = Instant::now();
+        let pending = self.run.checkpoint.pending_call_ids.clone();
+        let all_calls = self.store().list_tool_calls(&self.run.id).await?;
+        let calls: Vec<ToolCall> =
+            pending.iter().filter_map(|id| all_calls.iter().find(|c| &c.id == id).cloned()).collect();
+        let role = self.inner.role_of(&self.run.user_id).await?;
+        let max_attempts = self.inner.config.tool_max_attempts.max(1);
+
+        // announced with the commit that follows the classification
+        self.deferred.push(EventKind::NodeStarted { node: nodes::TOOLS.into() });
+
+        // Classify every call that is not settled yet.
+        let mut to_ask: Vec<(ToolCall, Ask)> = Vec::new();
+        let mut to_run: Vec<ToolCall> = Vec::new();
+        for call in calls {
+            let tool = self.agent.tools.get(&call.name).cloned();
+            match call.state {
+                ToolCallState::Requested => {
+                    let Some(tool) = tool else {
+                        let reason = format!("unknown tool {}", call.name);
+                        self.settle_failed(&call, ToolCallState::Requested, &reason, "unknown_tool").await?;
+                        continue;
+                    };
+                    if call.args.get("__invalid_json").is_some() {
+                        let reason = "invalid arguments: the model's arguments were not valid JSON";
+                        self.settle_failed(&call, ToolCallState::Requested, reason, "invalid").await?;
+                        continue;
+                    }
+                    if let Some(Err(e)) = self.agent.tools.validate_args(&call.name, &call.args) {
+                        let reason = format!("invalid arguments: {e}");
+                        self.settle_failed(&call, ToolCallState::Requested, &reason, "invalid").await?;
+                        continue;
+                    }
+                    match tool.spec().policy_for(role) {
+                        Policy::Deny => {
+                            let now = self.now();
+                            let mut c = self.new_commit();
+                            let reason = format!(
+                                "not allowed for role {}; it did not run",
+                                role.map(|r| r.as_str()).unwrap_or("none")
+                            );
+                            deny_call(&mut c, &self.run, &call, &reason, now);
+                            self.commit(c).await?;
+                        }
+                        Policy::Allow => {
+                            let mut c = self.new_commit();
+                            c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Allowed));
+                            self.commit(c).await?;
+                            to_run.push(ToolCall { state: ToolCallState::Allowed, ..call });
+                        }
+                        Policy::Ask => to_ask.push((call, Ask::Approval)),
+                    }
+                }
+                ToolCallState::Allowed => to_run.push(call),
+                ToolCallState::Executing => {
+                    // Cut off by a crash mid-attempt: it may or may not have reached the tool.
+                    let idempotent = tool.as_ref().is_some_and(|t| t.spec().idempotent);
+                    if idempotent && call.attempts < max_attempts {
+                        tracing::info!(run_id = %self.run.id, call_id = %call.id, "retrying an idempotent call cut off by a crash");
+                        to_run.push(call);
+                    } else if idempotent {
+                        let reason = format!("no answer after {} attempts", call.attempts);
+                        self.settle_failed(&call, ToolCallState::Executing, &reason, "timeout").await?;
+                    } else {
+                        let mut c = self.new_commit();
+                        c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Unknown));
+                        self.commit(c).await?;
+                        to_ask.push((ToolCall { state: ToolCallState::Unknown, ..call }, Ask::OutcomeUnknown));
+                    }
+                }
+                ToolCallState::Unknown => to_ask.push((call, Ask::OutcomeUnknown)),
+                ToolCallState::Asking => to_ask.push((call, Ask::Approval)),
+                ToolCallState::Denied | ToolCallState::Succeeded | ToolCallState::Failed | ToolCallState::Suspended => {
+                }
+            }
+        }
+
+        // Read-only calls run concurrently; calls with side effects one at a time, in order.
+        let (read_only, side_effects): (Vec<ToolCall>, Vec<ToolCall>) = to_run
+            .into_iter()
+            .partition(|c| self.agent.tools.get(&c.name).map(|t| !t.spec().side_effect).unwrap_or(true));
+        to_ask.extend(self.run_calls(read_only).await?);
+        for call in side_effects {
+            to_ask.extend(self.run_calls(vec![call]).await?);
+            if self.run.cancel_requested {
+                return Ok(true);
+            }
+        }
+
+        if !to_ask.is_empty() {
+            // One interrupt asks one kind of question: calls whose outcome is unknown first; calls
+            // waiting for an approval are asked about once those are decided.
+            let kind =
+                if to_ask.iter().any(|(_, a)| *a == Ask::OutcomeUnknown) { Ask::OutcomeUnknown } else { Ask::Approval };
+            let (asked, later): (Vec<_>, Vec<_>) = to_ask.into_iter().partition(|(_, a)| *a == kind);
+            let later: Vec<ToolCall> = later.into_iter().map(|(c, _)| c).collect();
+            self.pause_for(asked.into_iter().map(|(c, _)| c).collect(), kind, later, started).await?;
+            return Ok(false);
+        }
+        let mut c = self.new_commit();
+        c.events.push(EventKind::NodeFinished {
+            node: nodes::TOOLS.into(),
+            duration_ms: started.elapsed().as_millis() as u64,
+        });
+        let mut cp = self.run.checkpoint.clone();
+        cp.next_step = NextStep::CallModel;
+        cp.pending_call_ids = Vec::new();
+        c.checkpoint = Some(cp);
+        self.commit(c).await?;
+        Ok(true)
+    }
+
+    fn tool_context(&self, call: &ToolCall, role: Option<UserRole>) -> ToolContext {
+        ToolContext {
+            call_id: call.id.clone(),
+            idempotency_key: call.id.to_string(),
+            attempt: call.attempts.max(1),
+            run_id: self.run.id.clone(),
+            conversation_id: self.run.conversation_id.clone(),
+            agent_id: self.agent.id.clone(),
+            user_id: self.run.user_id.clone(),
+            role,
+            now: self.now(),
+        }
+    }
+
+    /// Prechecks, then attempts each call: every attempt is claimed (`executing`, attempts + 1,
+    /// conditional) in a commit before the tool is called, so a crash leaves a call that says it may
+    /// have been dispatched. A call that got no answer is tried again with the same key while its
+    /// tool allows and attempts remain; otherwise it is recorded, or — no answer from a tool that
+    /// is not idempotent — returned for a human to decide.
+    async fn run_calls(&mut self, calls: Vec<ToolCall>) -> Result<Vec<(ToolCall, Ask)>, WorkerError> {
+        let mut unknown = Vec::new();
+        if calls.is_empty() {
+            return Ok(unknown);
+        }
+        let role = self.inner.role_of(&self.run.user_id).await?;
+        let max_attempts = self.inner.config.tool_max_attempts.max(1);
+        let mut round: Vec<(ToolCall, Arc<dyn Tool>)> = Vec::new();
+        for call in calls {
+            let Some(tool) = self.agent.tools.get(&call.name).cloned() else {
+                let reason = format!("unknown tool {}", call.name);
+                self.settle_failed(&call, call.state, &reason, "unknown_tool").await?;
+                continue;
+            };
+            if tool.spec().side_effect && call.state == ToolCallState::Allowed {
+                // Reload the resource and re-check it (and the caller) just before the side effect.
+                if let Err(e) = tool.precheck(&self.tool_context(&call, role), &call.args).await {
+                    self.settle_failed(&call, ToolCallState::Allowed, &e.to_string(), &e.code()).await?;
+                    continue;
+                }
+            }
+            round.push((call, tool));
+        }
+        let mut backoff = self.inner.config.tool_retry_backoff;
+        while !round.is_empty() {
+            // Claim this round's attempts.
+            let mut claimed = Vec::new();
+            for (call, tool) in round.drain(..) {
+                let now = self.now();
+                let mut c = self.new_commit();
+                let attempts = call.attempts + 1;
+                c.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+                    started_at: (call.attempts == 0).then_some(now),
+                    attempts: Some(attempts),
+                    ..ToolCallUpdate::new(&call.id, call.state, ToolCallState::Executing)
+                }));
+                if call.attempts == 0 {
+                    c.events.push(EventKind::ToolStarted {
+                        call_id: call.id.clone(),
+                        tool: call.name.clone(),
+                        args_summary: args_summary(&call.args),
+                    });
+                }
+                self.commit(c).await?;
+                claimed.push((ToolCall { state: ToolCallState::Executing, attempts, ..call }, tool));
+            }
+            let contexts: Vec<ToolContext> = claimed.iter().map(|(call, _)| self.tool_context(call, role)).collect();
+            let metrics = &self.inner.config.metrics;
+            let outcomes = futures::future::join_all(claimed.iter().zip(contexts.iter()).map(|((call, tool), ctx)| {
+                // Ids and the tool's name only: arguments and results may hold anything.
+                let span = tracing::info_span!(
+                    "tool_call",
+                    call_id = %call.id,
+                    tool = %call.name,
+                    attempt = call.attempts,
+                    outcome = tracing::field::Empty,
+                );
+                let limit = tool.spec().timeout;
+                async move {
+                    let started = Instant::now();
+                    let output = match tokio::time::timeout(limit + TIMEOUT_GRACE, tool.execute(ctx, &call.args)).await
+                    {
+                        Ok(Ok(output)) => Attempt::Done(output),
+                        Ok(Err(e)) => Attempt::Failed(e),
+                        Err(_) => {
+                            Attempt::Failed(ToolError::Timeout(format!("no answer within {} ms", limit.as_millis())))
+                        }
+                    };
+                    let outcome = if matches!(output, Attempt::Done(_)) { "success" } else { "error" };
+                    tracing::Span::current().record("outcome", outcome);
+                    metrics.tool_call(&call.name, outcome, started.elapsed());
+                    output
+                }
+                .instrument(span)
+            }))
+            .await;
+            let mut retry = Vec::new();
+            for ((call, tool), outcome) in claimed.into_iter().zip(outcomes) {
+                let outcome = match outcome {
+                    Attempt::Done(output) => match self.agent.tools.validate_result(&call.name, &output.result) {
+                        Ok(()) => Attempt::Done(output),
+                        Err(v) => Attempt::Failed(ToolError::BadResponse(format!("the result breaks its schema: {v}"))),
+                    },
+                    failed => failed,
+                };
+                match outcome {
+                    Attempt::Done(output) => self.record_result(&call, output).await?,
+                    Attempt::Failed(error) => match error.next(tool.spec().idempotent) {
+                        NextAttempt::Retry if call.attempts < max_attempts => {
+                            tracing::info!(run_id = %self.run.id, call_id = %call.id, attempt = call.attempts,
+                                code = %error.code(), "the call got no answer; trying again with the same key");
+                            retry.push((call, tool));
+                        }
+                        NextAttempt::AskHuman => {
+                            let mut c = self.new_commit();
+                            c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Unknown));
+                            self.commit(c).await?;
+                            unknown.push((ToolCall { state: ToolCallState::Unknown, ..call }, Ask::OutcomeUnknown));
+                        }
+                        NextAttempt::Retry | NextAttempt::Fail => {
+                            let reason = if matches!(error.next(true), NextAttempt::Retry) && call.attempts > 1 {
+                                format!("{error} (after {} attempts)", call.attempts)
+                            } else {
+                                error.to_string()
+                            };
+                            self.settle_failed(&call, ToolCallState::Executing, &reason, &error.code()).await?;
+                        }
+                    },
+                }
+            }
+            if !retry.is_empty() {
+                if self.run.cancel_requested || self.inner.shutting_down.load(Ordering::SeqCst) {
+                    // Left `executing`: whoever continues the run retries them (they are idempotent).
+                    return Ok(unknown);
+                }
+                tokio::time::sleep(backoff).await;
+                backoff = backoff.saturating_mul(2);
+            }
+            round = retry;
+        }
+        Ok(unknown)
+    }
+
+    async fn record_result(&mut self, call: &ToolCall, output: ToolOutput) -> Result<(), StoreError> {
+        let now = self.now();
+        let mut c = self.new_commit();
+        let result = Masked::new(bound_result(output.result, self.agent.context.tool_result_max_bytes));
+        let summary = Masked::truncated(&output.summary, 200);
+        c.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+            result: Some(result.clone()),
+            summary: Some(summary.clone()),
+            finished_at: Some(now),
+            ..ToolCallUpdate::new(&call.id, ToolCallState::Executing, ToolCallState::Succeeded)
+        }));
+        c.messages.push(tool_message(&self.run, &call.id, &result, now));
+        c.events.push(EventKind::ToolFinished {
+            call_id: call.id.clone(),
+            tool: call.name.clone(),
+            status: ToolOutcomeStatus::Success,
+            summary,
+            error_code: None,
+        });
+        if !output.facts.is_empty() {
+            let new_facts: Vec<(String, Masked<String>)> =
+                output.facts.iter().map(|(key, value)| (key.clone(), Masked::fact(key, value))).collect();
+            for (key, value) in &new_facts {
+                c.facts.push(Fact {
+                    key: key.clone(),
+                    value: value.clone(),
+                    source: FactSource::ToolResult,
+                    updated_at: now,
+                });
+            }
+            let mut facts = crate::domain::fact_map(&self.store().list_facts(&self.run.conversation_id).await?);
+            facts.extend(new_facts.into_iter().map(|(k, v)| (k, v.into_inner())));
+            c.events.push(EventKind::FactsUpdated { facts });
+        }
+        self.commit(c).await.map(|_| ())
+    }
+
+    /// Records a call that failed (or never started): the model is told why and what kind of failure
+    /// it was; no fact is written.
+    async fn settle_failed(
+        &mut self,
+        call: &ToolCall,
+        from: ToolCallState,
+        reason: &str,
+        code: &str,
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        let reason = Masked::truncated(reason, 300);
+        let result = Masked::new(json!({"status": "error", "code": code, "error": reason}));
+        let mut c = self.new_commit();
+        if from == ToolCallState::Requested {
+            // Never allowed: go through `allowed` so the state machine holds.
+            c.tool_calls.push(ToolCallChange::transition(&call.id, from, ToolCallState::Allowed));
+        }
+        c.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+            result: Some(result.clone()),
+            summary: Some(reason.clone()),
+            finished_at: Some(now),
+            ..ToolCallUpdate::new(
+                &call.id,
+                if from == ToolCallState::Requested { ToolCallState::Allowed } else { from },
+                ToolCallState::Failed,
+            )
+        }));
+        c.messages.push(tool_message(&self.run, &call.id, &result, now));
+        if from != ToolCallState::Executing {
+            c.events.push(EventKind::ToolStarted {
+                call_id: call.id.clone(),
+                tool: call.name.clone(),
+                args_summary: args_summary(&call.args),
+            });
+        }
+        c.events.push(EventKind::ToolFinished {
+            call_id: call.id.clone(),
+            tool: call.name.clone(),
+            status: ToolOutcomeStatus::Error,
+            summary: reason,
+            error_code: Some(code.to_owned()),
+        });
+        self.commit(c).await.map(|_| ())
+    }
+
+    /// Interrupt + checkpoint + `interrupted` + `interrupt` event, one transaction. `later` are calls
+    /// of this step that wait for another question once this one is answered.
+    async fn pause_for(
+        &mut self,
+        calls: Vec<ToolCall>,
+        ask: Ask,
+        later: Vec<ToolCall>,
+        tools_started: Instant,
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        let expires_at = now + chrono_dur(self.inner.config.interrupt_ttl);
+        let mut c = self.new_commit();
+        let mut actions = Vec::new();
+        let unknown = ask == Ask::OutcomeUnknown;
+        for call in calls.iter().chain(later.iter()) {
+            if call.state == ToolCallState::Requested {
+                c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Asking));
+            }
+        }
+        for call in &calls {
+            let desc = self.agent.tools.get(&call.name).map(|t| t.describe(&call.args));
+            let mut action = json!({
+                "callId": call.id,
+                "tool": call.name,
+                "args": call.args,
+                "title": desc.as_ref().map(|d| d.title.clone()),
+                "risk": desc.as_ref().map(|d| d.risk.clone()),
+                "description": desc.as_ref().map(|d| d.description.clone()),
+            });
+            if unknown {
+                action["outcome"] = json!("unknown");
+                action["attempts"] = json!(call.attempts);
+            }
+            actions.push(action);
+        }
+        let title = match (calls.len(), unknown) {
+            (1, true) => format!(
+                "{}: no answer came back. Did it happen?",
+                actions[0]["title"].as_str().map(|t| t.trim_end_matches('?')).unwrap_or("The action")
+            ),
+            (n, true) => format!("{n} actions got no answer. Did they happen?"),
+            (1, false) => actions[0]["title"].as_str().unwrap_or("Confirm the action").to_owned(),
+            (n, false) => format!("Confirm {n} actions"),
+        };
+        let risk = if unknown {
+            "The request was sent and no answer came back (a timeout, or the process stopped), so it may or may \
+             not have happened. Check the target, then retry it with the same idempotency key, or say it was \
+             done, or that it failed."
+                .to_owned()
+        } else {
+            actions.iter().filter_map(|a| a["risk"].as_str()).collect::<Vec<_>>().join(" ")
+        };
+        let decisions =
+            if unknown { json!(["retry", "mark_done", "mark_failed"]) } else { json!(["approve", "reject", "edit"]) };
+        let payload = Masked::new(json!({
+            "title": title, "risk": risk, "actions": actions, "outcomeUnknown": unknown, "decisions": decisions,
+        }));
+        let interrupt = Interrupt {
+            id: InterruptId::new(),
+            run_id: self.run.id.clone(),
+            kind: if unknown { InterruptKind::OutcomeUnknown } else { InterruptKind::ConfirmAction },
+            status: InterruptStatus::Pending,
+            payload: payload.clone(),
+            call_ids: calls.iter().map(|c| c.id.clone()).collect(),
+            created_at: now,
+            expires_at,
+            decision: None,
+            note: None,
+            resolved_by: None,
+            resolved_at: None,
+        };
+        c.events.push(EventKind::NodeFinished {
+            node: nodes::TOOLS.into(),
+            duration_ms: tools_started.elapsed().as_millis() as u64,
+        });
+        c.events.push(EventKind::NodeStarted { node: nodes::APPROVAL.into() });
+        c.events.push(EventKind::Interrupt {
+            interrupt_id: interrupt.id.clone(),
+            kind: interrupt.kind,
+            payload,
+            expires_at,
+        });
+        c.new_interrupts.push(interrupt.clone());
+        c.run = Some(RunChange { to: RunStatus::Interrupted, reason: None });
+        let mut cp = self.run.checkpoint.clone();
+        cp.next_step = NextStep::AwaitInterrupt;
+        // Every call of the step still open: the asked ones, and those asked about next.
+        cp.pending_call_ids = interrupt.call_ids.iter().cloned().chain(later.iter().map(|c| c.id.clone())).collect();
+        c.checkpoint = Some(cp);
+        self.commit(c).await.map(|_| ())
+    }
+}
+
+/// A denied call: the synthetic result the model sees, and the events the client sees.
+pub(super) fn deny_call(commit: &mut Commit, run: &Run, call: &ToolCall, reason: &str, now: Timestamp) {
+    let reason = Masked::from(reason);
+    let result = Masked::from(json!({"status": "denied", "reason": reason}));
+    commit.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+        result: Some(result.clone()),
+        summary: Some(reason.clone()),
+        finished_at: Some(now),
+        ..ToolCallUpdate::new(&call.id, call.state, ToolCallState::Denied)
+    }));
+    commit.messages.push(tool_message(run, &call.id, &result, now));
+    commit.events.push(EventKind::ToolStarted {
+        call_id: call.id.clone(),
+        tool: call.name.clone(),
+        args_summary: args_summary(&call.args),
+    });
+    commit.events.push(EventKind::ToolFinished {
+        call_id: call.id.clone(),
+        tool: call.name.clone(),
+        status: ToolOutcomeStatus::Denied,
+        summary: reason,
+        error_code: None,
+    });
+}
+
+/// A call whose outcome was unknown, settled by a human: done (it happened) or failed (it did not,
+/// or failed). The model is told who said so, and their note.
+pub(super) fn settle_by_human(
+    commit: &mut Commit,
+    run: &Run,
+    call: &ToolCall,
+    done: bool,
+    user_id: &str,
+    note: Option<&str>,
+    now: Timestamp,
+) {
+    let note = note.map(str::trim).filter(|n| !n.is_empty());
+    let said = match (done, note) {
+        (true, Some(n)) => format!("marked done by {user_id}: {n}"),
+        (true, None) => format!("marked done by {user_id}"),
+        (false, Some(n)) => format!("marked failed by {user_id}: {n}"),
+        (false, None) => format!("marked failed by {user_id}"),
+    };
+    let summary = Masked::truncated(&said, 200);
+    let result = if done {
+        Masked::new(json!({"status": "done", "confirmedBy": user_id, "note": note}))
+    } else {
+        Masked::new(json!({"status": "error", "code": "marked_failed", "error": said}))
+    };
+    commit.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+        result: Some(result.clone()),
+        summary: Some(summary.clone()),
+        finished_at: Some(now),
+        ..ToolCallUpdate::new(&call.id, call.state, if done { ToolCallState::Succeeded } else { ToolCallState::Failed })
+    }));
+    commit.messages.push(tool_message(run, &call.id, &result, now));
+    commit.events.push(EventKind::ToolFinished {
+        call_id: call.id.clone(),
+        tool: call.name.clone(),
+        status: if done { ToolOutcomeStatus::Success } else { ToolOutcomeStatus::Error },
+        summary,
+        error_code: (!done).then(|| "marked_failed".to_owned()),
+    });
+}
+
+pub(super) fn tool_message(run: &Run, call_id: &CallId, result: &Masked<Value>, now: Timestamp) -> Message {
+    Message {
+        id: MessageId::new(),
+        conversation_id: run.conversation_id.clone(),
+        run_id: Some(run.id.clone()),
+        role: Role::Tool,
+        content: result.to_text(),
+        tool_call_id: Some(call_id.clone()),
+        created_at: now,
+    }
+}
+
+/// `name(key=value, …)`-style, masked and short.
+pub(super) fn args_summary(args: &Masked<Value>) -> Masked<String> {
+    let text = match args.as_object() {
+        Some(o) => o
+            .iter()
+            .map(|(k, v)| format!("{k}={}", v.as_str().map(str::to_owned).unwrap_or_else(|| v.to_string())))
+            .collect::<Vec<_>>()
+            .join(", "),
+        None => args.to_string(),
+    };
+    Masked::truncated(&text, 200)
+}
+
+/// A result no larger than `max_bytes` as JSON text: a larger one becomes an explicit marker with
+/// its total size and the start of its text, so neither the store, the context nor an event grows
+/// with what a tool returns.
+pub fn bound_result(result: Value, max_bytes: usize) -> Value {
+    let text = result.to_string();
+    if text.len() <= max_bytes {
+        return result;
+    }
+    let marker = |end: usize| {
+        json!({
+            "truncated": true,
+            "totalBytes": text.len(),
+            "shownBytes": end,
+            "preview": &text[..end],
+            "note": "the result was larger than the agent's tool_result_max_bytes; only its start is shown",
+        })
+    };
+    // The preview is JSON inside a string: escaping can make it longer than the text it shows, so
+    // it is shortened until the whole marker fits.
+    let mut end = max_bytes.saturating_sub(256).min(text.len());
+    loop {
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let cut = marker(end);
+        let over = cut.to_string().len().saturating_sub(max_bytes);
+        if over == 0 || end == 0 {
+            return cut;
+        }
+        end = end.saturating_sub(over.max(16));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn large_results_are_cut_with_a_marker() {
+        let small = json!({"a": 1});
+        assert_eq!(bound_result(small.clone(), 1024), small);
+        let big = json!({"items": (0..5000).map(|i| format!("item-{i}")).collect::<Vec<_>>()});
+        let total = big.to_string().len();
+        let cut = bound_result(big, 2048);
+        assert_eq!(cut["truncated"], true);
+        assert_eq!(cut["totalBytes"], total);
+        assert!(cut.to_string().len() <= 2048, "{}", cut.to_string().len());
+        let multibyte = json!({"text": "错".repeat(3000)});
+        let cut = bound_result(multibyte, 1000);
+        assert!(cut["preview"].as_str().is_some());
+    }
+}

@@ -1,0 +1,569 @@
+//! One run's worker: it holds the run's lease and drives it step by step from its checkpoint.
+
+use super::*;
+
+/// How a worker holds its run.
+#[derive(Debug, Clone)]
+pub(super) enum Lease {
+    /// Already holds the lease (from a claim or a resume).
+    Held(String),
+    /// Takes it with the first commit, from one of these statuses.
+    Acquire(Vec<RunStatus>),
+}
+
+/// Why a worker stopped.
+#[derive(Debug)]
+pub(super) enum Stop {
+    /// The run paused or ended.
+    Settled,
+    /// Someone else holds the run now (or the acquire lost): not ours to touch.
+    NotOurs,
+    /// Graceful shutdown: the run stays `running` and is continued by the next process.
+    Shutdown,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(super) enum WorkerError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("model: {0}")]
+    Model(ModelError),
+    #[error("{0}")]
+    Limit(String),
+    #[error("the run's agent is not one this server runs")]
+    UnknownAgent,
+}
+
+/// How long a worker keeps trying a commit the store refused as overloaded before the run fails.
+const OVERLOAD_PATIENCE: Duration = Duration::from_secs(30);
+
+/// One run's worker: its lease token and what it knows of the run.
+pub(super) struct Worker {
+    pub(super) inner: Arc<Inner>,
+    /// The run's agent: its model, tools and context settings.
+    pub(super) agent: Arc<Agent>,
+    /// The run names an agent this process does not run: it fails at once.
+    pub(super) agent_missing: bool,
+    pub(super) run: Run,
+    pub(super) owner: String,
+    /// The first commit takes the lease.
+    pub(super) acquire: Option<Vec<RunStatus>>,
+    pub(super) cancel_signal: Arc<tokio::sync::Notify>,
+    /// Events, and text, that go at the front of the worker's next commit. Only for what needs no
+    /// commit of its own because the next one follows at once, with no wait (no model or tool call)
+    /// in between: a node starting, the last deltas of a model call. A worker that stops before its
+    /// next commit loses only announcements of work that another worker does again.
+    pub(super) deferred: Vec<EventKind>,
+    pub(super) deferred_text: Vec<TextAppend>,
+}
+
+impl Worker {
+    pub(super) fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    pub(super) fn now(&self) -> Timestamp {
+        self.inner.clock.now()
+    }
+
+    pub(super) fn new_commit(&mut self) -> Commit {
+        let now = self.now();
+        let lease_until = now + chrono_dur(self.inner.config.lease_ttl);
+        let fence = match self.acquire.take() {
+            Some(from) => Fence::Acquire { owner: self.owner.clone(), from, lease_until },
+            None => Fence::Lease { owner: self.owner.clone(), lease_until },
+        };
+        let mut commit = Commit::new(self.run.id.clone(), fence, now);
+        commit.events = std::mem::take(&mut self.deferred);
+        commit.text = std::mem::take(&mut self.deferred_text);
+        commit
+    }
+
+    /// Commits, publishes, and keeps the worker's view of the run current.
+    /// Commits, waiting out an overloaded store: a write it refused as `Overloaded` was not
+    /// written at all, so the same commit is sent again after a pause (doubling, up to
+    /// [`OVERLOAD_PATIENCE`] in all) instead of failing the run.
+    pub(super) async fn commit(&mut self, commit: Commit) -> Result<Committed, StoreError> {
+        let checkpoint = commit.checkpoint.clone();
+        let status = commit.run.as_ref().map(|c| c.to);
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(10);
+        let committed = loop {
+            match self.store().commit(commit.clone()).await {
+                Err(StoreError::Overloaded) if started.elapsed() + pause < OVERLOAD_PATIENCE => {
+                    tracing::debug!(run_id = %self.run.id, pause_ms = pause.as_millis() as u64, "the store is overloaded; committing again shortly");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                other => break other?,
+            }
+        };
+        self.inner.committed(self.run.created_at, &committed.events);
+        if let Some(cp) = checkpoint {
+            self.run.checkpoint = cp;
+        }
+        if let Some(s) = status {
+            self.run.status = s;
+        }
+        self.run.cancel_requested = committed.cancel_requested;
+        Ok(committed)
+    }
+
+    pub(super) async fn drive(&mut self) -> Result<Stop, WorkerError> {
+        // The first commit takes the lease (queued → running), or proves we still hold it.
+        let mut first = self.new_commit();
+        // Records the trace id for the workers that continue the run (the first one sets it).
+        first.checkpoint = Some(self.run.checkpoint.clone());
+        if self.run.status == RunStatus::Queued {
+            first.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        }
+        // A model call cut off by a crash: its text is dropped and the call is made again.
+        if let Some(cut) = self.run.checkpoint.streaming_message_id.clone() {
+            first.discard_messages.push(cut.clone());
+            first.events.push(EventKind::TextDiscarded {
+                message_id: cut,
+                reason: "the model call was interrupted and is retried".into(),
+            });
+            let mut cp = self.run.checkpoint.clone();
+            cp.streaming_message_id = None;
+            cp.next_step = NextStep::CallModel;
+            first.checkpoint = Some(cp);
+        }
+        match self.commit(first).await {
+            Ok(_) => {}
+            Err(StoreError::Conflict(_)) => return Ok(Stop::NotOurs),
+            Err(e) => return Err(e.into()),
+        }
+        if self.agent_missing {
+            return Err(WorkerError::UnknownAgent);
+        }
+        loop {
+            if self.run.cancel_requested {
+                self.finish_cancelled().await?;
+                return Ok(Stop::Settled);
+            }
+            if self.inner.shutting_down.load(Ordering::SeqCst) {
+                return Ok(Stop::Shutdown);
+            }
+            let step = self.run.checkpoint.next_step;
+            let result = match step {
+                NextStep::CallModel => self.call_model().await,
+                NextStep::ExecuteTools => self.execute_tools().instrument(node_span(nodes::TOOLS)).await,
+                NextStep::Finalize => self.finalize().instrument(node_span(nodes::FINALIZE)).await,
+                // A paused run has no worker; one that got here was resumed elsewhere.
+                NextStep::AwaitInterrupt | NextStep::AwaitExternal => return Ok(Stop::Settled),
+            };
+            match result {
+                Ok(true) => continue,
+                Ok(false) => return Ok(Stop::Settled),
+                Err(WorkerError::Store(StoreError::Conflict(msg))) => {
+                    tracing::warn!(run_id = %self.run.id, %msg, "lost the run's lease; stopping");
+                    return Ok(Stop::NotOurs);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    pub(super) async fn finish_cancelled(&mut self) -> Result<(), StoreError> {
+        let reason = self
+            .inner
+            .cancel_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&self.run.id)
+            .cloned()
+            .unwrap_or_else(|| "cancelled_by_user".to_owned());
+        let mut c = self.new_commit();
+        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.clone()) });
+        let mut cp = self.run.checkpoint.clone();
+        cp.streaming_message_id = None;
+        c.checkpoint = Some(cp);
+        c.events.push(EventKind::Cancelled { reason });
+        self.commit(c).await.map(|_| ())
+    }
+
+    /// Ends the run `failed` with a generic, masked error event; the cause goes to the log only.
+    pub(super) async fn fail(&mut self, error: WorkerError) {
+        let (code, message) = match &error {
+            WorkerError::Model(_) => ("MODEL_ERROR", "the model failed; the run was stopped".to_owned()),
+            WorkerError::Limit(m) => ("MAX_ITERATIONS", m.clone()),
+            WorkerError::UnknownAgent => {
+                ("AGENT_NOT_FOUND", "the run's agent is not configured on this server; the run was stopped".to_owned())
+            }
+            WorkerError::Store(_) => ("INTERNAL", "internal error".to_owned()),
+        };
+        tracing::error!(run_id = %self.run.id, error = %error, "run failed");
+        let mut c = self.new_commit();
+        c.run = Some(RunChange { to: RunStatus::Failed, reason: Some(code.to_lowercase()) });
+        c.events.push(EventKind::Error { code: code.into(), message });
+        if let Err(e) = self.commit(c).await {
+            // The lease will expire and another worker will retry from the checkpoint.
+            tracing::error!(run_id = %self.run.id, error = %e, "could not record the run's failure");
+        }
+    }
+
+    // ------------------------------------------------------------ call_model
+
+    /// Returns `Ok(true)` to go on with the next step.
+    pub(super) async fn call_model(&mut self) -> Result<bool, WorkerError> {
+        if self.run.checkpoint.iteration >= self.inner.config.max_iterations {
+            return Err(WorkerError::Limit(format!(
+                "the run stopped after {} model calls without an answer",
+                self.inner.config.max_iterations
+            )));
+        }
+        let started = Instant::now();
+        let Some((request, new_summary)) = self.assemble_context().instrument(node_span(nodes::CONTEXT)).await? else {
+            return Ok(true);
+        };
+        self.stream_answer(request, new_summary, started).instrument(node_span(nodes::MODEL)).await
+    }
+
+    /// The model's input for this step; `None` if the run was cancelled meanwhile.
+    pub(super) async fn assemble_context(
+        &mut self,
+    ) -> Result<Option<(ModelRequest, Option<crate::domain::Summary>)>, WorkerError> {
+        let store = self.store().clone();
+        let conv = &self.run.conversation_id;
+        let messages = store.list_messages(conv).await?;
+        let calls = store.list_conversation_tool_calls(conv).await?;
+        let facts = store.list_facts(conv).await?;
+        let summary = store.get_summary(conv).await?;
+        let config = &self.agent.context;
+        let plan = plan_context(
+            config,
+            ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: summary.as_ref() },
+        );
+        let summary_text = match plan.summary_request() {
+            Some(request) if config.summarize_with_model => match self.summarize(request).await {
+                Ok(Some(text)) => Some(text),
+                Ok(None) => {
+                    self.run.cancel_requested = true;
+                    return Ok(None);
+                }
+                Err(e) => {
+                    tracing::warn!(run_id = %self.run.id, error = %e, "the summary call failed; using the extractive summary");
+                    plan.extractive_summary()
+                }
+            },
+            _ => plan.extractive_summary(),
+        };
+        let assembled = plan.render(summary_text);
+        let request = ModelRequest {
+            messages: assembled.messages,
+            tools: self.agent.tools.specs(),
+            facts: crate::domain::fact_map(&facts),
+        };
+        Ok(Some((request, assembled.new_summary)))
+    }
+
+    /// Calls the model (retrying a transient failure once), streaming its text into the run.
+    pub(super) async fn stream_answer(
+        &mut self,
+        request: ModelRequest,
+        new_summary: Option<crate::domain::Summary>,
+        started: Instant,
+    ) -> Result<bool, WorkerError> {
+        let mut attempt = 0;
+        loop {
+            let message_id = MessageId::new();
+            let mut c = self.new_commit();
+            c.summary = new_summary.clone();
+            if attempt == 0 {
+                c.events.push(EventKind::NodeStarted { node: nodes::CONTEXT.into() });
+                c.events.push(EventKind::NodeFinished {
+                    node: nodes::CONTEXT.into(),
+                    duration_ms: started.elapsed().as_millis() as u64,
+                });
+                c.events.push(EventKind::NodeStarted { node: nodes::MODEL.into() });
+            }
+            let mut cp = self.run.checkpoint.clone();
+            cp.streaming_message_id = Some(message_id.clone());
+            c.checkpoint = Some(cp);
+            self.commit(c).await?;
+            let model_started = Instant::now();
+            let call_span = tracing::info_span!(
+                "model_call",
+                message_id = %message_id,
+                attempt,
+                outcome = tracing::field::Empty,
+            );
+            let end = self.stream_model(&request, &message_id).instrument(call_span.clone()).await?;
+            call_span.record(
+                "outcome",
+                match &end {
+                    StreamEnd::Completed { .. } => "completed",
+                    StreamEnd::Failed(_) => "failed",
+                    StreamEnd::Cancelled => "cancelled",
+                },
+            );
+            match end {
+                StreamEnd::Cancelled => return Ok(true),
+                StreamEnd::Failed(ModelError::Transient(e)) if attempt < self.inner.config.model_retries => {
+                    tracing::warn!(run_id = %self.run.id, error = %e, attempt, "model call failed; retrying");
+                    attempt += 1;
+                    let mut c = self.new_commit();
+                    c.discard_messages.push(message_id.clone());
+                    c.events.push(EventKind::TextDiscarded {
+                        message_id,
+                        reason: "the model call failed and is retried".into(),
+                    });
+                    let mut cp = self.run.checkpoint.clone();
+                    cp.streaming_message_id = None;
+                    c.checkpoint = Some(cp);
+                    self.commit(c).await?;
+                    tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt))).await;
+                    continue;
+                }
+                StreamEnd::Failed(e) => return Err(WorkerError::Model(e)),
+                StreamEnd::Completed { text_len, tool_calls } => {
+                    let mut c = self.new_commit();
+                    let mut cp = self.run.checkpoint.clone();
+                    cp.streaming_message_id = None;
+                    cp.iteration += 1;
+                    if text_len > 0 {
+                        cp.answer_message_id = Some(message_id.clone());
+                    }
+                    c.events.push(EventKind::NodeFinished {
+                        node: nodes::MODEL.into(),
+                        duration_ms: model_started.elapsed().as_millis() as u64,
+                    });
+                    if tool_calls.is_empty() {
+                        cp.next_step = NextStep::Finalize;
+                        cp.pending_call_ids = Vec::new();
+                    } else {
+                        cp.next_step = NextStep::ExecuteTools;
+                        cp.pending_call_ids = Vec::new();
+                        for tc in tool_calls {
+                            // Keel's own id, never the model's: the call id is the idempotency
+                            // key a tool's service deduplicates by, so it must be unique across
+                            // every run, and models number their calls (`call_0`) or repeat them.
+                            // The model sees this id back in its history, which is all the
+                            // protocol asks of it.
+                            let id = CallId::new();
+                            cp.pending_call_ids.push(id.clone());
+                            c.tool_calls.push(ToolCallChange::Insert(ToolCall {
+                                id,
+                                run_id: self.run.id.clone(),
+                                name: truncate(&tc.name, 100),
+                                args: Masked::new(tc.arguments),
+                                state: ToolCallState::Requested,
+                                result: None,
+                                summary: None,
+                                attempts: 0,
+                                started_at: None,
+                                finished_at: None,
+                            }));
+                        }
+                    }
+                    c.checkpoint = Some(cp);
+                    self.commit(c).await?;
+                    return Ok(true);
+                }
+            }
+        }
+    }
+
+    /// The model's summary of older turns: a separate call without tools, its text collected.
+    /// `Ok(None)` if the run was cancelled meanwhile; an error (or an empty answer) means "use the
+    /// extractive summary".
+    pub(super) async fn summarize(
+        &self,
+        messages: Vec<crate::model::ModelMessage>,
+    ) -> Result<Option<String>, ModelError> {
+        let request = ModelRequest { messages, tools: Vec::new(), facts: FactMap::new() };
+        let call = async {
+            let mut stream = self.agent.model.stream(request).await?;
+            let mut text = String::new();
+            while let Some(chunk) = stream.next().await {
+                if let ModelChunk::Text(delta) = chunk? {
+                    text.push_str(&delta);
+                }
+            }
+            if text.trim().is_empty() {
+                return Err(ModelError::Fatal("the summary was empty".into()));
+            }
+            Ok(text)
+        };
+        tokio::select! {
+            text = call => text.map(Some),
+            _ = self.cancel_signal.notified() => Ok(None),
+        }
+    }
+
+    /// Streams one model call, committing text in groups.
+    pub(super) async fn stream_model(
+        &mut self,
+        request: &ModelRequest,
+        message_id: &MessageId,
+    ) -> Result<StreamEnd, WorkerError> {
+        let asked = Instant::now();
+        let mut first_token = true;
+        let mut stream = match self.agent.model.stream(request.clone()).await {
+            Ok(s) => s,
+            Err(e) => return Ok(StreamEnd::Failed(e)),
+        };
+        let flush_max = self.inner.config.delta_flush_max.max(1);
+        let flush_interval = self.inner.config.delta_flush_interval;
+        let mut buffer: Vec<String> = Vec::new();
+        let mut unsaved = UnsavedText::default();
+        let mut deadline: Option<tokio::time::Instant> = None;
+        let mut text_len = 0usize;
+        let mut tool_calls = Vec::new();
+        loop {
+            let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+            let next = tokio::select! {
+                item = stream.next() => Some(item),
+                _ = tokio::time::sleep_until(deadline.unwrap_or(far)) => None,
+                _ = self.cancel_signal.notified() => {
+                    // Stop reading the model at once: dropping the stream ends its request.
+                    self.flush_text(message_id, &mut buffer, &mut unsaved, true).await?;
+                    self.run.cancel_requested = true;
+                    return Ok(StreamEnd::Cancelled);
+                }
+            };
+            if first_token && matches!(next, Some(Some(Ok(_)))) {
+                first_token = false;
+                self.inner.config.metrics.model_first_token(asked.elapsed());
+            }
+            match next {
+                // The flush deadline passed.
+                None => {
+                    if self.flush_text(message_id, &mut buffer, &mut unsaved, false).await? {
+                        return Ok(StreamEnd::Cancelled);
+                    }
+                    deadline = None;
+                }
+                Some(Some(Ok(ModelChunk::Text(delta)))) => {
+                    // NUL can't be stored by every backend (Postgres text refuses it).
+                    let delta = if delta.contains('\0') { delta.replace('\0', "") } else { delta };
+                    if delta.is_empty() {
+                        continue;
+                    }
+                    text_len += delta.len();
+                    buffer.push(delta);
+                    if deadline.is_none() {
+                        deadline = Some(tokio::time::Instant::now() + flush_interval);
+                    }
+                    if buffer.len() >= flush_max {
+                        if self.flush_text(message_id, &mut buffer, &mut unsaved, false).await? {
+                            return Ok(StreamEnd::Cancelled);
+                        }
+                        deadline = None;
+                    }
+                }
+                Some(Some(Ok(ModelChunk::ToolCall(tc)))) => tool_calls.push(tc),
+                Some(Some(Err(e))) => {
+                    self.flush_text(message_id, &mut buffer, &mut unsaved, true).await?;
+                    return Ok(StreamEnd::Failed(e));
+                }
+                Some(None) => {
+                    // The last deltas, and the text not yet stored, go in the commit that ends the
+                    // call, which the caller makes at once.
+                    unsaved.take_deltas(message_id, &mut buffer, &mut self.deferred);
+                    if !unsaved.text.is_empty() {
+                        self.deferred_text.push(unsaved.take(message_id));
+                    }
+                    return Ok(StreamEnd::Completed { text_len, tool_calls });
+                }
+            }
+        }
+    }
+
+    /// One transaction for the buffered deltas. Returns whether the run was asked to cancel.
+    ///
+    /// The deltas' events are stored at once; their text is appended to the stored message only
+    /// once enough has gathered (see [`UnsavedText`]) and always when the call ends (`last`), or
+    /// when the run is asked to cancel, so the stored message equals the text of its events whenever
+    /// the model call is over. A crash in between loses nothing: the message of a call that was cut
+    /// off is discarded (`text_discarded`) and the call made again.
+    pub(super) async fn flush_text(
+        &mut self,
+        message_id: &MessageId,
+        buffer: &mut Vec<String>,
+        unsaved: &mut UnsavedText,
+        last: bool,
+    ) -> Result<bool, StoreError> {
+        if buffer.is_empty() && (!last || unsaved.text.is_empty()) {
+            return Ok(self.run.cancel_requested);
+        }
+        let mut c = self.new_commit();
+        unsaved.take_deltas(message_id, buffer, &mut c.events);
+        if last || unsaved.due() {
+            c.text.push(unsaved.take(message_id));
+        }
+        let committed = self.commit(c).await?;
+        if committed.cancel_requested && !unsaved.text.is_empty() {
+            // the call ends here: the rest of its text goes in now
+            let mut c = self.new_commit();
+            c.text.push(unsaved.take(message_id));
+            self.commit(c).await?;
+        }
+        Ok(committed.cancel_requested)
+    }
+
+    // ------------------------------------------------------------ finalize
+
+    pub(super) async fn finalize(&mut self) -> Result<bool, WorkerError> {
+        let mut c = self.new_commit();
+        c.events.push(EventKind::NodeStarted { node: nodes::FINALIZE.into() });
+        c.events.push(EventKind::NodeFinished { node: nodes::FINALIZE.into(), duration_ms: 0 });
+        c.events.push(EventKind::Done { message_id: self.run.checkpoint.answer_message_id.clone() });
+        c.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+        self.commit(c).await?;
+        Ok(false)
+    }
+}
+
+/// A span per node of the agent loop (`context`, `model`, `tools`, `finalize`) inside the run's.
+pub(super) fn node_span(node: &'static str) -> tracing::Span {
+    tracing::info_span!("node", node)
+}
+
+pub(super) enum StreamEnd {
+    Completed { text_len: usize, tool_calls: Vec<crate::model::ModelToolCall> },
+    Failed(ModelError),
+    Cancelled,
+}
+
+/// Text of a model call that its events carry but the stored message does not yet.
+///
+/// Appending to a stored message rewrites it (in SQLite and Postgres alike), so appending every
+/// few deltas would make a long answer cost the square of its length: 100,000 words were ~3,000
+/// rewrites of a message growing to ~700 KB. The text is appended once it is at least
+/// [`UnsavedText::MIN_APPEND`] bytes and half of what is stored already, so the bytes rewritten stay
+/// a small multiple of the answer's length; and always at the end of the call.
+#[derive(Debug, Default)]
+pub(super) struct UnsavedText {
+    pub(super) text: String,
+    /// Bytes of the call's text the stored message has.
+    pub(super) saved: usize,
+}
+
+impl UnsavedText {
+    const MIN_APPEND: usize = 4096;
+
+    pub(super) fn due(&self) -> bool {
+        self.text.len() >= Self::MIN_APPEND.max(self.saved / 2)
+    }
+
+    /// Turns the buffered deltas into `text_delta` events; their text waits here for its append.
+    pub(super) fn take_deltas(
+        &mut self,
+        message_id: &MessageId,
+        buffer: &mut Vec<String>,
+        events: &mut Vec<EventKind>,
+    ) {
+        for delta in buffer.drain(..) {
+            self.text.push_str(&delta);
+            events.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
+        }
+    }
+
+    pub(super) fn take(&mut self, message_id: &MessageId) -> TextAppend {
+        let text = std::mem::take(&mut self.text);
+        self.saved += text.len();
+        TextAppend { message_id: message_id.clone(), text }
+    }
+}

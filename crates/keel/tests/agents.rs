@@ -1,0 +1,936 @@
+//! Agents of one's own, end to end: agents defined only in `keel.toml`, served by the real
+//! `keel serve` as a child process, whose model is an OpenAI-compatible mock server (scripted by
+//! the last message, recording every request) and whose tools are HTTP endpoints of
+//! `support/tool_service.py`, a separate process that records every `Idempotency-Key` it gets and
+//! applies a restart once per key.
+//!
+//! The mock model: a user message `call TOOL {json}` makes it call TOOL with those arguments (the
+//! call id always `call_0`, as some models number their calls); after a tool result it answers
+//! `tool said: <the result>`; anything else gets `hello`.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+
+use serde_json::{json, Value};
+use support::{eventually, keel};
+
+// ------------------------------------------------------------------------------ the tool service
+
+/// `tool_service.py` on a free port; stopped when dropped.
+struct ToolService {
+    child: Child,
+    url: String,
+    http: reqwest::Client,
+}
+
+impl ToolService {
+    fn start() -> Self {
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/support/tool_service.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .arg("0")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 runs tool_service.py");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let port = line.trim().strip_prefix("listening ").unwrap_or_else(|| panic!("tool_service.py said {line:?}"));
+        Self { child, url: format!("http://127.0.0.1:{port}"), http: reqwest::Client::new() }
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        self.http.get(format!("{}{path}", self.url)).send().await.unwrap().json().await.unwrap()
+    }
+
+    /// Every request it got (not the `/_` ones), oldest first.
+    async fn requests(&self) -> Vec<Value> {
+        self.get("/_requests").await.as_array().unwrap().clone()
+    }
+
+    /// How many times each instance's restart was applied.
+    async fn effects(&self) -> Value {
+        self.get("/_effects").await
+    }
+
+    async fn control(&self, control: Value) {
+        let status = self.http.post(format!("{}/_control", self.url)).json(&control).send().await.unwrap().status();
+        assert_eq!(status, 200);
+    }
+
+    async fn reset(&self) {
+        let status = self.http.post(format!("{}/_reset", self.url)).send().await.unwrap().status();
+        assert_eq!(status, 200);
+    }
+}
+
+impl Drop for ToolService {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ------------------------------------------------------------------------------ the mock model
+
+/// An OpenAI-compatible chat completions endpoint on a free port (see the module's doc).
+struct MockModel {
+    url: String,
+    requests: Arc<Mutex<Vec<Value>>>,
+}
+
+impl MockModel {
+    fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/v1", listener.local_addr().unwrap());
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let seen = requests.clone();
+        std::thread::spawn(move || {
+            for socket in listener.incoming() {
+                let Ok(socket) = socket else { continue };
+                let seen = seen.clone();
+                std::thread::spawn(move || answer(socket, &seen));
+            }
+        });
+        Self { url, requests }
+    }
+
+    fn requests(&self) -> Vec<Value> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+fn read_request(socket: &mut TcpStream) -> Option<Vec<u8>> {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if socket.read(&mut byte).ok()? == 0 {
+            return None;
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .and_then(|n| n.trim().parse::<usize>().ok())
+        .unwrap_or(0);
+    let mut body = vec![0; length];
+    socket.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
+fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
+    let Some(body) = read_request(&mut socket) else { return };
+    let request: Value = serde_json::from_slice(&body).unwrap_or_default();
+    seen.lock().unwrap().push(request.clone());
+    let last = request["messages"].as_array().and_then(|m| m.last()).cloned().unwrap_or_default();
+    let chunk = |delta: Value, finish: Value| {
+        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "mock",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    };
+    let content = last["content"].as_str().unwrap_or("");
+    let chunks = if last["role"] == "tool" {
+        vec![chunk(json!({"content": format!("tool said: {content}")}), Value::Null), chunk(json!({}), "stop".into())]
+    } else if let Some((tool, args)) = content.strip_prefix("call ").and_then(|rest| rest.split_once(' ')) {
+        vec![
+            chunk(
+                json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
+                                       "function": {"name": tool, "arguments": args}}]}),
+                Value::Null,
+            ),
+            chunk(json!({}), "tool_calls".into()),
+        ]
+    } else {
+        vec![chunk(json!({"content": "hello"}), Value::Null), chunk(json!({}), "stop".into())]
+    };
+    let body: String = chunks.iter().map(|c| format!("data: {c}\n\n")).chain(["data: [DONE]\n\n".to_owned()]).collect();
+    let _ = write!(
+        socket,
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+// ------------------------------------------------------------------------------ keel serve
+
+/// `keel serve --config DIR/keel.toml --data-dir DIR/data` on a free port; killed when dropped.
+struct Serve {
+    child: Child,
+    url: String,
+    dir: PathBuf,
+}
+
+impl Serve {
+    fn start(dir: &Path, toml: &str) -> Self {
+        std::fs::write(dir.join("keel.toml"), toml).unwrap();
+        Self::again(dir)
+    }
+
+    /// With the keel.toml already in `dir`.
+    fn again(dir: &Path) -> Self {
+        let mut child = keel()
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .arg("--config")
+            .arg(dir.join("keel.toml"))
+            .arg("--data-dir")
+            .arg(dir.join("data"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn keel serve");
+        let mut banner = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+        let url = banner
+            .trim()
+            .strip_prefix("Keel listening on ")
+            .map(|u| u.trim_end_matches('/').to_owned())
+            .unwrap_or_else(|| panic!("unexpected banner {banner:?}"));
+        Self { child, url, dir: dir.to_owned() }
+    }
+
+    /// SIGKILL: no graceful stop, no lease released, the tool's request left hanging.
+    fn kill(mut self) -> PathBuf {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        self.dir.clone()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The public API of one server, as the local user of a keyless server.
+struct Api {
+    base: String,
+    http: reqwest::Client,
+}
+
+impl Api {
+    fn new(server: &Serve) -> Self {
+        Self { base: server.url.clone(), http: reqwest::Client::new() }
+    }
+
+    async fn get(&self, path: &str) -> Value {
+        let response = self.http.get(format!("{}{path}", self.base)).send().await.unwrap();
+        assert_eq!(response.status(), 200, "GET {path}");
+        response.json().await.unwrap()
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let response = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap_or_default())
+    }
+
+    async fn conversation(&self, agent: Option<&str>) -> String {
+        let body = match agent {
+            Some(a) => json!({"agentId": a}),
+            None => json!({}),
+        };
+        let (status, conv) = self.post("/v1/conversations", body).await;
+        assert_eq!(status, 201, "{conv}");
+        conv["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Sends a message and waits for the run to pause or end: the turn.
+    async fn say(&self, conv: &str, content: &str) -> Value {
+        let (status, turn) =
+            self.post(&format!("/v1/conversations/{conv}/messages?wait=true"), json!({"content": content})).await;
+        assert_eq!(status, 200, "{turn}");
+        turn
+    }
+
+    /// Sends a message and returns its run at once.
+    async fn start(&self, conv: &str, content: &str) -> String {
+        let (status, accepted) =
+            self.post(&format!("/v1/conversations/{conv}/messages"), json!({"content": content})).await;
+        assert_eq!(status, 202, "{accepted}");
+        accepted["runId"].as_str().unwrap().to_owned()
+    }
+
+    async fn resume(&self, run: &str, interrupt: &str, decision: Value, note: Option<&str>, key: &str) -> (u16, Value) {
+        let mut body = json!({"interruptId": interrupt, "decision": decision, "idempotencyKey": key});
+        if let Some(note) = note {
+            body["note"] = json!(note);
+        }
+        self.post(&format!("/v1/runs/{run}/resume?wait=true"), body).await
+    }
+
+    async fn run(&self, run: &str) -> Value {
+        self.get(&format!("/v1/runs/{run}")).await
+    }
+
+    async fn events(&self, run: &str) -> Vec<Value> {
+        let response = self
+            .http
+            .get(format!("{}/v1/runs/{run}/events", self.base))
+            .header("accept", "application/json")
+            .send()
+            .await
+            .unwrap();
+        let page: Value = response.json().await.unwrap();
+        page["events"].as_array().unwrap().clone()
+    }
+
+    async fn settled(&self, run: &str) -> Value {
+        eventually("the run to pause or end", || async {
+            let view = self.run(run).await;
+            (view["status"] != "running" && view["status"] != "queued").then_some(view)
+        })
+        .await
+    }
+
+    async fn tool_finished(&self, run: &str) -> Vec<Value> {
+        self.events(run).await.into_iter().filter(|e| e["type"] == "tool_finished").collect()
+    }
+}
+
+// ------------------------------------------------------------------------------ keel.toml
+
+fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+/// The agent `ops`: `restart` (asks first, idempotent, with a pattern and a oneOf in its schema,
+/// and card templates), `restart_now` (allowed, idempotent), `restart_once` (allowed, not
+/// idempotent), `lookup` (a GET: allowed, short timeout, small answers) and `lookup_down` (a
+/// service that is not there); and the agent `helper`, with a prompt and one tool of its own.
+fn keel_toml(model: &str, service: &str) -> String {
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    format!(
+        r#"
+[[agents]]
+id = "ops"
+name = "Ops"
+description = "Restarts instances, with approval."
+system_prompt = "OPS-PROMPT: you restart instances."
+default = true
+[agents.model]
+kind = "openai"
+base_url = "{model}"
+name = "mock"
+max_retries = 0
+[agents.context]
+tool_result_max_bytes = 4096
+
+[[agents.tools]]
+kind = "http"
+name = "restart"
+description = "Restart an instance"
+method = "POST"
+url = "{service}/restart/{{instanceId}}"
+timeout = "10s"
+idempotent = true
+policy = {{ viewer = "deny", operator = "ask", admin = "ask" }}
+[agents.tools.confirm]
+title = "Restart {{instanceId}}?"
+risk = "{{instanceId}} drops what it is serving."
+[agents.tools.args_schema]
+type = "object"
+required = ["instanceId"]
+additionalProperties = false
+[agents.tools.args_schema.properties.instanceId]
+type = "string"
+pattern = "^[a-z]+-[0-9]+$"
+[agents.tools.args_schema.properties.window]
+oneOf = [{{ type = "integer", minimum = 1 }}, {{ type = "string", pattern = "^[0-9]+m$" }}]
+
+[[agents.tools]]
+kind = "http"
+name = "restart_now"
+description = "Restart an instance at once"
+method = "POST"
+url = "{service}/restart/{{instanceId}}"
+timeout = "20s"
+idempotent = true
+policy = "allow"
+args_schema = {{ type = "object", properties = {{ instanceId = {{ type = "string" }} }}, required = ["instanceId"] }}
+
+[[agents.tools]]
+kind = "http"
+name = "restart_once"
+description = "Restart an instance; never sent twice"
+method = "POST"
+url = "{service}/restart/{{instanceId}}"
+timeout = "20s"
+idempotent = false
+policy = "allow"
+args_schema = {{ type = "object", properties = {{ instanceId = {{ type = "string" }} }}, required = ["instanceId"] }}
+
+[[agents.tools]]
+kind = "http"
+name = "lookup"
+description = "Read an instance"
+method = "GET"
+url = "{service}/instances/{{id}}"
+timeout = "500ms"
+max_response_bytes = 65536
+args_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
+
+[[agents.tools]]
+kind = "http"
+name = "lookup_big"
+description = "Read an instance, however large the answer"
+method = "GET"
+url = "{service}/instances/{{id}}"
+max_response_bytes = 8388608
+args_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
+
+[[agents.tools]]
+kind = "http"
+name = "lookup_down"
+description = "Read an instance from a service that is not there"
+method = "GET"
+url = "http://127.0.0.1:{closed}/instances/{{id}}"
+timeout = "500ms"
+args_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
+
+[[agents]]
+id = "helper"
+name = "Helper"
+system_prompt = "HELPER-PROMPT: you look things up."
+[agents.model]
+kind = "openai"
+base_url = "{model}"
+name = "mock"
+max_retries = 0
+
+[[agents.tools]]
+kind = "http"
+name = "weather"
+description = "Read the weather of an instance"
+method = "GET"
+url = "{service}/instances/{{id}}"
+args_schema = {{ type = "object", properties = {{ id = {{ type = "string" }} }}, required = ["id"] }}
+"#
+    )
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
+}
+
+/// The tool service's requests for one run.
+fn of_run<'a>(requests: &'a [Value], run: &str) -> Vec<&'a Value> {
+    requests.iter().filter(|r| r["keelRunId"] == run).collect()
+}
+
+// ------------------------------------------------------------------------------ the tests
+
+/// Ask → card → approve → one request (with the call's key and the run's id) → result → answer;
+/// reject sends nothing; edited arguments are checked again (a `pattern` and a `oneOf` violation
+/// refused with their JSON path) and run as edited. Every call id the model sent was `call_0`: each
+/// run's key is its own.
+#[test]
+fn approve_reject_and_edit_an_http_tool_of_an_agent_from_keel_toml() {
+    let dir = tempdir();
+    let (model, service) = (MockModel::start(), ToolService::start());
+    let server = Serve::start(dir.path(), &keel_toml(&model.url, &service.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        // Ask: the run pauses on a card made from the tool's templates; nothing was sent.
+        let conv = api.conversation(None).await;
+        let turn = api.say(&conv, r#"call restart {"instanceId": "web-1"}"#).await;
+        assert_eq!(turn["run"]["status"], "interrupted", "{turn}");
+        let interrupt = &turn["interrupt"];
+        assert_eq!(interrupt["kind"], "confirm_action");
+        assert_eq!(interrupt["payload"]["title"], "Restart web-1?");
+        assert_eq!(interrupt["payload"]["risk"], "web-1 drops what it is serving.");
+        assert!(service.requests().await.is_empty());
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+
+        // Approve (twice: a double click): one request, with the call's key and the run's id.
+        let int_id = interrupt["id"].as_str().unwrap();
+        let (status, resumed) = api.resume(&run, int_id, json!("approve"), Some("looked fine"), "approve-1").await;
+        assert_eq!(status, 200, "{resumed}");
+        let (again, _) = api.resume(&run, int_id, json!("approve"), Some("looked fine"), "approve-1").await;
+        assert_eq!(again, 200);
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        let requests = service.requests().await;
+        assert_eq!(requests.len(), 1, "{requests:?}");
+        let call = &view["toolCalls"][0];
+        assert_eq!(call["state"], "succeeded");
+        assert_ne!(call["id"], "call_0", "the call id is Keel's own");
+        assert_eq!(requests[0]["method"], "POST");
+        assert_eq!(requests[0]["path"], "/restart/web-1");
+        assert_eq!(requests[0]["idempotencyKey"], call["id"]);
+        assert_eq!(requests[0]["keelRunId"], run.as_str());
+        assert_eq!(requests[0]["keelAttempt"], "1");
+        assert_eq!(service.effects().await, json!({"web-1": 1}));
+        // The answer is the model's, after the service's result; the decision is on record.
+        let answer = resumed["message"]["content"].as_str().unwrap_or_default().to_owned();
+        let answer = if answer.is_empty() {
+            api.get(&format!("/v1/conversations/{conv}")).await["messages"].as_array().unwrap().last().unwrap()
+                ["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        } else {
+            answer
+        };
+        assert!(answer.starts_with("tool said: ") && answer.contains("\"restarted\":true"), "{answer}");
+        let decided = &view["interrupts"][0];
+        assert_eq!(decided["decision"], "approve");
+        assert_eq!(decided["note"], "looked fine");
+        assert_eq!(decided["resolvedBy"], "demo");
+        let finished = api.tool_finished(&run).await;
+        assert_eq!(finished.len(), 1);
+        assert_eq!(finished[0]["summary"], "POST /restart/{instanceId} → 200");
+
+        // Reject: no request; the model is told.
+        let turn = api.say(&conv, r#"call restart {"instanceId": "web-2"}"#).await;
+        let run2 = turn["run"]["id"].as_str().unwrap().to_owned();
+        let (status, _) =
+            api.resume(&run2, turn["interrupt"]["id"].as_str().unwrap(), json!("reject"), None, "reject-1").await;
+        assert_eq!(status, 200);
+        let view = api.settled(&run2).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "denied");
+        assert_eq!(service.requests().await.len(), 1, "a rejected call sends nothing");
+        let told = model.requests().last().unwrap()["messages"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(told["role"], "tool");
+        assert!(told["content"].as_str().unwrap().contains("rejected"), "{told}");
+
+        // Edit: checked against the schema again, and refused with the JSON path and the rule.
+        let turn = api.say(&conv, r#"call restart {"instanceId": "web-3"}"#).await;
+        let run3 = turn["run"]["id"].as_str().unwrap().to_owned();
+        let int3 = turn["interrupt"]["id"].as_str().unwrap().to_owned();
+        let call3 = api.run(&run3).await["toolCalls"][0]["id"].as_str().unwrap().to_owned();
+        for (i, (args, path, rule)) in [
+            (json!({"instanceId": "WEB 3"}), "$.instanceId", "must match the pattern ^[a-z]+-[0-9]+$"),
+            (json!({"instanceId": "web-3", "window": "soon"}), "$.window", "must match one of the schemas of oneOf"),
+            (json!({"instanceId": "web-3", "force": true}), "$", "has a property the schema does not allow"),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (status, body) =
+                api.resume(&run3, &int3, json!({"edit": {&call3: args}}), None, &format!("edit-bad-{i}")).await;
+            assert_eq!(status, 422, "{body}");
+            assert_eq!(body["error"]["code"], "INVALID_ARGS");
+            let message = body["error"]["message"].as_str().unwrap();
+            assert!(message.contains(&format!("{path}: {rule}")), "{message}");
+            assert!(!message.contains("WEB 3") && !message.contains("soon"), "never the value: {message}");
+        }
+        assert_eq!(api.run(&run3).await["status"], "interrupted", "a refused edit decides nothing");
+        let (status, body) = api
+            .resume(&run3, &int3, json!({"edit": {&call3: {"instanceId": "web-4", "window": "5m"}}}), None, "edit-ok")
+            .await;
+        assert_eq!(status, 200, "{body}");
+        let view = api.settled(&run3).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        let requests = service.requests().await;
+        assert_eq!(requests.len(), 2, "{requests:?}");
+        assert_eq!(requests[1]["path"], "/restart/web-4");
+        assert_eq!(requests[1]["body"], json!({"window": "5m"}));
+        assert_eq!(requests[1]["idempotencyKey"], call3.as_str());
+        assert_ne!(requests[0]["idempotencyKey"], requests[1]["idempotencyKey"]);
+    });
+}
+
+/// SIGKILL of Keel while the service holds four requests (it applied each effect and delays its
+/// answer). After the restart: the idempotent tool's call is sent again with the same key and the
+/// effect stays applied once; each of the three calls of the tool that is not idempotent waits on
+/// an `outcome_unknown` interrupt, and each of its decisions — retry (same key, no second effect),
+/// mark_done, mark_failed — works and is recorded with who decided and the note.
+#[test]
+fn a_crash_while_the_service_holds_the_request_retries_idempotent_calls_and_asks_about_the_others() {
+    let dir = tempdir();
+    let (model, service) = (MockModel::start(), ToolService::start());
+    let server = Serve::start(dir.path(), &keel_toml(&model.url, &service.url));
+    let api = Api::new(&server);
+    let rt = runtime();
+    let runs: Vec<(String, String)> = rt.block_on(async {
+        service.control(json!({"mode": "ok", "delay_ms": 60_000, "times": 4, "path": "/restart/"})).await;
+        let mut runs = Vec::new();
+        for (tool, instance) in
+            [("restart_now", "a-1"), ("restart_once", "b-1"), ("restart_once", "b-2"), ("restart_once", "b-3")]
+        {
+            let conv = api.conversation(Some("ops")).await;
+            let run = api.start(&conv, &format!(r#"call {tool} {{"instanceId": "{instance}"}}"#)).await;
+            runs.push((run, instance.to_owned()));
+        }
+        eventually("the service to hold all four requests", || async {
+            (service.requests().await.len() == 4).then_some(())
+        })
+        .await;
+        runs
+    });
+    let dir_path = server.kill();
+    let server = Serve::again(&dir_path);
+    let api = Api::new(&server);
+    rt.block_on(async {
+        // Every effect was applied before the crash, once.
+        assert_eq!(service.effects().await, json!({"a-1": 1, "b-1": 1, "b-2": 1, "b-3": 1}));
+
+        // The idempotent call: sent again with the same key; the service answered its first
+        // answer again, so the effect happened once.
+        let (run, _) = &runs[0];
+        let view = api.settled(run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        let call = &view["toolCalls"][0];
+        assert_eq!(call["state"], "succeeded");
+        assert_eq!(call["attempts"], 2);
+        let requests = service.requests().await;
+        let sent = of_run(&requests, run);
+        assert_eq!(sent.len(), 2, "{sent:?}");
+        assert_eq!(sent[0]["idempotencyKey"], call["id"]);
+        assert_eq!(sent[1]["idempotencyKey"], call["id"]);
+        assert_eq!((sent[0]["keelAttempt"].as_str(), sent[1]["keelAttempt"].as_str()), (Some("1"), Some("2")));
+        assert_eq!(service.effects().await["a-1"], 1);
+
+        // The others: nothing sent again on Keel's own initiative; a human is asked.
+        let mut interrupts = Vec::new();
+        for (run, _) in &runs[1..] {
+            let view = api.settled(run).await;
+            assert_eq!(view["status"], "interrupted", "{view}");
+            let pending = view["pendingInterrupt"].clone();
+            assert_eq!(pending["kind"], "outcome_unknown", "{pending}");
+            assert_eq!(pending["payload"]["decisions"], json!(["retry", "mark_done", "mark_failed"]));
+            assert_eq!(pending["payload"]["actions"][0]["outcome"], "unknown");
+            assert_eq!(pending["payload"]["actions"][0]["attempts"], 1);
+            assert_eq!(view["toolCalls"][0]["state"], "unknown");
+            interrupts.push(pending["id"].as_str().unwrap().to_owned());
+        }
+        assert_eq!(service.requests().await.len(), 5, "only the idempotent call was sent again");
+
+        // Retry: the same key again; the service recognises it and applies nothing more.
+        let (run, _) = &runs[1];
+        let (status, body) = api.resume(run, &interrupts[0], json!("retry"), Some("send it again"), "d-1").await;
+        assert_eq!(status, 200, "{body}");
+        let view = api.settled(run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded");
+        let requests = service.requests().await;
+        let sent = of_run(&requests, run);
+        assert_eq!(sent.len(), 2);
+        assert_eq!(sent[0]["idempotencyKey"], sent[1]["idempotencyKey"]);
+        assert_eq!(sent[1]["keelAttempt"], "2");
+        assert_eq!(service.effects().await["b-1"], 1);
+
+        // Mark done: nothing sent; the call succeeded because a human said so.
+        let (run, _) = &runs[2];
+        let (status, body) = api.resume(run, &interrupts[1], json!("mark_done"), Some("it restarted"), "d-2").await;
+        assert_eq!(status, 200, "{body}");
+        let view = api.settled(run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded");
+
+        // Mark failed: nothing sent; the call failed, and the model is told.
+        let (run, _) = &runs[3];
+        let (status, body) = api.resume(run, &interrupts[2], json!("mark_failed"), Some("it did not"), "d-3").await;
+        assert_eq!(status, 200, "{body}");
+        let view = api.settled(run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "failed");
+        let finished = api.tool_finished(run).await;
+        assert_eq!(finished.last().unwrap()["errorCode"], "marked_failed");
+        assert_eq!(service.requests().await.len(), 6, "mark_done and mark_failed send nothing");
+
+        // Each decision is on record, with who decided and the note.
+        for ((run, _), (decision, note)) in runs[1..].iter().zip([
+            ("retry", "send it again"),
+            ("mark_done", "it restarted"),
+            ("mark_failed", "it did not"),
+        ]) {
+            let view = api.run(run).await;
+            let decided = &view["interrupts"][0];
+            assert_eq!(decided["kind"], "outcome_unknown");
+            assert_eq!(decided["status"], "resolved");
+            assert_eq!(decided["decision"], decision, "{decided}");
+            assert_eq!(decided["note"], note);
+            assert_eq!(decided["resolvedBy"], "demo");
+            let resumed = api.events(run).await.into_iter().find(|e| e["type"] == "resumed").unwrap();
+            assert_eq!(resumed["note"], note, "{resumed}");
+        }
+    });
+}
+
+/// The service down, slow, failing with 500, answering too much or not JSON: each is its own tool
+/// error, the event names it, the model is told, and the run goes on to its answer. Calls that
+/// got no answer (or a 500) from a GET are retried with the same key, a bounded number of times.
+#[test]
+fn a_failing_service_is_an_error_the_run_goes_on_with() {
+    let dir = tempdir();
+    let (model, service) = (MockModel::start(), ToolService::start());
+    let server = Serve::start(dir.path(), &keel_toml(&model.url, &service.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let conv = api.conversation(None).await;
+        let cases = [
+            ("lookup", json!({"mode": "500"}), "http_500", 3),
+            ("lookup", json!({"mode": "hang_then_ok", "delay_ms": 3000}), "timeout", 3),
+            ("lookup", json!({"mode": "oversize"}), "too_large", 1),
+            ("lookup", json!({"mode": "nonjson"}), "bad_response", 1),
+            ("lookup_down", json!({}), "unreachable", 0),
+        ];
+        for (tool, control, code, sent) in cases {
+            service.reset().await;
+            service.control(control.clone()).await;
+            let turn = api.say(&conv, &format!(r#"call {tool} {{"id": "web-1"}}"#)).await;
+            assert_eq!(turn["run"]["status"], "completed", "{control}: {turn}");
+            let run = turn["run"]["id"].as_str().unwrap();
+            let finished = api.tool_finished(run).await;
+            assert_eq!(finished.len(), 1, "{control}");
+            assert_eq!(finished[0]["status"], "error", "{control}");
+            assert_eq!(finished[0]["errorCode"], code, "{control}");
+            let view = api.run(run).await;
+            assert_eq!(view["toolCalls"][0]["state"], "failed", "{control}");
+            // The model was told which error it was, and answered.
+            let told = model.requests().last().unwrap()["messages"].as_array().unwrap().last().unwrap().clone();
+            let result: Value = serde_json::from_str(told["content"].as_str().unwrap()).unwrap();
+            assert_eq!(result["code"], code, "{control}");
+            assert!(turn["message"]["content"].as_str().unwrap().starts_with("tool said: "), "{turn}");
+            let requests = service.requests().await;
+            assert_eq!(requests.len(), sent, "{control}: {requests:?}");
+            assert!(requests.iter().all(|r| r["idempotencyKey"] == view["toolCalls"][0]["id"]), "{requests:?}");
+        }
+        // An answer the tool accepts but the agent's budget (4 KiB) does not: the model, the store
+        // and the events get a marker with the total size and the start, never the 5 MiB.
+        service.reset().await;
+        service.control(json!({"mode": "oversize"})).await;
+        let turn = api.say(&conv, r#"call lookup_big {"id": "web-1"}"#).await;
+        assert_eq!(turn["run"]["status"], "completed", "{turn}");
+        let run = turn["run"]["id"].as_str().unwrap();
+        assert_eq!(api.tool_finished(run).await[0]["status"], "success");
+        let told = model.requests().last().unwrap()["messages"].as_array().unwrap().last().unwrap().clone();
+        let content = told["content"].as_str().unwrap();
+        assert!(content.len() < 4096 + 512, "{} bytes reached the model", content.len());
+        let marker: Value = serde_json::from_str(content).unwrap();
+        assert_eq!(marker["truncated"], true, "{marker}");
+        assert!(marker["totalBytes"].as_u64().unwrap() > 5 * 1024 * 1024, "{marker}");
+        assert!(marker["preview"].as_str().unwrap().starts_with("{\"padding\""), "{marker}");
+        let events = Value::from(api.events(run).await).to_string();
+        assert!(events.len() < 64 * 1024, "the events hold {} bytes", events.len());
+
+        // And a good answer after all that.
+        service.reset().await;
+        let turn = api.say(&conv, r#"call lookup {"id": "web-1"}"#).await;
+        let finished = api.tool_finished(turn["run"]["id"].as_str().unwrap()).await;
+        assert_eq!(finished[0]["status"], "success");
+        assert!(turn["message"]["content"].as_str().unwrap().contains("\"status\":\"unhealthy\""), "{turn}");
+    });
+}
+
+/// Two agents in one server: each conversation keeps its agent, and its runs see that agent's
+/// prompt and tools only — a call of the other agent's tool is refused without a request.
+#[test]
+fn two_agents_never_see_each_others_tools_or_prompt() {
+    let dir = tempdir();
+    let (model, service) = (MockModel::start(), ToolService::start());
+    let server = Serve::start(dir.path(), &keel_toml(&model.url, &service.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let agents = api.get("/v1/agents").await;
+        let ids: Vec<&str> = agents["agents"].as_array().unwrap().iter().map(|a| a["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["ops", "helper"]);
+        assert_eq!(agents["agents"][0]["default"], true);
+        assert_eq!(agents["agents"][1]["tools"][0]["name"], "weather");
+        assert_eq!(
+            agents["agents"][0]["tools"][0]["policies"],
+            json!({"viewer": "deny", "operator": "ask", "admin": "ask"})
+        );
+
+        let (status, body) = api.post("/v1/conversations", json!({"agentId": "nobody"})).await;
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(body["error"]["code"], "UNKNOWN_AGENT");
+
+        let ops = api.conversation(None).await;
+        let helper = api.conversation(Some("helper")).await;
+        assert_eq!(api.get(&format!("/v1/conversations/{ops}")).await["agentId"], "ops");
+        assert_eq!(api.get(&format!("/v1/conversations/{helper}")).await["agentId"], "helper");
+
+        let tools_and_prompt = |request: &Value| {
+            let tools: Vec<String> = request["tools"]
+                .as_array()
+                .map(|t| t.iter().map(|t| t["function"]["name"].as_str().unwrap().to_owned()).collect())
+                .unwrap_or_default();
+            let prompt = request["messages"][0]["content"].as_str().unwrap_or_default().to_owned();
+            (tools, prompt)
+        };
+        api.say(&helper, "hi").await;
+        let (tools, prompt) = tools_and_prompt(model.requests().last().unwrap());
+        assert_eq!(tools, ["weather"]);
+        assert!(prompt.contains("HELPER-PROMPT") && !prompt.contains("OPS-PROMPT"), "{prompt}");
+        api.say(&ops, "hi").await;
+        let (tools, prompt) = tools_and_prompt(model.requests().last().unwrap());
+        assert_eq!(tools, ["restart", "restart_now", "restart_once", "lookup", "lookup_big", "lookup_down"]);
+        assert!(prompt.contains("OPS-PROMPT") && !prompt.contains("HELPER-PROMPT"), "{prompt}");
+        // Every request of the helper's conversation, before and after the ops turn, is the helper's.
+        let turn = api.say(&helper, r#"call restart_now {"instanceId": "web-9"}"#).await;
+        assert_eq!(turn["run"]["status"], "completed", "{turn}");
+        let finished = api.tool_finished(turn["run"]["id"].as_str().unwrap()).await;
+        assert_eq!(finished[0]["status"], "error");
+        assert!(service.requests().await.is_empty(), "the helper has no restart_now");
+        for request in model.requests() {
+            let (tools, prompt) = tools_and_prompt(&request);
+            if prompt.contains("HELPER-PROMPT") {
+                assert_eq!(tools, ["weather"], "{request}");
+                let text = request.to_string();
+                assert!(!text.contains("OPS-PROMPT"), "{text}");
+            }
+        }
+    });
+}
+
+/// Each mistake in an agent's tools stops `keel serve` before it listens: exit code 1 and one
+/// line that names the file, the agent, the tool and the field.
+#[test]
+fn a_bad_tool_in_keel_toml_stops_serve_with_one_line() {
+    const AGENT: &str = "[[agents]]\nid = \"ops\"\nsystem_prompt = \"You help.\"\n";
+    const TOOL: &str = "[[agents.tools]]\nname = \"restart\"\ndescription = \"Restart it\"\nmethod = \"POST\"\n";
+    const UNSET: &str = "KEEL_TEST_UNSET_TOOL_TOKEN";
+    let tool = |rest: &str| format!("{AGENT}{TOOL}{rest}");
+    let cases = [
+        (
+            tool("kind = \"grpc\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = { type = \"object\" }\n"),
+            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http",
+        ),
+        (
+            tool("kind = \"http\"\nargs_schema = { type = \"object\" }\n"),
+            "agent \"ops\": tools[0] (\"restart\"): url: missing; a tool of kind http needs method, url and args_schema",
+        ),
+        (
+            tool(
+                "kind = \"http\"\nurl = \"http://127.0.0.1:9/r\"\n\
+                 args_schema = { type = \"object\", properties = { id = { type = \"strin\" } } }\n",
+            ),
+            "agent \"ops\": tools[0] (\"restart\"): args_schema: not a valid JSON Schema: at /properties/id/type: \
+             \"strin\" is not valid under any of the schemas listed in the 'anyOf' keyword",
+        ),
+        (
+            tool(
+                "kind = \"http\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = { type = \"object\" }\n\
+                 policy = { superuser = \"ask\" }\n",
+            ),
+            "agent \"ops\": tools[0] (\"restart\"): policy.superuser: unknown role; the roles are viewer, operator, admin",
+        ),
+        (
+            tool(&format!(
+                "kind = \"http\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = {{ type = \"object\" }}\n\
+                 headers = {{ Authorization = \"Bearer ${{{UNSET}}}\" }}\n"
+            )),
+            "agent \"ops\": tools[0] (\"restart\"): headers.Authorization: the environment variable \
+             KEEL_TEST_UNSET_TOOL_TOKEN is not set",
+        ),
+        (format!("{AGENT}{AGENT}"), "agents: two agents have the id \"ops\""),
+    ];
+    for (file, line) in cases {
+        let dir = tempdir();
+        std::fs::write(dir.path().join("keel.toml"), &file).unwrap();
+        let output = keel()
+            .current_dir(dir.path())
+            .args(["serve", "--listen", "127.0.0.1:0"])
+            .env_remove(UNSET)
+            .output()
+            .unwrap();
+        assert_eq!(output.status.code(), Some(1), "{file}");
+        assert_eq!(String::from_utf8_lossy(&output.stderr), format!("keel: keel.toml: {line}\n"), "{file}");
+        assert!(output.stdout.is_empty(), "it never listened: {file}");
+    }
+}
+
+/// The complete keel.toml of docs/agents.md starts `keel serve` as written (given the environment
+/// variables it names), and serves its agent and tools.
+#[test]
+fn the_keel_toml_of_docs_agents_md_starts_a_server() {
+    let doc = std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/agents.md")).unwrap();
+    let marker = "<!-- agents.md: keel.toml -->\n```toml\n";
+    let start = doc.find(marker).expect("docs/agents.md marks its keel.toml") + marker.len();
+    let toml = &doc[start..start + doc[start..].find("```").unwrap()];
+    let dir = tempdir();
+    std::fs::write(dir.path().join("keel.toml"), toml).unwrap();
+    let mut child = keel()
+        .current_dir(dir.path())
+        .args(["serve", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .env("OPS_MODEL_KEY", "sk-docs-example")
+        .env("OPS_API_TOKEN", "docs-example-token")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+    let url = banner.trim().strip_prefix("Keel listening on ").map(|u| u.trim_end_matches('/').to_owned());
+    let agents: Option<Value> = url.as_ref().map(|url| {
+        runtime().block_on(async { reqwest::get(format!("{url}/v1/agents")).await.unwrap().json().await.unwrap() })
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    let agents = agents.unwrap_or_else(|| panic!("unexpected banner {banner:?}"));
+    let ops = &agents["agents"][0];
+    assert_eq!(ops["id"], "ops");
+    assert_eq!(ops["name"], "Ops assistant");
+    let tools: Vec<&str> = ops["tools"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(tools, ["get_service", "restart_service"]);
+    assert_eq!(ops["tools"][0]["policies"], json!({"viewer": "allow", "operator": "allow", "admin": "allow"}));
+    assert_eq!(ops["tools"][1]["policies"], json!({"viewer": "deny", "operator": "ask", "admin": "ask"}));
+    assert_eq!(ops["tools"][1]["idempotent"], true);
+}
+
+/// `keel serve` without agents runs one plain `assistant` with no tools, and seeds nothing: no
+/// demo tables, no demo routes — even over a database `keel demo` used before, whose fleet stays
+/// the demo's own.
+#[test]
+fn serve_without_agents_runs_a_plain_assistant_and_seeds_nothing() {
+    let dir = tempdir();
+    let tables = |dir: &Path| -> Vec<String> {
+        let db = keel_store::rusqlite::Connection::open(dir.join("data/keel.db")).unwrap();
+        let mut statement = db.prepare("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name").unwrap();
+        let names = statement.query_map([], |row| row.get::<_, String>(0)).unwrap();
+        names.map(Result::unwrap).collect()
+    };
+    let check = |server: &Serve| {
+        runtime().block_on(async {
+            let api = Api::new(server);
+            let agents = api.get("/v1/agents").await;
+            assert_eq!(agents["agents"].as_array().unwrap().len(), 1, "{agents}");
+            assert_eq!(agents["agents"][0]["id"], "assistant");
+            assert_eq!(agents["agents"][0]["tools"], json!([]));
+            let demo = api.http.get(format!("{}/v1/demo/instances", api.base)).send().await.unwrap();
+            assert_eq!(demo.status(), 404, "no demo routes");
+            let conv = api.conversation(None).await;
+            let turn = api.say(&conv, "hello").await;
+            assert_eq!(turn["run"]["status"], "completed", "{turn}");
+        })
+    };
+    let server = Serve::start(dir.path(), "");
+    check(&server);
+    drop(server);
+    let keel_tables = tables(dir.path());
+    assert!(keel_tables.iter().all(|t| !t.starts_with("opspilot")), "{keel_tables:?}");
+    assert!(keel_tables.contains(&"runs".to_owned()), "{keel_tables:?}");
+
+    // The demo over the same database adds its own tables; `keel serve` still serves no demo.
+    let mut demo = keel()
+        .args(["demo", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path().join("data"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut banner = String::new();
+    BufReader::new(demo.stdout.take().unwrap()).read_line(&mut banner).unwrap();
+    assert!(banner.starts_with("Keel demo running at "), "{banner:?}");
+    demo.kill().unwrap();
+    demo.wait().unwrap();
+    assert!(tables(dir.path()).contains(&"opspilot_instances".to_owned()));
+    let server = Serve::again(dir.path());
+    check(&server);
+}
