@@ -12,6 +12,8 @@ use futures::StreamExt;
 use keel_client::{SseFrame, SseParser};
 use serde_json::{json, Value};
 
+mod growth;
+
 #[derive(Parser, Debug)]
 #[command(name = "keel-bench", about = "Benchmarks of a Keel server over its public HTTP API")]
 struct Cli {
@@ -87,6 +89,35 @@ enum Scenario {
         #[arg(long, default_value_t = 3)]
         settle_secs: u64,
     },
+    /// One conversation of many turns, one at a time: how a turn's latency and server CPU grow
+    /// with the conversation's length (reported at turns 10, 100, 300, 1,000, …).
+    LongConversation {
+        #[arg(long, default_value_t = 1000)]
+        turns: usize,
+        /// The message of every turn (the default has the demo model call a tool, then answer).
+        #[arg(long, default_value = "Look at the recent errors of payment-api")]
+        content: String,
+        /// Each checkpoint's figure is the median of this many turns ending there.
+        #[arg(long, default_value_t = 10)]
+        window: usize,
+        /// The server's pid, to read its CPU time around each turn.
+        #[arg(long)]
+        server_pid: Option<u32>,
+    },
+    /// The seeds' flow, one run at a time: a lookup tool, then an action that asks for approval,
+    /// approved, to `done` (`keel demo`; size the fleet with --demo-abnormal / --demo-healthy).
+    Flow {
+        #[arg(long, default_value_t = 200)]
+        runs: usize,
+        #[arg(long, default_value = "Restart the abnormal instance of payment-api")]
+        content: String,
+        /// Re-seed the fleet before each run (not measured), so a small fleet is abnormal again.
+        #[arg(long)]
+        reset_each: bool,
+        /// The server's pid, to read its CPU time around each run.
+        #[arg(long)]
+        server_pid: Option<u32>,
+    },
     /// Storage floor: raw batched inserts of event-sized rows into SQLite (WAL, synchronous=NORMAL).
     FloorSqlite {
         #[arg(long, default_value_t = 200_000)]
@@ -135,6 +166,12 @@ async fn main() -> Result<()> {
             }
             Scenario::Idle { streams, server_pid, settle_secs } => {
                 idle(&client, *streams, *server_pid, *settle_secs).await?
+            }
+            Scenario::LongConversation { turns, content, window, server_pid } => {
+                growth::long_conversation(&client, *turns, content, *window, *server_pid).await?
+            }
+            Scenario::Flow { runs, content, reset_each, server_pid } => {
+                growth::flow(&client, *runs, content, *reset_each, *server_pid).await?
             }
             Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref())?,
             Scenario::FloorPostgres { db, rows, batch } => floor_postgres(db, *rows, batch).await?,

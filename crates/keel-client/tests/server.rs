@@ -26,9 +26,13 @@ impl Served {
         let backend = Backend::open(&format!("sqlite://{}", dir.path().join("keel.db").display())).await.unwrap();
         let Backend::Sqlite(sqlite) = &backend else { unreachable!("a SQLite URL") };
         let fleet = Arc::new(keel_opspilot::SqliteFleet::open(sqlite).await.unwrap());
-        keel_opspilot::Fleet::seed(fleet.as_ref(), keel_opspilot::FleetSeed { extra_abnormal: 2 }, SystemClock.now())
-            .await
-            .unwrap();
+        keel_opspilot::Fleet::seed(
+            fleet.as_ref(),
+            keel_opspilot::FleetSeed { extra_abnormal: 2, ..Default::default() },
+            SystemClock.now(),
+        )
+        .await
+        .unwrap();
         let model = Arc::new(keel_models::DemoModel::new(Duration::ZERO));
         let opspilot = keel_opspilot::agent(fleet, backend.store(), model.clone());
         let helper = Agent::new("helper", "Helper", model, "You answer questions.")

@@ -15,7 +15,10 @@
 //! as they fit. When they no longer do, older turns are summarised down to half the recent budget,
 //! so that a new summary is needed only after that much history has accumulated again.
 
+use std::collections::HashMap;
+
 use crate::domain::{Fact, Message, Role, Summary, ToolCall};
+use crate::ids::CallId;
 use crate::mask::{truncate, Masked};
 use crate::model::{ModelMessage, ModelToolCall};
 
@@ -110,14 +113,19 @@ pub struct Plan<'a> {
     uncovered: Vec<&'a Message>,
     /// The turns kept verbatim, oldest first.
     recent: Vec<&'a Message>,
+    /// The input's calls by id.
+    calls: Calls<'a>,
 }
+
+/// Tool calls by id: a tool result finds its call in constant time.
+type Calls<'a> = HashMap<&'a CallId, &'a ToolCall>;
 
 /// Decides what of the history is sent verbatim. Pure.
 pub fn plan<'a>(config: &'a ContextConfig, input: ContextInput<'a>) -> Plan<'a> {
     let header = header(config, input.facts);
+    let calls: Calls<'a> = input.tool_calls.iter().map(|c| (&c.id, c)).collect();
     let turns = split_turns(input.messages);
-    let cost: Vec<usize> =
-        turns.iter().map(|t| estimate_prompt_tokens(&to_model_messages(t, input.tool_calls))).collect();
+    let cost: Vec<usize> = turns.iter().map(|t| estimate_prompt_tokens(&to_model_messages(t, &calls))).collect();
     let available = config.context_budget_tokens.saturating_sub(estimate_tokens(&header));
 
     // Turns the stored summary covers: up to the one that ends with its last message.
@@ -154,7 +162,7 @@ pub fn plan<'a>(config: &'a ContextConfig, input: ContextInput<'a>) -> Plan<'a> 
     };
     let uncovered = turns[covered.min(summarise_to)..summarise_to].iter().flatten().copied().collect();
     let recent = turns[keep_from..].iter().flatten().copied().collect();
-    Plan { config, input, header, uncovered, recent }
+    Plan { config, input, header, uncovered, recent, calls }
 }
 
 /// Room for the label and a summary of the largest allowed size.
@@ -244,7 +252,7 @@ impl<'a> Plan<'a> {
                     Role::Assistant if m.content.is_empty() => return None,
                     Role::Assistant => ("Assistant".to_owned(), m.content.as_str()),
                     Role::Tool => {
-                        let call = self.input.tool_calls.iter().find(|c| Some(&c.id) == m.tool_call_id.as_ref());
+                        let call = m.tool_call_id.as_ref().and_then(|id| self.calls.get(id));
                         (
                             format!("Tool result ({})", call.map(|c| c.name.as_str()).unwrap_or("tool")),
                             m.content.as_str(),
@@ -293,7 +301,7 @@ impl<'a> Plan<'a> {
             system.push_str(&truncate(&summary.text, self.config.summary_max_chars));
         }
         let mut messages = vec![ModelMessage::System { content: system }];
-        messages.extend(to_model_messages(&self.recent, self.input.tool_calls));
+        messages.extend(to_model_messages(&self.recent, &self.calls));
         Assembled { messages, new_summary }
     }
 }
@@ -321,7 +329,7 @@ fn split_turns(messages: &[Message]) -> Vec<Vec<&Message>> {
 
 /// Stored messages to model messages: each block of tool results is preceded by one assistant
 /// message that carries the calls, as chat APIs require.
-fn to_model_messages(messages: &[&Message], calls: &[ToolCall]) -> Vec<ModelMessage> {
+fn to_model_messages(messages: &[&Message], calls: &Calls<'_>) -> Vec<ModelMessage> {
     let mut out: Vec<ModelMessage> = Vec::new();
     let mut assistant_for_block: Option<usize> = None;
     for m in messages {
@@ -336,7 +344,7 @@ fn to_model_messages(messages: &[&Message], calls: &[ToolCall]) -> Vec<ModelMess
             }
             Role::Tool => {
                 let Some(call_id) = &m.tool_call_id else { continue };
-                let call = calls.iter().find(|c| &c.id == call_id);
+                let call = calls.get(call_id);
                 let name = call.map(|c| c.name.clone()).unwrap_or_default();
                 let model_call = ModelToolCall {
                     id: call_id.to_string(),

@@ -311,10 +311,37 @@ pub trait ConversationStore: Send + Sync {
     async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>>;
     /// Newest first.
     async fn list_conversations(&self, user_id: &str, limit: u32) -> StoreResult<Vec<Conversation>>;
-    /// In the order they were written.
+    /// In the order they were written. The whole history: for exports and tests, not a hot path.
     async fn list_messages(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Message>>;
+    /// The last `limit` messages that are not tool results, in the order they were written: what
+    /// a conversation's view shows. One indexed read, whatever the conversation's length.
+    async fn recent_messages(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Message>>;
+    /// The messages of one run, in the order they were written.
+    async fn list_run_messages(&self, run_id: &RunId) -> StoreResult<Vec<Message>>;
+    /// What a step's context is made of: see [`ContextWindow`].
+    async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow>;
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
     async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>>;
+}
+
+/// What one step's context is assembled from, read in bounded work rather than in proportion to
+/// the conversation's length: the stored summary, the messages after the last one it covers (every
+/// message while there is none), the calls that those messages' tool results answer, and the facts.
+///
+/// The window stays small because the context plan keeps it so: while there is no summary the
+/// whole history fits the budget (the step that would exceed it writes the first summary), and
+/// after that every step that finds the turns past the summary over budget extends the summary
+/// over all but the most recent of them. So a step reads about one budget of messages, whether the
+/// conversation has ten turns or ten thousand.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ContextWindow {
+    pub summary: Option<Summary>,
+    /// In the order they were written.
+    pub messages: Vec<Message>,
+    /// In the order they were requested.
+    pub tool_calls: Vec<ToolCall>,
+    /// By key.
+    pub facts: Vec<Fact>,
 }
 
 /// Users, their API keys and stream tickets (only hashes of secrets are stored).

@@ -56,10 +56,12 @@ pub struct ErrorLogEntry {
 pub struct FleetSeed {
     /// Extra abnormal instances per service, on top of the one seeded `pay-prod-2`.
     pub extra_abnormal: u32,
+    /// Extra healthy prod instances per service: a large fleet, for benchmarks.
+    pub extra_healthy: u32,
 }
 
 /// One service in one environment.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct ServiceSummary {
     pub service: String,
     pub env: String,
@@ -157,7 +159,8 @@ fn instance(id: String, service: &str, env: &str, abnormal: bool) -> Instance {
 }
 
 /// `{prefix}-{env}-{n}` for every service and environment, `pay-prod-2` abnormal, plus
-/// `seed.extra_abnormal` abnormal prod instances per service, `{prefix}-prod-a1`, `-a2`, ….
+/// `seed.extra_abnormal` abnormal prod instances per service, `{prefix}-prod-a1`, `-a2`, …, and
+/// `seed.extra_healthy` healthy ones, `{prefix}-prod-h1`, ….
 pub fn seeded_instances(seed: FleetSeed) -> Vec<Instance> {
     let mut out = Vec::new();
     for (service, prefix) in SERVICES {
@@ -170,6 +173,9 @@ pub fn seeded_instances(seed: FleetSeed) -> Vec<Instance> {
         }
         for n in 1..=seed.extra_abnormal {
             out.push(instance(format!("{prefix}-prod-a{n}"), service, "prod", true));
+        }
+        for n in 1..=seed.extra_healthy {
+            out.push(instance(format!("{prefix}-prod-h{n}"), service, "prod", false));
         }
     }
     out

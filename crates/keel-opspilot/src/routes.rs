@@ -13,7 +13,7 @@ use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
-use crate::fleet::{Fleet, FleetError, FleetSeed, Instance};
+use crate::fleet::{Fleet, FleetError, FleetSeed, Instance, ServiceSummary};
 
 /// The most instances the listing returns (the demo seeds tens; a bench, thousands).
 const LIST_LIMIT: u32 = 10_000;
@@ -48,7 +48,8 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
     seed: FleetSeed,
     demo_mode: bool,
 ) -> OpenApiRouter<S> {
-    let mut router = OpenApiRouter::with_openapi(DemoDoc::openapi()).routes(routes!(instances));
+    let mut router =
+        OpenApiRouter::with_openapi(DemoDoc::openapi()).routes(routes!(instances)).routes(routes!(services));
     if demo_mode {
         router = router.routes(routes!(reset));
     }
@@ -65,6 +66,18 @@ pub fn routes<S: Clone + Send + Sync + 'static>(
 )]
 async fn instances(State(demo): State<Demo>) -> Result<Response, ApiError> {
     Ok(Json(demo.fleet.instances(LIST_LIMIT).await.map_err(failed)?).into_response())
+}
+
+/// Each service in each environment: how many instances it has, how many are abnormal.
+#[utoipa::path(
+    get,
+    path = "/v1/demo/services",
+    operation_id = "listServices",
+    tag = "demo",
+    responses((status = 200, description = "The fleet's services", body = Vec<ServiceSummary>))
+)]
+async fn services(State(demo): State<Demo>) -> Result<Response, ApiError> {
+    Ok(Json(demo.fleet.services().await.map_err(failed)?).into_response())
 }
 
 /// Restores the seeded fleet (routed only in demo mode).

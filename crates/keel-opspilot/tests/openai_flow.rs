@@ -314,6 +314,17 @@ async fn two_hundred_turns_stay_within_the_budget_with_model_summaries() {
     let conv = h.conversation().await;
     talk(&h, &conv, 0..TURNS).await;
 
+    // A step reads what its context uses, not the history: the turns after the summary.
+    let history = h.store.list_messages(&conv).await.unwrap().len();
+    let window = h.store.context_window(&conv).await.unwrap();
+    assert_eq!(history, 2 * TURNS);
+    assert!(window.summary.is_some());
+    assert!(
+        window.messages.len() <= 2 * 20,
+        "the context reads {} of {history} messages: more than a budget's worth",
+        window.messages.len()
+    );
+
     let received = mock.received();
     for (i, body) in received.iter().enumerate() {
         let tokens = prompt_tokens(body);

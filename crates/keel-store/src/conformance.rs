@@ -20,8 +20,8 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun, Store,
-    StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun,
+    Store, StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -67,6 +67,7 @@ macro_rules! conformance_tests {
             asking_calls_lists_the_calls_waiting_for_a_human,
             due_interrupts_are_pending_and_past_expiry,
             conversation_tool_calls_span_runs,
+            the_context_window_starts_after_the_summary,
             user_roles,
             api_keys_map_hashes_to_users_until_revoked,
             stream_tickets_are_redeemed_once_before_expiry,
@@ -1350,6 +1351,82 @@ pub async fn conversation_tool_calls_span_runs(store: SharedStore) {
     assert_eq!(store.list_tool_calls(&second.id).await.expect("calls"), vec![d]);
     let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
     assert!(store.list_conversation_tool_calls(&other.id).await.expect("calls").is_empty());
+}
+
+fn message(run: &Run, role: Role, content: &str, call: Option<&CallId>, secs: i64) -> Message {
+    Message {
+        id: MessageId::new(),
+        conversation_id: run.conversation_id.clone(),
+        run_id: Some(run.id.clone()),
+        role,
+        content: content.into(),
+        tool_call_id: call.cloned(),
+        created_at: at(secs),
+    }
+}
+
+/// The context's read: every message while there is no summary; once there is one, only the
+/// messages after the last it covers and the calls those answer; the facts either way. And the
+/// two other bounded message reads: a conversation's latest messages, a run's messages.
+pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
+    let (conversation, first) = running(&store, "w1").await;
+    let user_1 = store.list_messages(&conversation.id).await.expect("messages").remove(0);
+    let a = tool_call(&first.id, "get_order", "ord-2", ToolCallState::Succeeded);
+    let result_a = message(&first, Role::Tool, "{\"status\":\"late\"}", Some(&a.id), 3);
+    let answer_1 = message(&first, Role::Assistant, "ord-2 is late", None, 4);
+    let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(4));
+    c.tool_calls.push(ToolCallChange::Insert(a.clone()));
+    c.messages.extend([result_a.clone(), answer_1.clone()]);
+    c.facts.push(fact("order", "ord-2", FactSource::ToolResult, at(4)));
+    c.run = to(RunStatus::Completed);
+    commit_ok(&store, c).await;
+
+    let second = start(&store, &conversation, at(5)).await;
+    let user_2 = second.message.clone();
+    let b = tool_call(&second.run.id, "cancel_order", "ord-2", ToolCallState::Succeeded);
+    let result_b = message(&second.run, Role::Tool, "{\"cancelled\":true}", Some(&b.id), 7);
+    let mut c = Commit::new(second.run.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(7));
+    c.run = to(RunStatus::Running);
+    c.tool_calls.push(ToolCallChange::Insert(b.clone()));
+    c.messages.push(result_b.clone());
+    commit_ok(&store, c).await;
+
+    let window = store.context_window(&conversation.id).await.expect("window");
+    assert_eq!(window.summary, None);
+    assert_eq!(
+        window.messages,
+        vec![user_1.clone(), result_a.clone(), answer_1.clone(), user_2.clone(), result_b.clone()],
+        "no summary: every message"
+    );
+    assert_eq!(window.tool_calls, vec![a.clone(), b.clone()]);
+    assert_eq!(window.facts, vec![fact("order", "ord-2", FactSource::ToolResult, at(4))]);
+
+    // a summary through the first turn: the window starts after it
+    let summary = Summary {
+        conversation_id: conversation.id.clone(),
+        through_message_id: answer_1.id.clone(),
+        text: "ord-2 was late".into(),
+    };
+    let mut c = Commit::new(second.run.id.clone(), lease("w2", at(60)), at(8));
+    c.summary = Some(summary.clone());
+    commit_ok(&store, c).await;
+    let window = store.context_window(&conversation.id).await.expect("window");
+    assert_eq!(window.summary, Some(summary));
+    assert_eq!(window.messages, vec![user_2.clone(), result_b.clone()]);
+    assert_eq!(window.tool_calls, vec![b.clone()], "only the calls the window's results answer");
+    assert_eq!(window.facts.len(), 1);
+
+    // the latest messages that are not tool results, in order; a run's own messages
+    let recent = store.recent_messages(&conversation.id, 2).await.expect("recent");
+    assert_eq!(recent, vec![answer_1.clone(), user_2.clone()]);
+    assert_eq!(store.recent_messages(&conversation.id, 100).await.expect("recent").len(), 3);
+    assert_eq!(store.list_run_messages(&first.id).await.expect("run messages"), vec![user_1, result_a, answer_1]);
+    assert_eq!(store.list_run_messages(&second.run.id).await.expect("run messages"), vec![user_2, result_b]);
+
+    // another conversation's window is empty
+    let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
+    assert_eq!(store.context_window(&other.id).await.expect("window"), ContextWindow::default());
+    assert!(store.recent_messages(&other.id, 10).await.expect("recent").is_empty());
 }
 
 pub async fn user_roles(store: SharedStore) {

@@ -24,9 +24,9 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ConversationStore, Fence, IdempotencyBegin, IdentityStore, InterruptChange,
-    NewRun, RunChange, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
-    ToolCallUpdate,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, Fence, IdempotencyBegin, IdentityStore,
+    InterruptChange, NewRun, RunChange, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend,
+    ToolCallChange, ToolCallUpdate,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -1424,6 +1424,79 @@ impl ConversationStore for PostgresStore {
             .await
             .map_err(db("list messages"))?;
         all(&rows, message_from)
+    }
+
+    async fn recent_messages(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Message>> {
+        let rows = sqlx::query(
+            "SELECT * FROM (SELECT * FROM messages WHERE conversation_id = $1 AND role <> 'tool' \
+             ORDER BY seq DESC LIMIT $2) newest ORDER BY seq",
+        )
+        .bind(conversation_id.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list recent messages"))?;
+        all(&rows, message_from)
+    }
+
+    async fn list_run_messages(&self, run_id: &RunId) -> StoreResult<Vec<Message>> {
+        let rows = sqlx::query("SELECT * FROM messages WHERE run_id = $1 ORDER BY seq")
+            .bind(run_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("list a run's messages"))?;
+        all(&rows, message_from)
+    }
+
+    async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
+        // Four independent reads, sent together: the messages after the last one the summary
+        // covers (by the index on (conversation_id, seq)), the calls their tool results answer (by
+        // id), the summary and the facts. Only the run's own worker writes a conversation's
+        // messages and summary, so the reads agree.
+        const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
+                             WHERE s.conversation_id = $1), 0)";
+        let conversation = conversation_id.as_str();
+        let messages_sql = format!("SELECT * FROM messages WHERE conversation_id = $1 AND seq > {AFTER} ORDER BY seq");
+        let calls_sql = format!(
+            "SELECT * FROM tool_calls WHERE id IN (SELECT tool_call_id FROM messages \
+             WHERE conversation_id = $1 AND seq > {AFTER} AND tool_call_id IS NOT NULL) ORDER BY seq"
+        );
+        let (summary, messages, tool_calls, facts) = tokio::try_join!(
+            async {
+                sqlx::query("SELECT * FROM summaries WHERE conversation_id = $1")
+                    .bind(conversation)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(db("get the summary"))
+            },
+            async {
+                sqlx::query(&messages_sql)
+                    .bind(conversation)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list the context's messages"))
+            },
+            async {
+                sqlx::query(&calls_sql)
+                    .bind(conversation)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list the context's tool calls"))
+            },
+            async {
+                sqlx::query("SELECT * FROM facts WHERE conversation_id = $1 ORDER BY key")
+                    .bind(conversation)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list facts"))
+            },
+        )?;
+        Ok(ContextWindow {
+            summary: summary.as_ref().map(summary_from).transpose()?,
+            messages: all(&messages, message_from)?,
+            tool_calls: all(&tool_calls, tool_call_from)?,
+            facts: all(&facts, fact_from)?,
+        })
     }
 
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {

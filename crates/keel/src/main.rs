@@ -293,7 +293,7 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
     let mut builder = Builder::new(backend.clone());
     if demo_mode {
         // OpsPilot, a user of the library like any agent, is the demo's default agent.
-        let seed = FleetSeed { extra_abnormal: settings.demo_abnormal };
+        let seed = FleetSeed { extra_abnormal: settings.demo_abnormal, extra_healthy: settings.demo_healthy };
         let fleet = demo_fleet(&backend, seed).await?;
         let calls: Arc<dyn RunStore> = store.clone();
         let model = model_of(&settings.model, settings.demo_delay)?;

@@ -85,6 +85,9 @@ fn topology() -> EventKind {
     }
 }
 
+/// How many of a conversation's latest messages (tool results left out) its view shows.
+pub const CONVERSATION_VIEW_MESSAGES: u32 = 100;
+
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SendMessage {
     pub content: String,
@@ -313,9 +316,8 @@ impl Engine {
         let store = &self.inner.store;
         let facts = crate::domain::fact_map(&store.list_facts(id).await?);
         let active_run_id = store.active_run(id).await?.map(|r| r.id);
-        let messages = store.list_messages(id).await?.into_iter().filter(|m| m.role != Role::Tool).collect::<Vec<_>>();
-        let skip = messages.len().saturating_sub(100);
-        Ok(ConversationView { conversation, facts, active_run_id, messages: messages.into_iter().skip(skip).collect() })
+        let messages = store.recent_messages(id, CONVERSATION_VIEW_MESSAGES).await?;
+        Ok(ConversationView { conversation, facts, active_run_id, messages })
     }
 
     /// Stores the user message and starts a run for it. `RunActive` while the conversation has one.

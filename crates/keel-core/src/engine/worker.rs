@@ -224,16 +224,18 @@ impl Worker {
     pub(super) async fn assemble_context(
         &mut self,
     ) -> Result<Option<(ModelRequest, Option<crate::domain::Summary>)>, WorkerError> {
-        let store = self.store().clone();
-        let conv = &self.run.conversation_id;
-        let messages = store.list_messages(conv).await?;
-        let calls = store.list_conversation_tool_calls(conv).await?;
-        let facts = store.list_facts(conv).await?;
-        let summary = store.get_summary(conv).await?;
+        // One bounded read: the summary, the turns after it, their calls, the facts.
+        let window = self.store().context_window(&self.run.conversation_id).await?;
+        let facts = &window.facts;
         let config = &self.agent.context;
         let plan = plan_context(
             config,
-            ContextInput { messages: &messages, tool_calls: &calls, facts: &facts, summary: summary.as_ref() },
+            ContextInput {
+                messages: &window.messages,
+                tool_calls: &window.tool_calls,
+                facts,
+                summary: window.summary.as_ref(),
+            },
         );
         let summary_text = match plan.summary_request() {
             Some(request) if config.summarize_with_model => match self.summarize(request).await {
@@ -253,7 +255,7 @@ impl Worker {
         let request = ModelRequest {
             messages: assembled.messages,
             tools: self.agent.tools.specs(),
-            facts: crate::domain::fact_map(&facts),
+            facts: crate::domain::fact_map(facts),
         };
         Ok(Some((request, assembled.new_summary)))
     }

@@ -77,7 +77,10 @@ impl Harness {
     pub async fn new(dir: &Path, options: Options) -> Self {
         let clock = Arc::new(ManualClock::default());
         let h = Self::open_with(dir, clock, options.model, options.tools, options.config, options.context).await;
-        h.fleet.seed(FleetSeed { extra_abnormal: options.extra_abnormal }, h.clock_now()).await.unwrap();
+        h.fleet
+            .seed(FleetSeed { extra_abnormal: options.extra_abnormal, ..Default::default() }, h.clock_now())
+            .await
+            .unwrap();
         h.store.set_user_role("demo", UserRole::Operator).await.unwrap();
         h
     }

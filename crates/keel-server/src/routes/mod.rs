@@ -37,8 +37,8 @@ async fn settle_turn(state: &AppState, caller: &Caller, run_id: &RunId, after: i
     }
     guard.disarm();
     let view = engine.run_view(&caller.0, run_id).await?;
-    let messages = engine.store().list_messages(&view.run.conversation_id).await?;
-    let message = messages.into_iter().rev().find(|m| m.role == Role::Assistant && m.run_id.as_ref() == Some(run_id));
+    let messages = engine.store().list_run_messages(run_id).await?;
+    let message = messages.into_iter().rev().find(|m| m.role == Role::Assistant);
     let interrupt = view.pending_interrupt.clone();
     Ok(TurnBody { run: RunBody::from(view), message, interrupt })
 }

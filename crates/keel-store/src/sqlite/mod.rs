@@ -30,8 +30,8 @@ use keel_core::event::Event;
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ConversationStore, IdempotencyBegin, IdentityStore, NewRun, RunStore, StartedRun,
-    Store, StoreError, StoreResult,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
+    RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
@@ -613,6 +613,91 @@ impl ConversationStore for SqliteStore {
                     [conversation_id.as_str()],
                     message_from,
                 )
+            })
+            .await
+    }
+
+    async fn recent_messages(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Message>> {
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                let mut newest_first = many(
+                    c,
+                    "list recent messages",
+                    "SELECT * FROM messages WHERE conversation_id = ? AND role <> 'tool' ORDER BY seq DESC LIMIT ?",
+                    params![conversation_id.as_str(), i64::from(limit)],
+                    message_from,
+                )?;
+                newest_first.reverse();
+                Ok(newest_first)
+            })
+            .await
+    }
+
+    async fn list_run_messages(&self, run_id: &RunId) -> StoreResult<Vec<Message>> {
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list a run's messages",
+                    "SELECT * FROM messages WHERE run_id = ? ORDER BY seq",
+                    [run_id.as_str()],
+                    message_from,
+                )
+            })
+            .await
+    }
+
+    async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                let conversation = conversation_id.as_str();
+                let summary = one(
+                    c,
+                    "get the summary",
+                    "SELECT * FROM summaries WHERE conversation_id = ?",
+                    [conversation],
+                    summary_from,
+                )?;
+                // The messages after the last one the summary covers (by the index on
+                // (conversation_id, seq)), and the calls their tool results answer (by id).
+                let after: i64 = match &summary {
+                    Some(s) => one(
+                        c,
+                        "find the summary's last message",
+                        "SELECT seq FROM messages WHERE id = ?",
+                        [s.through_message_id.as_str()],
+                        |r| Cols::new(r, "messages").get::<i64>("seq"),
+                    )?
+                    .unwrap_or(0),
+                    None => 0,
+                };
+                let messages = many(
+                    c,
+                    "list the context's messages",
+                    "SELECT * FROM messages WHERE conversation_id = ? AND seq > ? ORDER BY seq",
+                    params![conversation, after],
+                    message_from,
+                )?;
+                let tool_calls = many(
+                    c,
+                    "list the context's tool calls",
+                    "SELECT * FROM tool_calls WHERE id IN \
+                     (SELECT tool_call_id FROM messages WHERE conversation_id = ? AND seq > ? AND tool_call_id IS NOT NULL) \
+                     ORDER BY seq",
+                    params![conversation, after],
+                    tool_call_from,
+                )?;
+                let facts = many(
+                    c,
+                    "list facts",
+                    "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
+                    [conversation],
+                    fact_from,
+                )?;
+                Ok(ContextWindow { summary, messages, tool_calls, facts })
             })
             .await
     }

@@ -63,6 +63,10 @@ pub struct Options {
     /// Extra abnormal instances per service in the seeded fleet.
     #[arg(long, global = true, env = "KEEL_DEMO_ABNORMAL", value_name = "N", default_value_t = 0)]
     pub demo_abnormal: u32,
+    /// Extra healthy instances per service in the seeded fleet (prod, `{prefix}-prod-h1`, …): a
+    /// large fleet for benchmarks.
+    #[arg(long, global = true, env = "KEEL_DEMO_HEALTHY", value_name = "N", default_value_t = 0)]
+    pub demo_healthy: u32,
     /// Event fan-out between instances: `local` (one process) or `redis://HOST:PORT`.
     #[arg(long, global = true, env = "KEEL_BUS", value_name = "URL", default_value = "local")]
     pub bus: UrlText,
@@ -234,6 +238,7 @@ pub struct Settings {
     pub interrupt_ttl: Duration,
     pub heartbeat: Duration,
     pub demo_abnormal: u32,
+    pub demo_healthy: u32,
     pub bus: BusChoice,
     pub lease_ttl: Duration,
     pub instance_id: Option<String>,
@@ -393,6 +398,7 @@ impl Settings {
             interrupt_ttl: duration("interrupt_ttl", &o.interrupt_ttl)?,
             heartbeat: duration("heartbeat", &o.heartbeat)?,
             demo_abnormal: o.demo_abnormal,
+            demo_healthy: o.demo_healthy,
             bus,
             lease_ttl: duration("lease_ttl", &o.lease_ttl)?,
             instance_id: o.instance_id.clone(),
