@@ -84,8 +84,13 @@ pub async fn long_conversation(
     content: &str,
     window: usize,
     pid: Option<u32>,
+    conversation: Option<&str>,
 ) -> Result<Value> {
-    let conv = client.conversation().await?;
+    let conv = match conversation {
+        Some(id) => id.to_owned(),
+        None => client.conversation().await?,
+    };
+    eprintln!("conversation {conv}");
     let mut latency = Vec::with_capacity(turns);
     let mut cpu = Vec::with_capacity(turns);
     let started = Instant::now();
@@ -136,19 +141,29 @@ pub async fn long_conversation(
 /// The seeds' flow, `runs` times, one at a time: a message that makes the agent look something up
 /// and then ask to act on it, approved, streamed to `done`. With `reset`, the demo is re-seeded
 /// before each run (outside the measured time), so a small fleet has its abnormal instance again.
-pub async fn flow(client: &Client, runs: usize, content: &str, reset: bool, pid: Option<u32>) -> Result<Value> {
+/// With `describe_fleet`, the fleet's size is read first (a count over the whole fleet).
+pub async fn flow(
+    client: &Client,
+    runs: usize,
+    content: &str,
+    reset: bool,
+    describe_fleet: bool,
+    pid: Option<u32>,
+) -> Result<Value> {
     let mut latency = Vec::with_capacity(runs);
     let mut cpu = Vec::with_capacity(runs);
     let mut fleet = Value::Null;
     for i in 0..runs {
-        if reset || i == 0 {
+        if reset {
             let answer = client.post("/v1/demo/reset").send().await?;
             if !answer.status().is_success() {
                 bail!("POST /v1/demo/reset: {} (flow needs `keel demo`)", answer.status());
             }
+            // let the WAL checkpointer (every 100 ms) copy the re-seeded rows before the clock starts
+            tokio::time::sleep(Duration::from_millis(300)).await;
         }
-        if i == 0 {
-            fleet = Client::json(client.get("/v1/demo/services")).await.unwrap_or(Value::Null);
+        if i == 0 && describe_fleet {
+            fleet = Client::json(client.get("/v1/demo/services")).await?;
         }
         let conv = client.conversation().await?;
         let before = pid.map(cpu_ns).transpose()?;

@@ -103,6 +103,10 @@ enum Scenario {
         /// The server's pid, to read its CPU time around each turn.
         #[arg(long)]
         server_pid: Option<u32>,
+        /// Continue this conversation instead of starting one (its id is printed on stderr), e.g. to
+        /// measure turns 1,001–1,020 alone under `callgrind_control -i on`.
+        #[arg(long)]
+        conversation: Option<String>,
     },
     /// The seeds' flow, one run at a time: a lookup tool, then an action that asks for approval,
     /// approved, to `done` (`keel demo`; size the fleet with --demo-abnormal / --demo-healthy).
@@ -114,6 +118,10 @@ enum Scenario {
         /// Re-seed the fleet before each run (not measured), so a small fleet is abnormal again.
         #[arg(long)]
         reset_each: bool,
+        /// Do not read the fleet's size first (it counts every instance: leave it out of a count
+        /// of the server's instructions).
+        #[arg(long)]
+        no_fleet_summary: bool,
         /// The server's pid, to read its CPU time around each run.
         #[arg(long)]
         server_pid: Option<u32>,
@@ -167,11 +175,12 @@ async fn main() -> Result<()> {
             Scenario::Idle { streams, server_pid, settle_secs } => {
                 idle(&client, *streams, *server_pid, *settle_secs).await?
             }
-            Scenario::LongConversation { turns, content, window, server_pid } => {
-                growth::long_conversation(&client, *turns, content, *window, *server_pid).await?
+            Scenario::LongConversation { turns, content, window, server_pid, conversation } => {
+                growth::long_conversation(&client, *turns, content, *window, *server_pid, conversation.as_deref())
+                    .await?
             }
-            Scenario::Flow { runs, content, reset_each, server_pid } => {
-                growth::flow(&client, *runs, content, *reset_each, *server_pid).await?
+            Scenario::Flow { runs, content, reset_each, no_fleet_summary, server_pid } => {
+                growth::flow(&client, *runs, content, *reset_each, !*no_fleet_summary, *server_pid).await?
             }
             Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref())?,
             Scenario::FloorPostgres { db, rows, batch } => floor_postgres(db, *rows, batch).await?,

@@ -332,11 +332,18 @@ fn describe_abnormal(service: &str, env: &str, result: &Value) -> String {
             one["restartCount"],
             one["release"].as_str().unwrap_or("?")
         ),
-        many => format!(
-            "{} instances of {service} in {env} are abnormal: {}.",
-            many.len(),
-            many.iter().filter_map(|i| i["id"].as_str()).collect::<Vec<_>>().join(", ")
-        ),
+        many => {
+            let listed = many.iter().filter_map(|i| i["id"].as_str()).collect::<Vec<_>>().join(", ");
+            let total = result["abnormalTotal"].as_u64().unwrap_or(many.len() as u64);
+            match (total as usize == many.len(), result["abnormalTotalIsAtLeast"] == true) {
+                (true, _) => format!("{total} instances of {service} in {env} are abnormal: {listed}."),
+                (false, at_least) => format!(
+                    "{}{total} instances of {service} in {env} are abnormal; the first {}: {listed}.",
+                    if at_least { "At least " } else { "" },
+                    many.len()
+                ),
+            }
+        }
     }
 }
 

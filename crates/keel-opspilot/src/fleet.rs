@@ -125,13 +125,15 @@ pub trait Fleet: Send + Sync + 'static {
     async fn instance(&self, id: &str) -> Result<Option<Instance>, FleetError>;
     async fn services(&self) -> Result<Vec<ServiceSummary>, FleetError>;
     /// The abnormal instances of `service` in `env` that are not in `exclude`, by id, at most
-    /// `limit`; and how many there are in all.
+    /// `limit`; and how many there are, counted up to `count_up_to` (a count that reaches it means
+    /// "at least that many"): the work is bounded by the two, not by the fleet.
     async fn abnormal(
         &self,
         service: &str,
         env: &str,
         exclude: &[String],
         limit: u32,
+        count_up_to: u32,
     ) -> Result<(Vec<Instance>, i64), FleetError>;
     /// The errors of `service` in `env` at or after `since`, with the newest `samples`.
     async fn errors(&self, service: &str, env: &str, since: Timestamp, samples: u32) -> Result<ErrorStats, FleetError>;
@@ -395,6 +397,7 @@ impl Fleet for SqliteFleet {
         env: &str,
         exclude: &[String],
         limit: u32,
+        count_up_to: u32,
     ) -> Result<(Vec<Instance>, i64), FleetError> {
         let (service, env) = (service.to_owned(), env.to_owned());
         let exclude = serde_json::to_string(exclude).unwrap_or_else(|_| "[]".into());
@@ -405,8 +408,8 @@ impl Fleet for SqliteFleet {
                 const WHERE: &str = "FROM opspilot_instances WHERE service = ?1 AND env = ?2 AND status = 'abnormal' \
                                      AND id NOT IN (SELECT value FROM json_each(?3))";
                 let total: i64 = c
-                    .prepare_cached(&format!("SELECT COUNT(*) {WHERE}"))
-                    .and_then(|mut st| st.query_row(params![service, env, exclude], |r| r.get(0)))
+                    .prepare_cached(&format!("SELECT COUNT(*) FROM (SELECT 1 {WHERE} LIMIT ?4)"))
+                    .and_then(|mut st| st.query_row(params![service, env, exclude, count_up_to], |r| r.get(0)))
                     .map_err(&fail)?;
                 let mut st = c.prepare_cached(&format!("SELECT * {WHERE} ORDER BY id LIMIT ?4")).map_err(&fail)?;
                 let rows = st.query_map(params![service, env, exclude, limit], instance_row).map_err(&fail)?;
@@ -738,14 +741,16 @@ impl Fleet for PostgresFleet {
         env: &str,
         exclude: &[String],
         limit: u32,
+        count_up_to: u32,
     ) -> Result<(Vec<Instance>, i64), FleetError> {
         let fail = pg("find abnormal instances");
         const WHERE: &str =
             "FROM opspilot_instances WHERE service = $1 AND env = $2 AND status = 'abnormal' AND NOT (id = ANY($3))";
-        let total: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) {WHERE}"))
+        let total: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM (SELECT 1 {WHERE} LIMIT $4) counted"))
             .bind(service)
             .bind(env)
             .bind(exclude)
+            .bind(i64::from(count_up_to))
             .fetch_one(&self.0)
             .await
             .map_err(&fail)?;

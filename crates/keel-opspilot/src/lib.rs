@@ -42,7 +42,10 @@ pub const SERVICES: &[&str] = &["payment-api", "order-api", "inventory-api"];
 pub const ENVS: &[&str] = &["prod", "staging"];
 
 /// The most abnormal instances `find_abnormal_instances` lists; it says how many there are in all.
-pub const ABNORMAL_LIMIT: u32 = 20;
+pub const ABNORMAL_LIMIT: u32 = 10;
+/// How far `find_abnormal_instances` counts: past it the result says "at least" this many, so a
+/// lookup costs the same in a fleet of fifty instances and of a hundred thousand.
+pub const ABNORMAL_COUNT_UP_TO: u32 = 100;
 
 /// The OpsPilot agent over `fleet`; `calls` lets it leave out instances another run is about to
 /// restart.
@@ -202,7 +205,8 @@ impl FindAbnormalInstances {
             ToolSpec::new(
                 "find_abnormal_instances",
                 "Find the abnormal instances of a service in an environment (those already waiting for a restart \
-                 approval in another run are left out; at most 20 are listed, with how many there are in all).",
+                 approval in another run are left out; at most 10 are listed, with how many there are in all, \
+                 counted up to 100).",
                 service_env_schema(),
                 false,
             ),
@@ -228,7 +232,9 @@ impl Tool for FindAbnormalInstances {
             .iter()
             .filter_map(|c| c.args.get("instanceId").and_then(Value::as_str).map(str::to_owned))
             .collect();
-        let (abnormal, total) = self.1.abnormal(service, env, &awaiting, ABNORMAL_LIMIT).await.map_err(tool_error)?;
+        let (abnormal, total) =
+            self.1.abnormal(service, env, &awaiting, ABNORMAL_LIMIT, ABNORMAL_COUNT_UP_TO).await.map_err(tool_error)?;
+        let at_least = total >= i64::from(ABNORMAL_COUNT_UP_TO);
         let mut facts = vec![("service".to_owned(), service.to_owned()), ("env".to_owned(), env.to_owned())];
         if let ([only], 1) = (abnormal.as_slice(), total) {
             facts.push(("instance".into(), only.id.clone()));
@@ -236,12 +242,13 @@ impl Tool for FindAbnormalInstances {
         let summary = match (abnormal.as_slice(), total) {
             ([], _) => format!("no abnormal instance of {service}/{env}"),
             ([one], 1) => format!("{} is abnormal", one.id),
+            (_, n) if at_least => format!("at least {n} abnormal instances of {service}/{env}"),
             (_, n) => format!("{n} abnormal instances of {service}/{env}"),
         };
         Ok(ToolOutput {
             summary,
             result: json!({
-                "service": service, "env": env, "abnormalTotal": total,
+                "service": service, "env": env, "abnormalTotal": total, "abnormalTotalIsAtLeast": at_least,
                 "abnormal": abnormal.iter().map(instance_json).collect::<Vec<_>>()
             }),
             facts,

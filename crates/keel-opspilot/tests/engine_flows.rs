@@ -722,3 +722,36 @@ async fn a_long_answer_cancelled_mid_stream_keeps_exactly_the_text_that_was_stre
     assert!((1500..20000).contains(&words), "{words} words streamed");
     assert_eq!(stored_answers(&h, &conv).await, rendered, "the stored message is the streamed text");
 }
+
+/// In a large fleet the lookup lists the first 10 abnormal instances and counts up to 100: past
+/// that it says "at least", and its cost does not grow with the fleet.
+#[tokio::test]
+async fn a_large_fleet_is_listed_in_part_and_counted_up_to_a_bound() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options { extra_abnormal: 150, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Which instances of payment-api are abnormal?").await;
+    assert_eq!(last_type(&ev), "done");
+    let calls = h.store.list_tool_calls(&run).await.unwrap();
+    let lookup = calls.iter().find(|c| c.name == "find_abnormal_instances").expect("the lookup ran");
+    let result = lookup.result.as_ref().expect("a result").inner().clone();
+    assert_eq!(result["abnormal"].as_array().unwrap().len(), keel_opspilot::ABNORMAL_LIMIT as usize);
+    assert_eq!(result["abnormalTotal"], keel_opspilot::ABNORMAL_COUNT_UP_TO);
+    assert_eq!(result["abnormalTotalIsAtLeast"], true);
+    assert_eq!(lookup.summary.as_ref().unwrap().as_str(), "at least 100 abnormal instances of payment-api/prod");
+    assert!(
+        text(&ev).contains("At least 100 instances of payment-api in prod are abnormal; the first 10: "),
+        "{}",
+        text(&ev)
+    );
+
+    // under the bound the count is exact
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options { extra_abnormal: 30, ..Default::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Which instances of payment-api are abnormal?").await;
+    let calls = h.store.list_tool_calls(&run).await.unwrap();
+    let result = calls[0].result.as_ref().expect("a result").inner().clone();
+    assert_eq!((result["abnormalTotal"].as_i64(), result["abnormalTotalIsAtLeast"].as_bool()), (Some(31), Some(false)));
+    assert!(text(&ev).contains("31 instances of payment-api in prod are abnormal; the first 10: "), "{}", text(&ev));
+}
