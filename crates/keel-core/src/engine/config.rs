@@ -38,6 +38,9 @@ pub struct EngineConfig {
     pub max_message_chars: usize,
     /// Where the engine's measurements go (the server's Prometheus registry); nowhere by default.
     pub metrics: Metrics,
+    /// The most runs this instance drives at once. A run it has no room for stays claimable
+    /// (`queued`, or `running` without a lease) for any instance with a free slot.
+    pub max_concurrent_runs: usize,
     /// Links each `run` span to the run's trace (an OpenTelemetry exporter); none by default.
     pub run_span_hook: Option<RunSpanHook>,
 }
@@ -62,7 +65,17 @@ impl Default for EngineConfig {
             tool_retry_backoff: Duration::from_millis(200),
             max_message_chars: 32_000,
             metrics: Metrics::default(),
+            max_concurrent_runs: default_max_concurrent_runs(),
             run_span_hook: None,
         }
     }
+}
+
+/// 64 runs per core. A worker spends almost all its time waiting — on the model's stream, a tool, the
+/// store — so the cap is not about CPU time but about what a run holds while it waits (a task, its
+/// context, an HTTP connection to the model) and about the bursts one instance takes on before
+/// others get a share: with more than this many runs in flight, the rest wait queued for any
+/// instance. See docs/operations.md, "Capacity".
+pub fn default_max_concurrent_runs() -> usize {
+    64 * std::thread::available_parallelism().map_or(1, |n| n.get())
 }
