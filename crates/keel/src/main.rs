@@ -341,6 +341,7 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.interrupt_ttl = settings.interrupt_ttl;
             c.max_message_chars = settings.max_message_chars;
             c.lease_ttl = settings.lease_ttl;
+            c.max_concurrent_runs = settings.max_concurrent_runs;
             // How often an idle reader re-reads the store: its only news source for runs written by
             // another instance without a shared bus, a safety net otherwise.
             c.poll_interval = match (&bus, single) {
@@ -357,6 +358,8 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.auth = auth;
             c.rate_limit_per_second = settings.rate_limit;
             c.rate_limit_burst = settings.rate_burst;
+            c.rate_limit_per_address = settings.rate_limit_per_address;
+            c.rate_burst_per_address = settings.rate_burst_per_address;
             c.max_streams_per_user = settings.max_streams_per_user;
             c.body_limit = settings.body_limit;
             c.json_max_depth = settings.json_max_depth;
