@@ -4,9 +4,10 @@
 //! The reader subscribes to the bus *before* reading the store, so an event is either in the store
 //! read or arrives live (events are published only after they commit). Whatever the bus delivers
 //! out of order — a gap, a lagged receiver, a closed channel — is answered by re-reading the store,
-//! which is the source of truth. An idle reader also polls the store now and then, so events
-//! committed by another process arrive even without a shared bus. Memory per reader is bounded by
-//! the bus channel's capacity and one page of stored events.
+//! which is the source of truth. Where other processes commit too, an idle reader also polls the
+//! store now and then, so their events arrive even without a shared bus (or when it lost one); where
+//! the bus delivers every event (one process, the local bus) an idle reader reads nothing. Memory
+//! per reader is bounded by the bus channel's capacity and one page of stored events.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,6 +18,7 @@ use tokio::sync::broadcast::error::RecvError;
 use crate::bus::Bus;
 use crate::event::Event;
 use crate::ids::RunId;
+use crate::metrics::Metrics;
 use crate::store::{Store, StoreError};
 
 /// When a reader's stream ends.
@@ -40,21 +42,38 @@ impl Until {
 
 const PAGE: u32 = 256;
 
+/// Why an event stream reads the store (the label of [`Recorder::stream_store_read`]).
+mod reason {
+    /// Its first read, or one after the bus showed a gap, a lagged or a closed receiver.
+    pub const CATCH_UP: &str = "catch_up";
+    /// An idle stream's periodic look, for what another instance may have committed.
+    pub const IDLE: &str = "idle";
+}
+
 /// Events of `run_id` with `sequence > after`, stored then live, until `until`.
+///
+/// `idle_reads`: how often an idle stream looks at the store in case a writer elsewhere committed
+/// something the bus did not bring (another instance without a shared bus, a message a shared bus
+/// lost). `None` where the bus delivers every event (one process, the local bus): an idle stream
+/// then costs no store reads at all, and the store is read only on a gap, a lagged or a closed
+/// receiver.
 pub fn run_events(
     store: Arc<dyn Store>,
     bus: Arc<dyn Bus>,
     run_id: RunId,
     after: i64,
     until: Until,
-    poll_interval: Duration,
+    idle_reads: Option<Duration>,
+    metrics: Metrics,
 ) -> impl Stream<Item = Result<Event, StoreError>> + Send {
     async_stream::try_stream! {
         let mut rx = bus.subscribe(&run_id);
         let mut last = after;
+        let mut why = reason::CATCH_UP;
         'outer: loop {
             // Catch up from the store.
             loop {
+                metrics.stream_store_read(why);
                 let page = store.list_events(&run_id, last, PAGE).await?;
                 let full = page.len() as u32 == PAGE;
                 for event in page {
@@ -71,6 +90,7 @@ pub fn run_events(
             }
             // Nothing more is stored. A run that already ended has nothing more to say: a reader
             // whose cursor is at (or past) its terminal event ends here instead of waiting.
+            metrics.stream_store_read(why);
             if let Some(run) = store.get_run(&run_id).await? {
                 if run.status.is_terminal() && last >= run.last_sequence() {
                     break 'outer;
@@ -78,10 +98,21 @@ pub fn run_events(
             }
             // Then follow the bus until something is out of order.
             loop {
-                let received = tokio::time::timeout(poll_interval, rx.recv()).await;
+                let received = match idle_reads {
+                    Some(every) => match tokio::time::timeout(every, rx.recv()).await {
+                        Ok(received) => received,
+                        // Idle: look at the store in case a writer elsewhere committed.
+                        Err(_elapsed) => {
+                            why = reason::IDLE;
+                            continue 'outer;
+                        }
+                    },
+                    None => rx.recv().await,
+                };
+                why = reason::CATCH_UP;
                 match received {
-                    Ok(Ok(event)) if event.sequence <= last => continue,
-                    Ok(Ok(event)) if event.sequence == last + 1 => {
+                    Ok(event) if event.sequence <= last => continue,
+                    Ok(event) if event.sequence == last + 1 => {
                         last = event.sequence;
                         let end = until.ends_with(&event);
                         // The channel's slot let go of it when this receiver took it: no copy
@@ -92,14 +123,12 @@ pub fn run_events(
                         }
                     }
                     // A gap: the store has what we missed.
-                    Ok(Ok(_)) => continue 'outer,
-                    Ok(Err(RecvError::Lagged(_))) => continue 'outer,
-                    Ok(Err(RecvError::Closed)) => {
+                    Ok(_) => continue 'outer,
+                    Err(RecvError::Lagged(_)) => continue 'outer,
+                    Err(RecvError::Closed) => {
                         rx = bus.subscribe(&run_id);
                         continue 'outer;
                     }
-                    // Idle: look at the store in case a writer elsewhere committed.
-                    Err(_elapsed) => continue 'outer,
                 }
             }
         }

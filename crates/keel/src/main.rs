@@ -343,11 +343,12 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.lease_ttl = settings.lease_ttl;
             c.max_concurrent_runs = settings.max_concurrent_runs;
             // How often an idle reader re-reads the store: its only news source for runs written by
-            // another instance without a shared bus, a safety net otherwise.
+            // another instance without a shared bus, a safety net where a shared bus may lose a
+            // message. One process with its local bus is delivered every event: no idle reads.
             c.poll_interval = match (&bus, single) {
-                (_, true) => Duration::from_secs(10),
-                (BusChoice::Redis(_), false) => Duration::from_secs(3),
-                (BusChoice::Local, false) => Duration::from_secs(1),
+                (BusChoice::Local, true) => None,
+                (BusChoice::Redis(_), _) => Some(Duration::from_secs(3)),
+                (BusChoice::Local, false) => Some(Duration::from_secs(1)),
             };
             // Exported traces: every worker of a run joins the run's trace.
             c.run_span_hook = settings.otlp_endpoint.is_some().then(telemetry::run_span_hook);

@@ -20,8 +20,10 @@ pub struct EngineConfig {
     pub steal_leases_on_start: bool,
     /// How often expired interrupts are swept and orphaned runs looked for.
     pub sweep_interval: Duration,
-    /// How often an idle event reader re-reads the store.
-    pub poll_interval: Duration,
+    /// How often an idle event reader re-reads the store, for events committed by another process
+    /// that the bus did not bring. `None` where the bus delivers every event (one process with the
+    /// local bus): an idle reader then reads nothing, and the store only on a gap.
+    pub poll_interval: Option<Duration>,
     /// Retries of a model call that failed transiently.
     pub model_retries: u32,
     /// The role of a user the store does not know.
@@ -56,7 +58,7 @@ impl Default for EngineConfig {
             delta_flush_max: 128,
             steal_leases_on_start: false,
             sweep_interval: Duration::from_secs(1),
-            poll_interval: Duration::from_secs(1),
+            poll_interval: Some(Duration::from_secs(1)),
             // Model clients retry before the first token themselves; this is one more try on top.
             model_retries: 1,
             default_role: None,

@@ -442,6 +442,7 @@ impl Engine {
             after,
             until,
             self.inner.config.poll_interval,
+            self.inner.config.metrics.clone(),
         )
     }
 
