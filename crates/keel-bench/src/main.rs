@@ -12,6 +12,8 @@ use futures::StreamExt;
 use keel_client::{SseFrame, SseParser};
 use serde_json::{json, Value};
 
+mod spread;
+
 #[derive(Parser, Debug)]
 #[command(name = "keel-bench", about = "Benchmarks of a Keel server over its public HTTP API")]
 struct Cli {
@@ -87,6 +89,18 @@ enum Scenario {
         #[arg(long, default_value_t = 3)]
         settle_secs: u64,
     },
+    /// A burst of runs posted through this instance of several sharing a database; the share each
+    /// instance ran (each run's `worker`).
+    Spread {
+        #[arg(long, default_value_t = 200)]
+        runs: usize,
+        /// Posts in flight at once.
+        #[arg(long, default_value_t = 200)]
+        concurrency: usize,
+        /// The message sent; the demo model answers it without a dangerous tool.
+        #[arg(long, default_value = "what can you do?")]
+        content: String,
+    },
     /// Storage floor: raw batched inserts of event-sized rows into SQLite (WAL, synchronous=NORMAL).
     FloorSqlite {
         #[arg(long, default_value_t = 200_000)]
@@ -135,6 +149,9 @@ async fn main() -> Result<()> {
             }
             Scenario::Idle { streams, server_pid, settle_secs } => {
                 idle(&client, *streams, *server_pid, *settle_secs).await?
+            }
+            Scenario::Spread { runs, concurrency, content } => {
+                spread::spread(&client, *runs, *concurrency, content).await?
             }
             Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref())?,
             Scenario::FloorPostgres { db, rows, batch } => floor_postgres(db, *rows, batch).await?,
