@@ -1,6 +1,7 @@
 //! What an idle event stream costs the store: nothing, where the bus delivers every event (one
-//! process, the local bus); a look every interval where other processes may commit. Store reads
-//! are counted through the engine's metrics (`Recorder::stream_store_read`).
+//! process, the local bus); where other processes may commit, a share of one look per process per
+//! interval, which wakes only the streams behind. Store reads are counted through the engine's
+//! metrics (`Recorder::stream_store_read`).
 
 mod common;
 
@@ -10,7 +11,9 @@ use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
-use keel_core::engine::EngineConfig;
+use keel_core::agent::{Agent, Agents};
+use keel_core::bus::LocalBus;
+use keel_core::engine::{Engine, EngineConfig, EngineParts};
 use keel_core::metrics::{Metrics, Recorder};
 use keel_core::stream::Until;
 use keel_core::{Event, RunId};
@@ -42,17 +45,18 @@ async fn harness(dir: &TempDir, idle_reads: Option<Duration>) -> (Harness, Arc<R
     (Harness::new(dir.path(), Options { config, ..Options::default() }).await, reads)
 }
 
-/// A run paused for approval, and a stream of it from its last event on, read on a task of its own;
-/// the stream reads counted before that stream opened.
-async fn idle_stream(h: &Harness, reads: &Reads) -> (RunId, tokio::task::JoinHandle<Vec<Event>>, usize) {
+/// A run paused for approval.
+async fn paused_run(h: &Harness) -> (RunId, i64) {
     let conv = h.conversation().await;
     let (run, events) = h.say(&conv, "restart pay-prod-2").await;
     assert_eq!(last_type(&events), "interrupt");
-    let after = events.last().unwrap().sequence;
-    let before = reads.total();
-    let stream = h.engine.events(&run, after, Until::Terminal);
-    let reader = tokio::spawn(async move { stream.map(|e| e.unwrap()).collect::<Vec<_>>().await });
-    (run, reader, before)
+    (run, events.last().unwrap().sequence)
+}
+
+/// A stream of `run` after `after`, read on a task of its own.
+fn open_stream(h: &Harness, run: &RunId, after: i64) -> tokio::task::JoinHandle<Vec<Event>> {
+    let stream = h.engine.events(run, after, Until::Terminal);
+    tokio::spawn(async move { stream.map(|e| e.unwrap()).collect::<Vec<_>>().await })
 }
 
 async fn until(what: &str, mut check: impl FnMut() -> bool) {
@@ -67,7 +71,9 @@ async fn until(what: &str, mut check: impl FnMut() -> bool) {
 async fn with_the_local_bus_an_idle_stream_reads_nothing_and_still_gets_a_late_event() {
     let dir = TempDir::new().unwrap();
     let (h, reads) = harness(&dir, None).await;
-    let (run, reader, before) = idle_stream(&h, &reads).await;
+    let (run, after) = paused_run(&h).await;
+    let before = reads.total();
+    let reader = open_stream(&h, &run, after);
 
     // Its catch-up: one page of events (none after the cursor) and the run (not ended).
     until("the stream caught up", || reads.total() == before + 2).await;
@@ -90,14 +96,54 @@ async fn with_the_local_bus_an_idle_stream_reads_nothing_and_still_gets_a_late_e
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn where_others_commit_an_idle_stream_looks_every_interval() {
+async fn where_others_commit_one_look_serves_every_idle_stream_and_wakes_the_one_behind() {
     let dir = TempDir::new().unwrap();
     let (h, reads) = harness(&dir, Some(Duration::from_millis(50))).await;
-    let (run, reader, _) = idle_stream(&h, &reads).await;
-    // Each look is a page of events and the run.
-    until("three idle looks", || reads.of("idle") >= 6).await;
-    let interrupt = h.store.pending_interrupt(&run).await.unwrap().unwrap().id;
-    h.resume(&run, &interrupt, json!("approve"), "approval").await.unwrap();
-    let events = tokio::time::timeout(Duration::from_secs(20), reader).await.expect("the run ends").unwrap();
-    assert_eq!(last_type(&events), "done");
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        runs.push(paused_run(&h).await);
+    }
+    let before = reads.of("catch_up");
+    let mut streams: Vec<_> = runs.iter().map(|(run, after)| (run.clone(), open_stream(&h, run, *after))).collect();
+    // Each stream's catch-up: a page of events (none after its cursor) and its run (not ended).
+    until("every stream caught up", || reads.of("catch_up") == before + 10).await;
+    let caught_up = reads.of("catch_up");
+
+    // Idle: the process looks once an interval for all five streams; no stream reads on its own.
+    let looks = reads.of("idle");
+    until("three more looks", || reads.of("idle") >= looks + 3).await;
+    assert_eq!(reads.of("catch_up"), caught_up, "no stream read while idle");
+
+    // Another process (an engine of its own over the same database, with a bus of its own)
+    // cancels one run: this process's bus never hears of it, the look does, and wakes that
+    // stream alone, which reads the `cancelled` event from the store.
+    let other = h.other_engine();
+    let (run, reader) = streams.remove(2);
+    other.cancel("demo", &run).await.unwrap();
+    let events = tokio::time::timeout(Duration::from_secs(20), reader).await.expect("the stream ends").unwrap();
+    assert_eq!(last_type(&events), "cancelled");
+    assert_eq!(reads.of("catch_up"), caught_up + 1, "one stream caught up: one page, which ended it");
+    for (_, reader) in &streams {
+        assert!(!reader.is_finished(), "the others still wait");
+    }
+}
+
+/// An engine of another process over the harness's database: its own bus, never started (it takes
+/// no runs), for what it commits.
+trait OtherEngine {
+    fn other_engine(&self) -> Engine;
+}
+
+impl OtherEngine for Harness {
+    fn other_engine(&self) -> Engine {
+        let model = Arc::new(keel_models::DemoModel::new(Duration::ZERO));
+        let agent = Agent::new(keel_opspilot::AGENT_ID, "OpsPilot", model, keel_opspilot::SYSTEM_PROMPT).unwrap();
+        let parts = EngineParts {
+            store: self.store.clone(),
+            agents: Agents::single(agent),
+            bus: Arc::new(LocalBus::default()),
+            clock: self.clock.clone(),
+        };
+        Engine::new(parts, EngineConfig::default())
+    }
 }

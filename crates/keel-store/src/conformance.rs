@@ -61,6 +61,7 @@ macro_rules! conformance_tests {
             claim_runs_takes_queued_and_expired_not_live,
             concurrent_claimers_never_share_a_run,
             leases_renew_and_release,
+            last_sequences_of_many_runs_in_one_read,
             cancel_request_is_seen_by_the_next_commit,
             idempotency_keys,
             an_answer_commits_with_the_change_it_reports,
@@ -1163,6 +1164,23 @@ pub async fn leases_renew_and_release(store: SharedStore) {
     // a commit that acquires the run names its worker too
     let (_, run) = running(&store, "host-a:1:token").await;
     assert_eq!(run.worker.as_deref(), Some("host-a:1"), "up to the token's last colon");
+}
+
+pub async fn last_sequences_of_many_runs_in_one_read(store: SharedStore) {
+    assert!(store.last_sequences(&[]).await.expect("none").is_empty());
+    let (_, a) = running(&store, "w1").await;
+    let (_, b) = queued(&store).await;
+    commit_ok(&store, Commit::new(a.id.clone(), lease("w1", at(60)), at(5)).event(node("x")).event(node("y"))).await;
+    let unknown = RunId::new();
+    let mut got = store.last_sequences(&[a.id.clone(), unknown, b.id.clone()]).await.expect("read");
+    got.sort();
+    let mut want = vec![
+        (a.id.clone(), get_run(&store, &a.id).await.last_sequence()),
+        (b.id.clone(), get_run(&store, &b.id).await.last_sequence()),
+    ];
+    want.sort();
+    assert_eq!(got, want, "the known runs, each with its last sequence");
+    assert_eq!(got.iter().find(|(id, _)| *id == a.id).map(|(_, s)| *s), Some(a.last_sequence() + 2));
 }
 
 pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {

@@ -1060,6 +1060,22 @@ impl RunStore for PostgresStore {
         row.as_ref().map(run_from).transpose()
     }
 
+    async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<&str> = ids.iter().map(RunId::as_str).collect();
+        let rows = sqlx::query("SELECT id, next_sequence FROM runs WHERE id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("read last sequences"))?;
+        all(&rows, |row| {
+            let c = Cols::new(row, "runs");
+            Ok((c.id("id")?, c.get::<i64>("next_sequence")? - 1))
+        })
+    }
+
     async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
         let row = sqlx::query(&format!("SELECT * FROM runs WHERE conversation_id = $1 AND status IN {ACTIVE} LIMIT 1"))
             .bind(conversation_id.as_str())

@@ -342,9 +342,10 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.max_message_chars = settings.max_message_chars;
             c.lease_ttl = settings.lease_ttl;
             c.max_concurrent_runs = settings.max_concurrent_runs;
-            // How often an idle reader re-reads the store: its only news source for runs written by
-            // another instance without a shared bus, a safety net where a shared bus may lose a
-            // message. One process with its local bus is delivered every event: no idle reads.
+            // How often the instance looks at the runs its idle streams follow (one query for all):
+            // the only news of runs written by another instance without a shared bus, a safety net
+            // where a shared bus may lose a message. One process with its local bus is delivered
+            // every event: no idle reads.
             c.poll_interval = match (&bus, single) {
                 (BusChoice::Local, true) => None,
                 (BusChoice::Redis(_), _) => Some(Duration::from_secs(3)),

@@ -20,9 +20,10 @@ pub struct EngineConfig {
     pub steal_leases_on_start: bool,
     /// How often expired interrupts are swept and orphaned runs looked for.
     pub sweep_interval: Duration,
-    /// How often an idle event reader re-reads the store, for events committed by another process
-    /// that the bus did not bring. `None` where the bus delivers every event (one process with the
-    /// local bus): an idle reader then reads nothing, and the store only on a gap.
+    /// How often the process looks for events committed by another process that the bus did not
+    /// bring: one query for the last sequences of every run an idle stream follows, waking only
+    /// the streams behind (`stream::IdleWatch`). `None` where the bus delivers every event (one
+    /// process with the local bus): an idle stream then reads nothing, and the store only on a gap.
     pub poll_interval: Option<Duration>,
     /// Retries of a model call that failed transiently.
     pub model_retries: u32,

@@ -139,6 +139,9 @@ struct Inner {
     shutting_down: AtomicBool,
     /// One slot per live worker, at most `max_concurrent_runs`.
     capacity: Arc<supervisor::Capacity>,
+    /// The one look for every idle event stream of this process, where other processes commit
+    /// (`poll_interval`); none where the bus delivers every event.
+    idle: Option<Arc<crate::stream::IdleWatch>>,
 }
 
 /// The engine. Dropping it aborts its workers at once, as a crash would; [`Engine::shutdown`] lets
@@ -166,6 +169,9 @@ fn chrono_dur(d: Duration) -> chrono::Duration {
 impl Engine {
     pub fn new(parts: EngineParts, config: EngineConfig) -> Self {
         let max_concurrent_runs = config.max_concurrent_runs;
+        let idle = config
+            .poll_interval
+            .map(|every| crate::stream::IdleWatch::new(parts.store.clone(), every, config.metrics.clone()));
         Self {
             inner: Arc::new(Inner {
                 store: parts.store,
@@ -178,6 +184,7 @@ impl Engine {
                 cancel_reasons: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),
                 capacity: supervisor::Capacity::new(max_concurrent_runs),
+                idle,
             }),
             background: Mutex::new(Vec::new()),
         }
@@ -441,7 +448,7 @@ impl Engine {
             run_id.clone(),
             after,
             until,
-            self.inner.config.poll_interval,
+            self.inner.idle.clone(),
             self.inner.config.metrics.clone(),
         )
     }

@@ -196,6 +196,29 @@ impl RunStore for SqliteStore {
         self.db.read(move |c| one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from)).await
     }
 
+    async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One statement whatever the number of ids: they go in as one JSON array.
+        let ids = serde_json::to_string(&ids.iter().map(RunId::as_str).collect::<Vec<_>>())
+            .map_err(|e| StoreError::Backend(format!("run ids: {e}")))?;
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "read last sequences",
+                    "SELECT id, next_sequence FROM runs WHERE id IN (SELECT value FROM json_each(?))",
+                    [ids.as_str()],
+                    |r| {
+                        let cols = Cols::new(r, "runs");
+                        Ok((cols.id("id")?, cols.get::<i64>("next_sequence")? - 1))
+                    },
+                )
+            })
+            .await
+    }
+
     async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
         let conversation_id = conversation_id.to_owned();
         self.db
