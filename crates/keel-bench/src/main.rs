@@ -13,6 +13,7 @@ use keel_client::{SseFrame, SseParser};
 use serde_json::{json, Value};
 
 mod growth;
+mod spread;
 
 #[derive(Parser, Debug)]
 #[command(name = "keel-bench", about = "Benchmarks of a Keel server over its public HTTP API")]
@@ -125,6 +126,17 @@ enum Scenario {
         /// The server's pid, to read its CPU time around each run.
         #[arg(long)]
         server_pid: Option<u32>,
+    /// A burst of runs posted through this instance of several sharing a database; the share each
+    /// instance ran (each run's `worker`).
+    Spread {
+        #[arg(long, default_value_t = 200)]
+        runs: usize,
+        /// Posts in flight at once.
+        #[arg(long, default_value_t = 200)]
+        concurrency: usize,
+        /// The message sent; the demo model answers it without a dangerous tool.
+        #[arg(long, default_value = "what can you do?")]
+        content: String,
     },
     /// Storage floor: raw batched inserts of event-sized rows into SQLite (WAL, synchronous=NORMAL).
     FloorSqlite {
@@ -181,6 +193,9 @@ async fn main() -> Result<()> {
             }
             Scenario::Flow { runs, content, reset_each, no_fleet_summary, server_pid } => {
                 growth::flow(&client, *runs, content, *reset_each, !*no_fleet_summary, *server_pid).await?
+            }
+            Scenario::Spread { runs, concurrency, content } => {
+                spread::spread(&client, *runs, *concurrency, content).await?
             }
             Scenario::FloorSqlite { rows, batch, dir } => floor_sqlite(*rows, batch, dir.as_deref())?,
             Scenario::FloorPostgres { db, rows, batch } => floor_postgres(db, *rows, batch).await?,

@@ -337,6 +337,10 @@ pub struct Run {
     pub next_sequence: i64,
     pub lease_owner: Option<String>,
     pub lease_expires_at: Option<Timestamp>,
+    /// The instance that holds or last held the run's lease ([`lease_holder`] of the owner token);
+    /// kept when the lease is let go, so a finished run says where it ran. `None` until claimed.
+    #[serde(default)]
+    pub worker: Option<String>,
     pub checkpoint: Checkpoint,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
@@ -346,6 +350,12 @@ impl Run {
     pub fn last_sequence(&self) -> i64 {
         self.next_sequence - 1
     }
+}
+
+/// The instance named by a lease owner token (`instance_id:unique`): the part before its last
+/// colon, or the whole token when it has none.
+pub fn lease_holder(owner: &str) -> &str {
+    owner.rsplit_once(':').map_or(owner, |(instance, _)| instance)
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -38,6 +38,11 @@ pub trait Recorder: Send + Sync + 'static {
     fn event_appended(&self, event_type: &str) {}
     /// A storage operation failed with a backend error (not a conflict: those are expected).
     fn store_error(&self, operation: &str) {}
+    /// Event streams read the store: `reason` is `catch_up` (a stream's page of events or its run:
+    /// its first read, or one after a gap, a lagged or a closed receiver, or after the idle look
+    /// found it behind) or `idle` (the process's one look at the last sequences of every run idle
+    /// streams follow, where other processes commit).
+    fn stream_store_read(&self, reason: &str) {}
 }
 
 struct Noop;

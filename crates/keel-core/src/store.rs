@@ -262,6 +262,18 @@ pub trait RunStore: Send + Sync {
     /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with
     /// `status` when given.
     async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>>;
+    /// The last event sequence of each of these runs that exists (in no particular order): what
+    /// one look for every idle event stream of a process reads. A backend answers it with one
+    /// query; this default reads the runs one by one.
+    async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            if let Some(run) = self.get_run(id).await? {
+                out.push((run.id.clone(), run.last_sequence()));
+            }
+        }
+        Ok(out)
+    }
 
     /// Events with `sequence > after`, ascending, at most `limit`.
     async fn list_events(&self, run_id: &RunId, after: i64, limit: u32) -> StoreResult<Vec<Event>>;

@@ -105,6 +105,10 @@ pub struct RunBody {
     pub cancel_on_disconnect: bool,
     pub cancel_requested: bool,
     pub last_sequence: i64,
+    /// The instance (its `--instance-id`) that holds the run's lease, or held it last: where the
+    /// run runs or ran. `null` while it has never been claimed (queued).
+    #[serde(default)]
+    pub worker: Option<String>,
     /// The run's trace id (from its first worker on): its spans and log lines carry it.
     #[serde(default)]
     pub trace_id: Option<String>,
@@ -149,6 +153,7 @@ impl From<RunView> for RunBody {
         Self {
             last_sequence: run.last_sequence(),
             trace_id: run.checkpoint.trace_id.clone(),
+            worker: run.worker,
             id: run.id,
             conversation_id: run.conversation_id,
             agent_id: run.agent_id,
@@ -213,6 +218,9 @@ pub struct RunSummary {
     pub status: RunStatus,
     pub reason: Option<String>,
     pub last_sequence: i64,
+    /// The instance that runs or ran it (see `RunBody::worker`).
+    #[serde(default)]
+    pub worker: Option<String>,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     pub created_at: Timestamp,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
@@ -228,6 +236,7 @@ impl From<Run> for RunSummary {
             agent_id: run.agent_id,
             status: run.status,
             reason: run.reason,
+            worker: run.worker,
             created_at: run.created_at,
             updated_at: run.updated_at,
         }

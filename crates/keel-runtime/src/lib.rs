@@ -109,9 +109,11 @@ impl Builder {
         let engine = EngineConfig {
             steal_leases_on_start: single,
             metrics: metrics.recorder(),
-            // How often an idle reader re-reads the store: its only news source for runs written
-            // by another instance without a shared bus, a safety net otherwise.
-            poll_interval: if single { Duration::from_secs(10) } else { Duration::from_secs(1) },
+            // How often the process looks at the runs its idle streams follow (one query for all):
+            // the only news of runs written by another instance without a shared bus. One process
+            // with its local bus has every event delivered: no idle reads (`Builder::bus` sets
+            // an interval again).
+            poll_interval: if single { None } else { Some(Duration::from_secs(1)) },
             ..EngineConfig::default()
         };
         Self {
@@ -138,9 +140,14 @@ impl Builder {
         self
     }
 
-    /// Fan-out between instances (the default: in-process only).
+    /// Fan-out between instances (the default: in-process only). A shared bus may lose a message,
+    /// so the process then looks at the runs its idle streams follow every 3 s (unless
+    /// [`Builder::engine_config`] set an interval).
     pub fn bus(mut self, bus: Arc<dyn Bus>) -> Self {
         self.bus = Some(bus);
+        if self.engine.poll_interval.is_none() {
+            self.engine.poll_interval = Some(Duration::from_secs(3));
+        }
         self
     }
 

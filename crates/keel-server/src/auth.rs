@@ -202,6 +202,7 @@ pub async fn authenticate(State(state): State<AppState>, mut request: Request, n
         Err(response) => return response,
     };
     if let Err(wait) = state.limits.rate.check(&caller.0) {
+        state.metrics.rate_limited("user");
         let seconds = wait.as_secs_f64().ceil().max(1.0) as u64;
         return ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,
@@ -223,6 +224,14 @@ struct Credentials {
     route: Option<TicketRoute>,
 }
 
+fn lookup_outcome<T>(found: &Result<Option<T>, StoreError>) -> &'static str {
+    match found {
+        Ok(Some(_)) => "known",
+        Ok(None) => "unknown",
+        Err(_) => "error",
+    }
+}
+
 async fn resolve(state: &AppState, credentials: Credentials) -> Result<Caller, Response> {
     let store = state.engine.store();
     if let Some(value) = credentials.authorization {
@@ -232,7 +241,9 @@ async fn resolve(state: &AppState, credentials: Credentials) -> Result<Caller, R
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .ok_or_else(|| unauthenticated("Authorization: expected `Bearer <api key>`"))?;
-        return match store.api_key_user(&secret_hash(token)).await {
+        let found = store.api_key_user(&secret_hash(token)).await;
+        state.metrics.credential_lookup(lookup_outcome(&found));
+        return match found {
             Ok(Some(user)) => Ok(Caller(user)),
             Ok(None) => Err(unauthenticated("unknown or revoked API key")),
             Err(e) => Err(ApiError::from(e).into_response()),
@@ -243,6 +254,7 @@ async fn resolve(state: &AppState, credentials: Credentials) -> Result<Caller, R
             return Err(invalid_ticket("a ticket opens only a run's event stream or a WebSocket"));
         };
         let redeemed = store.redeem_stream_ticket(&secret_hash(&ticket), state.engine.now()).await;
+        state.metrics.credential_lookup(lookup_outcome(&redeemed));
         let ticket = match redeemed {
             Ok(Some(ticket)) => ticket,
             Ok(None) => return Err(invalid_ticket("the ticket is unknown, used or expired")),

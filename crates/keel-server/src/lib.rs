@@ -57,6 +57,8 @@ pub fn router(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
         .layer(DefaultBodyLimit::max(state.config.body_limit))
         // Before routing, the body and authentication: a refused host runs nothing.
         .layer(axum::middleware::from_fn_with_state(state.clone(), host::check))
+        // Outside everything else: a flood from one address costs no store lookup.
+        .layer(axum::middleware::from_fn_with_state(state.clone(), limits::limit_address))
         .layer(
             // The span names the route's template (`/v1/runs/{id}`), never the path or the query:
             // an id is the client's to keep out of logs, and `?ticket=` is a credential.
@@ -143,8 +145,8 @@ pub async fn serve(
             accepted = listener.accept() => accepted,
             () = &mut shutdown => break,
         };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
+        let (tcp, peer) = match accepted {
+            Ok(accepted) => accepted,
             Err(e) if reset_before_accepted(&e) => continue,
             Err(e) => {
                 // Out of file descriptors, say: accepting again at once would spin. As axum::serve
@@ -162,7 +164,12 @@ pub async fn serve(
             tracing::warn!(error = %e, "could not set TCP_NODELAY");
         }
         let service = hyper_util::service::TowerToHyperService::new(
-            app.clone().map_request(|request: Request<hyper::body::Incoming>| request.map(Body::new)),
+            // The socket's peer: what the per-address limit counts by (behind a proxy, the proxy).
+            app.clone().map_request(move |request: Request<hyper::body::Incoming>| {
+                let mut request = request.map(Body::new);
+                request.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                request
+            }),
         );
         let connection = http.serve_connection(hyper_util::rt::TokioIo::new(tcp), service).with_upgrades();
         let stopping = stopping.clone();

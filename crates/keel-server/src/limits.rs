@@ -1,14 +1,141 @@
-//! Per-user limits that keep one caller from taking the server: a request rate (token bucket) and a
-//! cap on open streams. Both are per instance: behind a load balancer each instance allows this
-//! much, so the cluster-wide figure is this times the instances.
+//! Limits that keep one caller from taking the server: a request rate per client address, checked
+//! before authentication; a request rate per user (token bucket) and a cap on open streams per user.
+//! All are per instance: behind a load balancer each instance allows this much, so the
+//! cluster-wide figure is this times the instances.
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use axum::extract::{ConnectInfo, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use governor::clock::{Clock, DefaultClock};
+use governor::{DefaultKeyedRateLimiter, Quota};
 
 use crate::error::ApiError;
+use crate::state::AppState;
+
+/// Requests per client address, before anything else about the request is looked at: a flood of
+/// made-up keys from one address is answered 429 without a key lookup in the store. A GCRA
+/// limiter (governor) keyed by the address — an IPv6 address by its /64, the block a single host
+/// is usually given.
+///
+/// The key set is bounded. Every [`AddressLimiter::MAINTAIN_EVERY`] checks, the addresses whose
+/// state is that of a new one (no request within the last burst's worth of time) are forgotten.
+/// While `max_keys` addresses are remembered anyway — requests from that many addresses within
+/// seconds — requests are counted in one of [`AddressLimiter::FOLDS`] shared buckets chosen by a
+/// keyed hash of the address instead, until the set shrinks again: the set never holds more than
+/// `max_keys + FOLDS` keys, whatever addresses arrive.
+pub struct AddressLimiter {
+    limiter: Option<DefaultKeyedRateLimiter<ClientKey>>,
+    max_keys: usize,
+    checks: AtomicU64,
+    clock: DefaultClock,
+    fold: RandomState,
+}
+
+/// What the per-address limiter counts a request under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum ClientKey {
+    Address(IpAddr),
+    /// A shared bucket, while the set is full.
+    Folded(u16),
+}
+
+impl std::fmt::Debug for AddressLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AddressLimiter").field("keys", &self.keys()).field("max_keys", &self.max_keys).finish()
+    }
+}
+
+impl AddressLimiter {
+    /// Checks between two clean-ups of the key set.
+    pub const MAINTAIN_EVERY: u64 = 4096;
+    /// The shared buckets of a full set.
+    pub const FOLDS: u16 = 1024;
+    /// The addresses remembered at most (~5 MiB), besides the shared buckets.
+    pub const MAX_KEYS: usize = 65_536;
+
+    /// `per_second == 0` turns the limit off.
+    pub fn new(per_second: f64, burst: u32, max_keys: usize) -> Self {
+        let limiter = (per_second > 0.0).then(|| {
+            let burst = NonZeroU32::new(burst.max(1)).unwrap_or(NonZeroU32::MIN);
+            // One request every 1/rate seconds.
+            let period = Duration::from_secs_f64(1.0 / per_second).max(Duration::from_nanos(1));
+            let quota = Quota::with_period(period).unwrap_or_else(|| Quota::per_second(NonZeroU32::MAX));
+            DefaultKeyedRateLimiter::dashmap(quota.allow_burst(burst))
+        });
+        Self {
+            limiter,
+            max_keys: max_keys.max(1),
+            checks: AtomicU64::new(0),
+            clock: DefaultClock::default(),
+            fold: RandomState::new(),
+        }
+    }
+
+    /// Takes one request for `address`, or says how long until one is allowed.
+    pub fn check(&self, address: IpAddr) -> Result<(), Duration> {
+        let Some(limiter) = &self.limiter else { return Ok(()) };
+        if (self.checks.fetch_add(1, Ordering::Relaxed) + 1).is_multiple_of(Self::MAINTAIN_EVERY) {
+            limiter.retain_recent();
+            limiter.shrink_to_fit();
+        }
+        let address = bucket_of(address);
+        let key = if limiter.len() < self.max_keys {
+            ClientKey::Address(address)
+        } else {
+            ClientKey::Folded((self.fold.hash_one(address) % u64::from(Self::FOLDS)) as u16)
+        };
+        limiter.check_key(&key).map_err(|not_until| not_until.wait_time_from(self.clock.now()))
+    }
+
+    /// Keys remembered now.
+    pub fn keys(&self) -> usize {
+        self.limiter.as_ref().map_or(0, |l| l.len())
+    }
+}
+
+/// The address a limit applies to: an IPv4 address itself, an IPv6 address by its /64 (an IPv4
+/// address mapped into IPv6 by the IPv4 address).
+fn bucket_of(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V4(_) => address,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
+
+/// The middleware of the per-address limit, outside routing and authentication. A request that
+/// came in without a peer address (built in-process, as tests do) is not limited.
+pub async fn limit_address(State(state): State<AppState>, request: Request, next: Next) -> Response {
+    if let Some(ConnectInfo(peer)) = request.extensions().get::<ConnectInfo<SocketAddr>>() {
+        if let Err(wait) = state.limits.address.check(peer.ip()) {
+            state.metrics.rate_limited("address");
+            let seconds = wait.as_secs_f64().ceil().max(1.0) as u64;
+            return ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "RATE_LIMITED",
+                format!("too many requests from this address; retry in {seconds} s"),
+            )
+            .retry_after(seconds)
+            .into_response();
+        }
+    }
+    next.run(request).await
+}
 
 /// A token bucket per user: `burst` requests at once, refilled at `per_second`.
 #[derive(Debug)]
@@ -157,6 +284,48 @@ mod tests {
             limiter.check_at("alice", later).expect("full again");
         }
         assert!(limiter.check_at("alice", later).is_err());
+    }
+
+    #[test]
+    fn an_address_has_its_burst_and_an_ipv6_host_is_its_64() {
+        let limiter = AddressLimiter::new(1.0, 3, AddressLimiter::MAX_KEYS);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        for _ in 0..3 {
+            limiter.check(a).expect("within the burst");
+        }
+        let wait = limiter.check(a).expect_err("burst spent");
+        assert!(wait > Duration::ZERO && wait <= Duration::from_secs(1), "{wait:?}");
+        limiter.check("192.0.2.2".parse().unwrap()).expect("another address");
+        // One /64 is one client; the next /64 another.
+        for _ in 0..3 {
+            limiter.check("2001:db8:0:1::1".parse().unwrap()).expect("within the burst");
+        }
+        assert!(limiter.check("2001:db8:0:1:ffff::2".parse().unwrap()).is_err(), "the same /64");
+        limiter.check("2001:db8:0:2::1".parse().unwrap()).expect("another /64");
+        // An IPv4 address mapped into IPv6 is the IPv4 address.
+        assert!(limiter.check("::ffff:192.0.2.1".parse().unwrap()).is_err());
+        assert_eq!(limiter.keys(), 4);
+        // Off: no state at all.
+        let off = AddressLimiter::new(0.0, 1, 10);
+        for _ in 0..100 {
+            off.check(a).expect("no limit");
+        }
+        assert_eq!(off.keys(), 0);
+    }
+
+    #[test]
+    fn the_key_set_is_bounded_whatever_addresses_arrive() {
+        let max_keys = 100;
+        let limiter = AddressLimiter::new(1.0, 1, max_keys);
+        for i in 0..50_000u32 {
+            let _ = limiter.check(IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + i)));
+            assert!(limiter.keys() <= max_keys + usize::from(AddressLimiter::FOLDS), "{} keys", limiter.keys());
+        }
+        // A flood of new addresses shares the folded buckets: most of it is refused.
+        let refused = (0..10_000u32)
+            .filter(|i| limiter.check(IpAddr::V4(std::net::Ipv4Addr::from(0x0b00_0000 + i))).is_err())
+            .count();
+        assert!(refused > 8_000, "{refused}");
     }
 
     #[test]

@@ -53,6 +53,11 @@ struct Families {
     store_errors: IntCounterVec,
     bus_dropped: IntCounter,
     run_workers: IntGauge,
+    run_capacity: IntGauge,
+    run_workers_peak: IntGauge,
+    stream_store_reads: IntCounterVec,
+    credential_lookups: IntCounterVec,
+    rate_limited: IntCounterVec,
     /// Serialises scrapes: the bus's drop count is folded into its counter as a difference.
     scrape: Mutex<()>,
 }
@@ -175,12 +180,59 @@ impl ServerMetrics {
                 ),
             ),
             run_workers: register(&registry, IntGauge::new("keel_run_workers", "Runs this instance is driving now.")),
+            run_capacity: register(
+                &registry,
+                IntGauge::new(
+                    "keel_run_capacity",
+                    "The most runs this instance drives at once (--max-concurrent-runs).",
+                ),
+            ),
+            run_workers_peak: register(
+                &registry,
+                IntGauge::new("keel_run_workers_peak", "The most runs this instance drove at once since it started."),
+            ),
+            stream_store_reads: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "keel_stream_store_reads_total",
+                        "Store reads made by event streams, by reason: catch_up, idle.",
+                    ),
+                    &["reason"],
+                ),
+            ),
+            credential_lookups: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "keel_credential_lookups_total",
+                        "API keys and stream tickets looked up in the store, by outcome: known, unknown, error.",
+                    ),
+                    &["outcome"],
+                ),
+            ),
+            rate_limited: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("keel_rate_limited_total", "Requests refused 429 RATE_LIMITED, by limit: address, user."),
+                    &["limit"],
+                ),
+            ),
             registry,
             scrape: Mutex::new(()),
         };
         // Series that dashboards expect to see at 0 before anything happened.
         for status in [RunStatus::Completed, RunStatus::Failed, RunStatus::Cancelled] {
             families.runs_finished.with_label_values(&[status.as_str()]);
+        }
+        for reason in ["catch_up", "idle"] {
+            families.stream_store_reads.with_label_values(&[reason]);
+        }
+        for outcome in ["known", "unknown", "error"] {
+            families.credential_lookups.with_label_values(&[outcome]);
+        }
+        for limit in ["address", "user"] {
+            families.rate_limited.with_label_values(&[limit]);
         }
         families.active_connections.with_label_values(&[SSE]);
         families.events_delivered.with_label_values(&[SSE]);
@@ -210,11 +262,23 @@ impl ServerMetrics {
         self.0.subscribers_dropped.with_label_values(&[transport]).inc();
     }
 
+    /// A credential (an API key or a stream ticket) was looked up: `known`, `unknown` or `error`.
+    pub fn credential_lookup(&self, outcome: &'static str) {
+        self.0.credential_lookups.with_label_values(&[outcome]).inc();
+    }
+
+    /// A request was refused by the `address` or the `user` rate limit.
+    pub fn rate_limited(&self, limit: &'static str) {
+        self.0.rate_limited.with_label_values(&[limit]).inc();
+    }
+
     /// Every family in the Prometheus text format, with the engine's gauges read now.
     pub fn encode(&self, engine: &Engine) -> Result<String, prometheus::Error> {
         let f = &self.0;
         let _scrape = f.scrape.lock().unwrap_or_else(|e| e.into_inner());
         f.run_workers.set(i64::try_from(engine.active_workers()).unwrap_or(i64::MAX));
+        f.run_capacity.set(i64::try_from(engine.capacity()).unwrap_or(i64::MAX));
+        f.run_workers_peak.set(i64::try_from(engine.peak_workers()).unwrap_or(i64::MAX));
         let dropped = engine.bus_dropped_events();
         if let Some(delta) = dropped.checked_sub(f.bus_dropped.get()) {
             f.bus_dropped.inc_by(delta);
@@ -281,5 +345,9 @@ impl Recorder for ServerMetrics {
 
     fn store_error(&self, operation: &str) {
         self.0.store_errors.with_label_values(&[operation]).inc();
+    }
+
+    fn stream_store_read(&self, reason: &str) {
+        self.0.stream_store_reads.with_label_values(&[reason]).inc();
     }
 }

@@ -113,7 +113,6 @@ fn add_common_responses(openapi: &mut OpenApi) {
                     "401",
                     "`UNAUTHENTICATED`: a missing, unknown or revoked API key; `INVALID_TICKET`: a bad stream ticket",
                 );
-                add_rate_limited(operation);
                 add_error(
                     operation,
                     "503",
@@ -121,6 +120,7 @@ fn add_common_responses(openapi: &mut OpenApi) {
                      writes are waiting, nothing was written; retry after `Retry-After`",
                 );
             }
+            add_rate_limited(operation, authenticated);
             add_error(operation, "500", "`INTERNAL`: the cause is in the server's log, never in the answer");
         }
     }
@@ -138,15 +138,21 @@ fn add_error(operation: &mut Operation, status: &str, description: &str) {
     }
 }
 
-fn add_rate_limited(operation: &mut Operation) {
+/// Every request counts against its client address's rate (before authentication); an
+/// authenticated one against its user's too.
+fn add_rate_limited(operation: &mut Operation, authenticated: bool) {
     let retry_after = HeaderBuilder::new()
         .schema(ObjectBuilder::new().schema_type(Type::Integer))
         .description(Some("Seconds to wait (with `RATE_LIMITED`)."))
         .build();
+    let description = if authenticated {
+        "`RATE_LIMITED`: over the client address's or the caller's request rate (see `Retry-After`); \
+         `TOO_MANY_STREAMS` on a stream"
+    } else {
+        "`RATE_LIMITED`: over the client address's request rate (see `Retry-After`)"
+    };
     let response = ResponseBuilder::new()
-        .description(
-            "`RATE_LIMITED`: over the caller's request rate (see `Retry-After`); `TOO_MANY_STREAMS` on a stream",
-        )
+        .description(description)
         .content("application/json", error_content())
         .header("Retry-After", retry_after);
     operation.responses.responses.insert("429".to_owned(), RefOr::T(response.build()));

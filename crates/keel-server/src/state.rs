@@ -9,7 +9,7 @@ use tokio::sync::watch;
 
 use crate::auth::AuthMode;
 use crate::host::AllowedHosts;
-use crate::limits::{RateLimiter, StreamLimiter};
+use crate::limits::{AddressLimiter, RateLimiter, StreamLimiter};
 use crate::metrics::ServerMetrics;
 
 /// The HTTP layer's settings. The engine's own settings live in `keel_core::engine::EngineConfig`.
@@ -32,6 +32,11 @@ pub struct ServerConfig {
     pub rate_limit_per_second: f64,
     /// Requests a user may make at once before the rate applies.
     pub rate_limit_burst: u32,
+    /// Requests per second per client address (the socket's peer), checked before authentication;
+    /// 0 turns the limit off.
+    pub rate_limit_per_address: f64,
+    /// Requests one address may make at once before its rate applies.
+    pub rate_burst_per_address: u32,
     /// Open streams (SSE responses and WebSocket connections) per user; 0 turns the cap off.
     pub max_streams_per_user: usize,
     /// The deepest nesting of arrays and objects a JSON body may have.
@@ -61,6 +66,8 @@ impl Default for ServerConfig {
             auth: AuthMode::SingleUser("demo".to_owned()),
             rate_limit_per_second: 50.0,
             rate_limit_burst: 200,
+            rate_limit_per_address: 200.0,
+            rate_burst_per_address: 400,
             max_streams_per_user: 64,
             json_max_depth: 32,
             replay_page_max: 1000,
@@ -121,9 +128,11 @@ pub struct AppState {
     pub(crate) spec: Arc<std::sync::OnceLock<String>>,
 }
 
-/// The per-user limits' state, shared by every request.
+/// The limits' state, shared by every request.
 #[derive(Debug)]
 pub struct Limits {
+    /// Per client address, before authentication.
+    pub address: AddressLimiter,
     pub rate: RateLimiter,
     pub streams: StreamLimiter,
 }
@@ -133,6 +142,11 @@ impl AppState {
     /// with [`AppState::with_metrics`] to serve the engine's measurements too.
     pub fn new(engine: Arc<Engine>, config: ServerConfig) -> Self {
         let limits = Limits {
+            address: AddressLimiter::new(
+                config.rate_limit_per_address,
+                config.rate_burst_per_address,
+                AddressLimiter::MAX_KEYS,
+            ),
             rate: RateLimiter::new(config.rate_limit_per_second, config.rate_limit_burst),
             streams: StreamLimiter::new(config.max_streams_per_user),
         };

@@ -61,6 +61,7 @@ macro_rules! conformance_tests {
             claim_runs_takes_queued_and_expired_not_live,
             concurrent_claimers_never_share_a_run,
             leases_renew_and_release,
+            last_sequences_of_many_runs_in_one_read,
             cancel_request_is_seen_by_the_next_commit,
             idempotency_keys,
             an_answer_commits_with_the_change_it_reports,
@@ -1132,7 +1133,9 @@ pub async fn concurrent_claimers_never_share_a_run(store: SharedStore) {
 
 pub async fn leases_renew_and_release(store: SharedStore) {
     let (_, run) = queued(&store).await;
+    assert_eq!(run.worker, None, "never claimed");
     store.claim_runs("w1", at(10), at(70), false, 1).await.expect("claim");
+    assert_eq!(get_run(&store, &run.id).await.worker.as_deref(), Some("w1"));
 
     assert!(!store.renew_lease(&run.id, "w2", at(100)).await.expect("renew"));
     assert!(store.renew_lease(&run.id, "w1", at(100)).await.expect("renew"));
@@ -1144,16 +1147,41 @@ pub async fn leases_renew_and_release(store: SharedStore) {
     store.release_lease(&run.id, "w1").await.expect("release");
     let released = get_run(&store, &run.id).await;
     assert_eq!((released.status, released.lease_owner, released.lease_expires_at), (RunStatus::Running, None, None));
+    assert_eq!(released.worker.as_deref(), Some("w1"), "the worker is who held it last");
     assert!(!store.renew_lease(&run.id, "w1", at(120)).await.expect("renew"), "released");
 
-    // a released run is claimable at once
-    let claimed = store.claim_runs("w2", at(81), at(141), false, 10).await.expect("claim");
+    // a released run is claimable at once; the worker is the instance of the owner token
+    let claimed = store.claim_runs("b:claim-2", at(81), at(141), false, 10).await.expect("claim");
     assert_eq!(claimed.iter().map(|r| &r.id).collect::<Vec<_>>(), vec![&run.id]);
+    assert_eq!(claimed[0].worker.as_deref(), Some("b"));
 
-    let mut c = Commit::new(run.id.clone(), lease("w2", at(141)), at(82));
+    let mut c = Commit::new(run.id.clone(), lease("b:claim-2", at(141)), at(82));
     c.run = to(RunStatus::Completed);
     commit_ok(&store, c).await;
-    assert!(!store.renew_lease(&run.id, "w2", at(200)).await.expect("renew"), "finished");
+    assert!(!store.renew_lease(&run.id, "b:claim-2", at(200)).await.expect("renew"), "finished");
+    let finished = get_run(&store, &run.id).await;
+    assert_eq!((finished.lease_owner, finished.worker.as_deref()), (None, Some("b")), "kept after the end");
+
+    // a commit that acquires the run names its worker too
+    let (_, run) = running(&store, "host-a:1:token").await;
+    assert_eq!(run.worker.as_deref(), Some("host-a:1"), "up to the token's last colon");
+}
+
+pub async fn last_sequences_of_many_runs_in_one_read(store: SharedStore) {
+    assert!(store.last_sequences(&[]).await.expect("none").is_empty());
+    let (_, a) = running(&store, "w1").await;
+    let (_, b) = queued(&store).await;
+    commit_ok(&store, Commit::new(a.id.clone(), lease("w1", at(60)), at(5)).event(node("x")).event(node("y"))).await;
+    let unknown = RunId::new();
+    let mut got = store.last_sequences(&[a.id.clone(), unknown, b.id.clone()]).await.expect("read");
+    got.sort();
+    let mut want = vec![
+        (a.id.clone(), get_run(&store, &a.id).await.last_sequence()),
+        (b.id.clone(), get_run(&store, &b.id).await.last_sequence()),
+    ];
+    want.sort();
+    assert_eq!(got, want, "the known runs, each with its last sequence");
+    assert_eq!(got.iter().find(|(id, _)| *id == a.id).map(|(_, s)| *s), Some(a.last_sequence() + 2));
 }
 
 pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {

@@ -17,8 +17,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use keel_core::domain::{
-    ApiKey, Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role, Run,
-    RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
+    lease_holder, ApiKey, Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus,
+    Message, Role, Run, RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User,
+    UserRole,
 };
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
@@ -420,6 +421,7 @@ fn run_from(row: &PgRow) -> StoreResult<Run> {
         next_sequence: c.get("next_sequence")?,
         lease_owner: c.get("lease_owner")?,
         lease_expires_at: c.opt_ts("lease_expires_at")?,
+        worker: c.get("worker")?,
         checkpoint: c.json("checkpoint")?,
         created_at: c.ts("created_at")?,
         updated_at: c.ts("updated_at")?,
@@ -576,7 +578,7 @@ async fn fence(conn: &mut PgConnection, c: &Commit) -> StoreResult<Fenced> {
         Fence::Acquire { owner, from, lease_until } => {
             let sql = format!(
                 "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, next_sequence = next_sequence + $3, \
-                 updated_at = $4 WHERE id = $5 AND status = ANY($6) {RETURNING}"
+                 updated_at = $4, worker = $7 WHERE id = $5 AND status = ANY($6) {RETURNING}"
             );
             sqlx::query(&sql)
                 .bind(owner)
@@ -585,6 +587,7 @@ async fn fence(conn: &mut PgConnection, c: &Commit) -> StoreResult<Fenced> {
                 .bind(c.now)
                 .bind(c.run_id.as_str())
                 .bind(statuses(from))
+                .bind(lease_holder(owner))
                 .fetch_optional(&mut *conn)
                 .await
         }
@@ -1004,6 +1007,7 @@ async fn try_start_run(tx: &mut PgConnection, new: &NewRun) -> StoreResult<Optio
         next_sequence: 1 + events_len,
         lease_owner: None,
         lease_expires_at: None,
+        worker: None,
         checkpoint: Checkpoint::start(version),
         created_at: now,
         updated_at: now,
@@ -1056,6 +1060,22 @@ impl RunStore for PostgresStore {
         row.as_ref().map(run_from).transpose()
     }
 
+    async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<&str> = ids.iter().map(RunId::as_str).collect();
+        let rows = sqlx::query("SELECT id, next_sequence FROM runs WHERE id = ANY($1)")
+            .bind(&ids)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("read last sequences"))?;
+        all(&rows, |row| {
+            let c = Cols::new(row, "runs");
+            Ok((c.id("id")?, c.get::<i64>("next_sequence")? - 1))
+        })
+    }
+
     async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
         let row = sqlx::query(&format!("SELECT * FROM runs WHERE conversation_id = $1 AND status IN {ACTIVE} LIMIT 1"))
             .bind(conversation_id.as_str())
@@ -1077,7 +1097,7 @@ impl RunStore for PostgresStore {
         // (or a commit) holds, so concurrent claimers never take the same run and never wait.
         // A row changed since the statement began is re-checked against the condition when locked.
         let rows = sqlx::query(
-            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3 \
+            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3, worker = $6 \
              WHERE id IN (SELECT id FROM runs \
                  WHERE status = 'queued' \
                     OR (status = 'running' AND (lease_owner IS NULL OR lease_expires_at IS NULL \
@@ -1090,6 +1110,7 @@ impl RunStore for PostgresStore {
         .bind(now)
         .bind(steal)
         .bind(i64::from(limit))
+        .bind(lease_holder(owner))
         .fetch_all(&self.pool)
         .await
         .map_err(db("claim runs"))?;

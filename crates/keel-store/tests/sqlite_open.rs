@@ -107,6 +107,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0004_runs_by_user.sql"),
         include_str!("../migrations/sqlite/0005_interrupt_notes.sql"),
         include_str!("../migrations/sqlite/0006_agents.sql"),
+        include_str!("../migrations/sqlite/0007_run_worker.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {

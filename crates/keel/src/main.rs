@@ -341,12 +341,15 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.interrupt_ttl = settings.interrupt_ttl;
             c.max_message_chars = settings.max_message_chars;
             c.lease_ttl = settings.lease_ttl;
-            // How often an idle reader re-reads the store: its only news source for runs written by
-            // another instance without a shared bus, a safety net otherwise.
+            c.max_concurrent_runs = settings.max_concurrent_runs;
+            // How often the instance looks at the runs its idle streams follow (one query for all):
+            // the only news of runs written by another instance without a shared bus, a safety net
+            // where a shared bus may lose a message. One process with its local bus is delivered
+            // every event: no idle reads.
             c.poll_interval = match (&bus, single) {
-                (_, true) => Duration::from_secs(10),
-                (BusChoice::Redis(_), false) => Duration::from_secs(3),
-                (BusChoice::Local, false) => Duration::from_secs(1),
+                (BusChoice::Local, true) => None,
+                (BusChoice::Redis(_), _) => Some(Duration::from_secs(3)),
+                (BusChoice::Local, false) => Some(Duration::from_secs(1)),
             };
             // Exported traces: every worker of a run joins the run's trace.
             c.run_span_hook = settings.otlp_endpoint.is_some().then(telemetry::run_span_hook);
@@ -357,6 +360,8 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.auth = auth;
             c.rate_limit_per_second = settings.rate_limit;
             c.rate_limit_burst = settings.rate_burst;
+            c.rate_limit_per_address = settings.rate_limit_per_address;
+            c.rate_burst_per_address = settings.rate_burst_per_address;
             c.max_streams_per_user = settings.max_streams_per_user;
             c.body_limit = settings.body_limit;
             c.json_max_depth = settings.json_max_depth;

@@ -122,6 +122,10 @@ fn chat_asks_before_the_restart_and_restarts_once_after_y() {
     assert!(shown.starts_with(&format!("Run {run_id}: completed\n")), "{shown}");
     assert!(shown.contains("restart_instance succeeded: restarted pay-prod-2 (restart #1)"), "{shown}");
     let run = rt.block_on(keel.get_run(&run_id)).unwrap();
+    // where it ran: the server's instance id (keel-<random> when none is given)
+    let worker = run.worker.as_deref().expect("a completed run names its worker");
+    assert!(worker.starts_with("keel-"), "{worker}");
+    assert!(shown.contains(&format!("\n  worker        {worker}\n")), "{shown}");
     let resolved_at = run.interrupts[0].resolved_at.unwrap().format("%Y-%m-%d %H:%M:%S UTC").to_string();
     assert!(
         shown.contains(&format!(

@@ -42,7 +42,11 @@ async fn after_sigterm_with_runs_in_flight_keel_db_alone_has_every_run() {
     let mut runs: Vec<(RunId, String, String)> = Vec::new();
     let mut instance = 0;
     for iteration in 0..30 {
-        let server = support::Server::start_with(&data, 1, &["--demo-abnormal", "100", "--rate-limit", "0"]);
+        let server = support::Server::start_with(
+            &data,
+            1,
+            &["--demo-abnormal", "100", "--rate-limit", "0", "--rate-limit-per-address", "0"],
+        );
         let base = server.url();
         for i in 0..4 {
             let conversation = post(&http, format!("{base}/v1/conversations"), json!({"title": "stop"})).await;

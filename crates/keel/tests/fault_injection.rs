@@ -67,7 +67,7 @@ impl Server {
         // The suite is one user doing the work of many (hundreds of runs, polled): the per-user
         // limits are off here; keel-server's security tests cover them.
         cmd.args(["demo", "--listen", "127.0.0.1:0", "--demo-delay-ms", &delay_ms.to_string()])
-            .args(["--rate-limit", "0", "--max-streams-per-user", "0"])
+            .args(["--rate-limit", "0", "--rate-limit-per-address", "0", "--max-streams-per-user", "0"])
             .args(["--demo-abnormal", &abnormal.to_string(), "--data-dir"])
             .arg(dir)
             .env("RUST_LOG", "error")

@@ -35,7 +35,17 @@ impl Instance {
         }
         cmd.args(["demo", "--listen", "127.0.0.1:0", "--db", db, "--lease-ttl", "2s", "--instance-id", name])
             // One user drives everything here; the per-user limits are tested in keel-server.
-            .args(["--demo-delay-ms", "40", "--rate-limit", "0", "--max-streams-per-user", "0", "--data-dir"])
+            .args([
+                "--demo-delay-ms",
+                "40",
+                "--rate-limit",
+                "0",
+                "--rate-limit-per-address",
+                "0",
+                "--max-streams-per-user",
+                "0",
+            ])
+            .arg("--data-dir")
             .arg(dir.join(name))
             .env("RUST_LOG", "warn")
             .stdout(Stdio::piped())

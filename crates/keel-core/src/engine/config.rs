@@ -20,8 +20,11 @@ pub struct EngineConfig {
     pub steal_leases_on_start: bool,
     /// How often expired interrupts are swept and orphaned runs looked for.
     pub sweep_interval: Duration,
-    /// How often an idle event reader re-reads the store.
-    pub poll_interval: Duration,
+    /// How often the process looks for events committed by another process that the bus did not
+    /// bring: one query for the last sequences of every run an idle stream follows, waking only
+    /// the streams behind (`stream::IdleWatch`). `None` where the bus delivers every event (one
+    /// process with the local bus): an idle stream then reads nothing, and the store only on a gap.
+    pub poll_interval: Option<Duration>,
     /// Retries of a model call that failed transiently.
     pub model_retries: u32,
     /// The role of a user the store does not know.
@@ -38,6 +41,9 @@ pub struct EngineConfig {
     pub max_message_chars: usize,
     /// Where the engine's measurements go (the server's Prometheus registry); nowhere by default.
     pub metrics: Metrics,
+    /// The most runs this instance drives at once. A run it has no room for stays claimable
+    /// (`queued`, or `running` without a lease) for any instance with a free slot.
+    pub max_concurrent_runs: usize,
     /// Links each `run` span to the run's trace (an OpenTelemetry exporter); none by default.
     pub run_span_hook: Option<RunSpanHook>,
 }
@@ -53,7 +59,7 @@ impl Default for EngineConfig {
             delta_flush_max: 128,
             steal_leases_on_start: false,
             sweep_interval: Duration::from_secs(1),
-            poll_interval: Duration::from_secs(1),
+            poll_interval: Some(Duration::from_secs(1)),
             // Model clients retry before the first token themselves; this is one more try on top.
             model_retries: 1,
             default_role: None,
@@ -62,7 +68,17 @@ impl Default for EngineConfig {
             tool_retry_backoff: Duration::from_millis(200),
             max_message_chars: 32_000,
             metrics: Metrics::default(),
+            max_concurrent_runs: default_max_concurrent_runs(),
             run_span_hook: None,
         }
     }
+}
+
+/// 64 runs per core. A worker spends almost all its time waiting — on the model's stream, a tool, the
+/// store — so the cap is not about CPU time but about what a run holds while it waits (a task, its
+/// context, an HTTP connection to the model) and about the bursts one instance takes on before
+/// others get a share: with more than this many runs in flight, the rest wait queued for any
+/// instance. See docs/operations.md, "Capacity".
+pub fn default_max_concurrent_runs() -> usize {
+    64 * std::thread::available_parallelism().map_or(1, |n| n.get())
 }

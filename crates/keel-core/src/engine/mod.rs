@@ -46,7 +46,7 @@ mod supervisor;
 mod tools;
 mod worker;
 
-pub use config::EngineConfig;
+pub use config::{default_max_concurrent_runs, EngineConfig};
 use decision::per_call;
 pub use decision::{CallDecision, Decision};
 pub use error::{EngineError, EngineResult};
@@ -140,6 +140,11 @@ struct Inner {
     /// is reported as `cancelled_by_user`.
     cancel_reasons: Mutex<HashMap<RunId, String>>,
     shutting_down: AtomicBool,
+    /// One slot per live worker, at most `max_concurrent_runs`.
+    capacity: Arc<supervisor::Capacity>,
+    /// The one look for every idle event stream of this process, where other processes commit
+    /// (`poll_interval`); none where the bus delivers every event.
+    idle: Option<Arc<crate::stream::IdleWatch>>,
 }
 
 /// The engine. Dropping it aborts its workers at once, as a crash would; [`Engine::shutdown`] lets
@@ -166,6 +171,10 @@ fn chrono_dur(d: Duration) -> chrono::Duration {
 
 impl Engine {
     pub fn new(parts: EngineParts, config: EngineConfig) -> Self {
+        let max_concurrent_runs = config.max_concurrent_runs;
+        let idle = config
+            .poll_interval
+            .map(|every| crate::stream::IdleWatch::new(parts.store.clone(), every, config.metrics.clone()));
         Self {
             inner: Arc::new(Inner {
                 store: parts.store,
@@ -177,6 +186,8 @@ impl Engine {
                 cancel_signals: Mutex::new(HashMap::new()),
                 cancel_reasons: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),
+                capacity: supervisor::Capacity::new(max_concurrent_runs),
+                idle,
             }),
             background: Mutex::new(Vec::new()),
         }
@@ -225,13 +236,30 @@ impl Engine {
                     inner.config.metrics.store_error("sweep_expired");
                     tracing::warn!(error = %e, "interrupt expiry sweep failed");
                 }
+            }
+        });
+        // Claims runs that need a worker (queued ones another instance had no slot for, released
+        // ones, expired leases): every sweep interval, and at once when a slot frees while work
+        // was turned away.
+        let inner = self.inner.clone();
+        let claimer = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(inner.config.sweep_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = inner.capacity.freed() => {}
+                }
+                if inner.shutting_down.load(Ordering::SeqCst) {
+                    break;
+                }
                 if let Err(e) = inner.claim_and_spawn(false).await {
                     inner.config.metrics.store_error("claim_runs");
-                    tracing::warn!(error = %e, "claiming orphaned runs failed");
+                    tracing::warn!(error = %e, "claiming runs failed");
                 }
             }
         });
-        self.background.lock().unwrap_or_else(|e| e.into_inner()).push(sweeper);
+        self.background.lock().unwrap_or_else(|e| e.into_inner()).extend([sweeper, claimer]);
         Ok(recovered)
     }
 
@@ -266,6 +294,16 @@ impl Engine {
     /// Events the bus failed to fan out (see [`Bus::dropped_events`]).
     pub fn bus_dropped_events(&self) -> u64 {
         self.inner.bus.dropped_events()
+    }
+
+    /// The most runs this instance drives at once (`max_concurrent_runs`).
+    pub fn capacity(&self) -> usize {
+        self.inner.capacity.limit()
+    }
+
+    /// The most workers that were driving runs at once in this process since it started.
+    pub fn peak_workers(&self) -> usize {
+        self.inner.capacity.peak()
     }
 
     /// Workers currently driving a run in this process.
@@ -369,7 +407,14 @@ impl Engine {
                 other => other.into(),
             })?;
         self.inner.committed(started.run.created_at, &started.events);
-        self.inner.spawn_worker(started.run.id.clone(), Lease::Acquire(vec![RunStatus::Queued]));
+        match self.inner.capacity.try_take() {
+            Some(slot) => {
+                self.inner.spawn_worker(started.run.id.clone(), Lease::Acquire(vec![RunStatus::Queued]), slot)
+            }
+            // At capacity: the run stays queued, for this instance once a slot frees or for any
+            // other instance's claim.
+            None => tracing::debug!(run_id = %started.run.id, "at capacity; the run waits, queued"),
+        }
         Ok(started)
     }
 
@@ -405,7 +450,8 @@ impl Engine {
             run_id.clone(),
             after,
             until,
-            self.inner.config.poll_interval,
+            self.inner.idle.clone(),
+            self.inner.config.metrics.clone(),
         )
     }
 

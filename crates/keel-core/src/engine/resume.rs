@@ -232,6 +232,9 @@ impl Engine {
             expires_at: now + chrono::Duration::hours(24),
         });
 
+        // A slot for the worker that continues the run, taken before the claim so that a run this
+        // instance has no room for is not left leased to it.
+        let slot = inner.capacity.try_take();
         let committed = match inner.store.commit(commit).await {
             Ok(c) => c,
             Err(StoreError::Conflict(_)) => {
@@ -255,7 +258,20 @@ impl Engine {
             .find(|e| matches!(e.kind, EventKind::Resumed { .. }))
             .map(|e| e.sequence)
             .unwrap_or_default();
-        inner.spawn_worker(run.id.clone(), Lease::Held(owner));
+        match slot {
+            Some(slot) => inner.spawn_worker(run.id.clone(), Lease::Held(owner), slot),
+            None => {
+                // At capacity: the decision is committed (once), and the run is let go as it would
+                // be at a shutdown — `running` with no lease — so the first instance with a free
+                // slot claims it and continues from the checkpoint. Should letting go fail, the
+                // lease expires and the run is claimed then.
+                tracing::info!(run_id = %run.id, "at capacity; the resumed run is left for a free slot");
+                if let Err(e) = inner.store.release_lease(&run.id, &owner).await {
+                    inner.config.metrics.store_error("resume");
+                    tracing::warn!(run_id = %run.id, error = %e, "letting go of a resumed run failed; it waits for its lease to expire");
+                }
+            }
+        }
         if resumed_sequence != accepted.resumed_sequence {
             // Can't happen under the fence; if it ever does, the stored answer is corrected.
             tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");

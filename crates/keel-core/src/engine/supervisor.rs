@@ -1,7 +1,93 @@
 //! What drives workers: claiming runs that need one, the sweeper (interrupt expiry, orphaned
 //! runs), leases, cancellation, and publishing what was committed.
 
+use std::sync::atomic::AtomicUsize;
+
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+
 use super::*;
+
+/// The runs one instance drives at once: one slot per live worker, at most
+/// [`EngineConfig::max_concurrent_runs`]. A run this instance has no slot for is not driven here:
+/// it stays claimable (`queued`, or `running` without a lease) for any instance with a free slot.
+pub(super) struct Capacity {
+    limit: usize,
+    permits: Arc<Semaphore>,
+    /// The most slots held at once since the engine was made.
+    peak: AtomicUsize,
+    /// Work was turned away for want of a slot (a run left queued, a resume released, a claim that
+    /// took every free slot): the next slot to be freed wakes the claimer at once.
+    saturated: AtomicBool,
+    /// Wakes the claimer before its next tick.
+    wake: Notify,
+}
+
+/// A live worker's slot; dropping it frees the slot (and wakes the claimer if work was waiting).
+pub(super) struct Slot {
+    permit: Option<OwnedSemaphorePermit>,
+    capacity: Arc<Capacity>,
+}
+
+impl Capacity {
+    pub(super) fn new(limit: usize) -> Arc<Self> {
+        let limit = limit.clamp(1, Semaphore::MAX_PERMITS);
+        Arc::new(Self {
+            limit,
+            permits: Arc::new(Semaphore::new(limit)),
+            peak: AtomicUsize::new(0),
+            saturated: AtomicBool::new(false),
+            wake: Notify::new(),
+        })
+    }
+
+    /// A free slot for work in hand, or `None`: the work is turned away, and the claimer is told to
+    /// look for it again when a slot frees.
+    pub(super) fn try_take(self: &Arc<Self>) -> Option<Slot> {
+        let slot = self.take_free();
+        if slot.is_none() {
+            self.saturated.store(true, Ordering::SeqCst);
+        }
+        slot
+    }
+
+    /// A free slot, or `None`.
+    fn take_free(self: &Arc<Self>) -> Option<Slot> {
+        let permit = self.permits.clone().try_acquire_owned().ok()?;
+        self.peak.fetch_max(self.held(), Ordering::SeqCst);
+        Some(Slot { permit: Some(permit), capacity: self.clone() })
+    }
+
+    pub(super) fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Slots held now.
+    pub(super) fn held(&self) -> usize {
+        self.limit - self.permits.available_permits()
+    }
+
+    /// Resolves when a slot was freed while work was waiting for one.
+    pub(super) async fn freed(&self) {
+        self.wake.notified().await
+    }
+
+    pub(super) fn peak(&self) -> usize {
+        self.peak.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The slot is free before the claimer is woken, so the claimer can take it.
+        drop(self.permit.take());
+        if self.capacity.saturated.load(Ordering::SeqCst) {
+            self.capacity.wake.notify_one();
+        }
+    }
+}
+
+/// The most runs one claim takes.
+const CLAIM_BATCH: usize = 50;
 
 impl Inner {
     /// After a commit: publishes its events and measures what they announce.
@@ -41,13 +127,15 @@ impl Inner {
         Ok(self.store.user_role(user_id).await?.or(self.config.default_role))
     }
 
-    pub(super) fn spawn_worker(self: &Arc<Self>, run_id: RunId, lease: Lease) {
+    /// Drives `run_id` on a task of its own, which holds `slot` until the worker stops.
+    pub(super) fn spawn_worker(self: &Arc<Self>, run_id: RunId, lease: Lease, slot: Slot) {
         if self.shutting_down.load(Ordering::SeqCst) {
             return;
         }
         let inner = self.clone();
         let key = run_id.clone();
         let handle = tokio::spawn(async move {
+            let _slot = slot;
             let Ok(Some(mut run)) = inner.store.get_run(&run_id).await else {
                 tracing::warn!(run_id = %run_id, "run vanished before its worker started");
                 return;
@@ -160,18 +248,41 @@ impl Inner {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Ok(0);
         }
+        // Whatever was turned away before now is looked for by this claim; a refusal from here on
+        // sets the flag again.
+        self.capacity.saturated.store(false, Ordering::SeqCst);
         let mut total = 0;
         loop {
+            // Never more runs than free slots: the rest stay claimable by any instance.
+            let mut slots: Vec<Slot> = Vec::new();
+            while slots.len() < CLAIM_BATCH {
+                match self.capacity.take_free() {
+                    Some(slot) => slots.push(slot),
+                    None => break,
+                }
+            }
+            if slots.is_empty() {
+                // Full: whatever is claimable waits for a slot here, or for another instance.
+                self.capacity.saturated.store(true, Ordering::SeqCst);
+                return Ok(total);
+            }
+            let want = slots.len();
             let owner = self.lease_token();
             let now = self.clock.now();
-            let claimed = self.store.claim_runs(&owner, now, self.lease_until(), steal, 50).await?;
+            let claimed = self.store.claim_runs(&owner, now, self.lease_until(), steal, want as u32).await?;
             let n = claimed.len();
-            for run in claimed {
+            for (run, slot) in claimed.into_iter().zip(slots.drain(..)) {
                 tracing::info!(run_id = %run.id, step = %run.checkpoint.next_step, "continuing run from its checkpoint");
-                self.spawn_worker(run.id, Lease::Held(owner.clone()));
+                self.spawn_worker(run.id, Lease::Held(owner.clone()), slot);
             }
             total += n;
-            if n < 50 {
+            if n < want {
+                // Nothing more to claim (the unused slots are free again).
+                return Ok(total);
+            }
+            if want < CLAIM_BATCH {
+                // Every free slot was taken: more may be waiting once one frees.
+                self.capacity.saturated.store(true, Ordering::SeqCst);
                 return Ok(total);
             }
         }

@@ -66,7 +66,7 @@ impl Default for Options {
 pub fn engine_config() -> EngineConfig {
     EngineConfig {
         steal_leases_on_start: true,
-        poll_interval: Duration::from_millis(50),
+        poll_interval: Some(Duration::from_millis(50)),
         sweep_interval: Duration::from_millis(200),
         ..Default::default()
     }

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use futures::StreamExt;
+
 use keel_core::{ConversationId, InterruptId, RunId, UserRole};
 use keel_server::ServerConfig;
 use reqwest::header::{ACCEPT, AUTHORIZATION};
@@ -270,6 +272,85 @@ async fn the_rate_limit_is_per_user_with_retry_after() {
     for _ in 0..10 {
         assert_eq!(app.client.get(app.url("/healthz")).send().await.unwrap().status(), StatusCode::OK);
     }
+}
+
+/// A sample of the server's metrics, read from its registry (not over HTTP, which this address may
+/// be refused).
+fn metric(app: &TestApp, series: &str) -> f64 {
+    let text = app.metrics.encode(&app.engine).expect("metrics");
+    text.lines()
+        .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("{series} in {text}"))
+        .parse()
+        .expect("a number")
+}
+
+/// A flood of made-up keys from one address: past the per-address burst, requests are answered 429
+/// before their key is looked up, so the store sees at most what the limit allows; another address
+/// is not slowed by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_per_address_limit_is_checked_before_any_key_lookup() {
+    const REQUESTS: usize = 10_000;
+    let (rate, burst) = (50.0, 100);
+    let server = ServerConfig {
+        rate_limit_per_address: rate,
+        rate_burst_per_address: burst,
+        // The per-user limit never gets to count these: none of them authenticates.
+        ..Options::default().server
+    };
+    let app = TestApp::with(Options { server, ..Options::default() }).await;
+    let lookups = |app: &TestApp| metric(app, "keel_credential_lookups_total{outcome=\"unknown\"}");
+    assert_eq!(lookups(&app), 0.0);
+
+    let started = std::time::Instant::now();
+    let statuses: Vec<(StatusCode, Option<String>, Value)> = futures::stream::iter(0..REQUESTS)
+        .map(|i| {
+            let request = app
+                .client
+                .get(app.url("/v1/conversations"))
+                .header(AUTHORIZATION, format!("Bearer keel_{:064x}", rand_key(i)));
+            async move {
+                let response = request.send().await.expect("GET");
+                let retry_after = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_owned());
+                let (status, body) = to_json(response).await;
+                (status, retry_after, body)
+            }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    let elapsed = started.elapsed().as_secs_f64();
+
+    let unauthorized = statuses.iter().filter(|(s, _, _)| *s == StatusCode::UNAUTHORIZED).count();
+    let limited: Vec<_> = statuses.iter().filter(|(s, _, _)| *s == StatusCode::TOO_MANY_REQUESTS).collect();
+    assert_eq!(unauthorized + limited.len(), REQUESTS, "every request is 401 or 429");
+    for (status, retry_after, body) in &limited {
+        assert_error(*status, body, 429, "RATE_LIMITED");
+        let seconds: u64 = retry_after.as_deref().expect("Retry-After").parse().expect("seconds");
+        assert!(seconds >= 1, "{seconds}");
+    }
+    // The store looked up exactly the keys that got past the limit, and the limit let through no
+    // more than its burst and its rate over the time the flood took.
+    let looked_up = lookups(&app);
+    assert_eq!(looked_up, unauthorized as f64);
+    let allowed = f64::from(burst) + (rate * elapsed).ceil() + 1.0;
+    assert!(looked_up <= allowed, "{looked_up} key lookups in {elapsed:.2} s; the limit allows {allowed}");
+    assert!(looked_up >= f64::from(burst), "the burst gets through: {looked_up}");
+    assert_eq!(metric(&app, "keel_rate_limited_total{limit=\"address\"}"), limited.len() as f64);
+
+    // Another address has a bucket of its own.
+    let other =
+        reqwest::Client::builder().local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap()).build().unwrap();
+    let response =
+        other.get(app.url("/v1/conversations")).header(AUTHORIZATION, app.bearer("demo")).send().await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+}
+
+/// A key shaped like an API key that nobody was issued (different for each `i`).
+fn rand_key(i: usize) -> u128 {
+    use std::hash::{BuildHasher, RandomState};
+    let state = RandomState::new();
+    (u128::from(state.hash_one(i)) << 64) | u128::from(state.hash_one(i + 1))
 }
 
 /// A user's open streams are capped; a refused stream starts nothing; a closed one frees its slot.

@@ -154,7 +154,7 @@ impl TestApp {
                 steal_leases_on_start: true,
                 interrupt_ttl: options.interrupt_ttl,
                 sweep_interval: Duration::from_millis(50),
-                poll_interval: Duration::from_millis(200),
+                poll_interval: Some(Duration::from_millis(200)),
                 metrics: metrics.recorder(),
                 ..EngineConfig::default()
             },

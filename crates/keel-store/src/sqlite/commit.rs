@@ -3,7 +3,7 @@
 //! error, and the writer rolls the whole commit back.
 
 use chrono::SecondsFormat;
-use keel_core::domain::{Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary, Timestamp};
+use keel_core::domain::{lease_holder, Fact, Interrupt, InterruptStatus, Message, Run, RunStatus, Summary, Timestamp};
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
 use keel_core::store::{
@@ -155,11 +155,12 @@ fn fence(conn: &Connection, c: &Commit) -> StoreResult<Fenced> {
         Fence::Acquire { owner, from, lease_until } => {
             let sql = format!(
                 "UPDATE runs SET lease_owner = ?, lease_expires_at = ?, next_sequence = next_sequence + ?, \
-                 updated_at = ? WHERE id = ? AND status IN {} {RETURNING}",
+                 updated_at = ?, worker = ? WHERE id = ? AND status IN {} {RETURNING}",
                 in_list(from)
             );
             let (lease_until, run, from) = (ts(lease_until), c.run_id.as_str(), statuses(from));
-            let mut values: Vec<&dyn ToSql> = vec![owner, &lease_until, &n, &now, &run];
+            let worker = lease_holder(owner);
+            let mut values: Vec<&dyn ToSql> = vec![owner, &lease_until, &n, &now, &worker, &run];
             values.extend(from.iter().map(|s| s as &dyn ToSql));
             one(conn, "fence the run", &sql, values.as_slice(), read)?
         }

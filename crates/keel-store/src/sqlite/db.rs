@@ -564,6 +564,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (4, "runs by user", include_str!("../../migrations/sqlite/0004_runs_by_user.sql")),
     (5, "interrupt notes", include_str!("../../migrations/sqlite/0005_interrupt_notes.sql")),
     (6, "agents", include_str!("../../migrations/sqlite/0006_agents.sql")),
+    (7, "run worker", include_str!("../../migrations/sqlite/0007_run_worker.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:

@@ -23,8 +23,8 @@ use std::path::Path;
 
 use async_trait::async_trait;
 use keel_core::domain::{
-    ApiKey, Checkpoint, Conversation, Fact, Interrupt, Message, Role, Run, RunStatus, StreamTicket, Summary, Timestamp,
-    ToolCall, User, UserRole,
+    lease_holder, ApiKey, Checkpoint, Conversation, Fact, Interrupt, Message, Role, Run, RunStatus, StreamTicket,
+    Summary, Timestamp, ToolCall, User, UserRole,
 };
 use keel_core::event::Event;
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
@@ -168,6 +168,7 @@ impl RunStore for SqliteStore {
                     next_sequence: 1 + events_len,
                     lease_owner: None,
                     lease_expires_at: None,
+                    worker: None,
                     checkpoint: Checkpoint::start(version),
                     created_at: new.now,
                     updated_at: new.now,
@@ -195,6 +196,29 @@ impl RunStore for SqliteStore {
         self.db.read(move |c| one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from)).await
     }
 
+    async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        // One statement whatever the number of ids: they go in as one JSON array.
+        let ids = serde_json::to_string(&ids.iter().map(RunId::as_str).collect::<Vec<_>>())
+            .map_err(|e| StoreError::Backend(format!("run ids: {e}")))?;
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "read last sequences",
+                    "SELECT id, next_sequence FROM runs WHERE id IN (SELECT value FROM json_each(?))",
+                    [ids.as_str()],
+                    |r| {
+                        let cols = Cols::new(r, "runs");
+                        Ok((cols.id("id")?, cols.get::<i64>("next_sequence")? - 1))
+                    },
+                )
+            })
+            .await
+    }
+
     async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>> {
         let conversation_id = conversation_id.to_owned();
         self.db
@@ -218,21 +242,22 @@ impl RunStore for SqliteStore {
         steal: bool,
         limit: u32,
     ) -> StoreResult<Vec<Run>> {
-        let owner = owner.to_owned();
+        let (owner, worker) = (owner.to_owned(), lease_holder(owner).to_owned());
         let mut runs = self
             .db
             .write(move |c| {
                 many(
                     c,
                     "claim runs",
-                    "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3 \
+                    "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3, \
+                     worker = ?6 \
                      WHERE id IN (SELECT id FROM runs \
                          WHERE status = 'queued' \
                             OR (status = 'running' AND (lease_owner IS NULL OR lease_expires_at IS NULL \
                                 OR lease_expires_at <= ?3 OR ?4)) \
                          ORDER BY created_at, id LIMIT ?5) \
                      RETURNING *",
-                    params![owner, ts(&lease_until), ts(&now), steal, i64::from(limit)],
+                    params![owner, ts(&lease_until), ts(&now), steal, i64::from(limit), worker],
                     run_from,
                 )
             })

@@ -232,6 +232,7 @@ pub fn run_from(row: &Row<'_>) -> StoreResult<Run> {
         next_sequence: c.get("next_sequence")?,
         lease_owner: c.get("lease_owner")?,
         lease_expires_at: c.opt_ts("lease_expires_at")?,
+        worker: c.get("worker")?,
         checkpoint: c.json("checkpoint")?,
         created_at: c.ts("created_at")?,
         updated_at: c.ts("updated_at")?,

@@ -82,6 +82,8 @@ fn history(run: &RunBody) -> String {
     line(format!("  created       {}", time(&run.created_at)));
     line(format!("  updated       {}", time(&run.updated_at)));
     line(format!("  events        {}", run.last_sequence));
+    // Where it runs, or ran: the instance that holds, or last held, its lease.
+    line(format!("  worker        {}", run.worker.as_deref().unwrap_or("none yet (queued)")));
     if run.status.is_active() {
         line(format!("  next step     {}", run.checkpoint.next_step));
     }

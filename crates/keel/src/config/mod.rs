@@ -73,6 +73,10 @@ pub struct Options {
     /// How long a run's lease lasts without renewal; a dead instance's runs are taken over after it.
     #[arg(long, global = true, env = "KEEL_LEASE_TTL", value_name = "DURATION", default_value = "30s")]
     pub lease_ttl: String,
+    /// The most runs this instance drives at once; the rest wait, queued, for a free slot here or
+    /// on another instance [default: 64 × the cores available].
+    #[arg(long, global = true, env = "KEEL_MAX_CONCURRENT_RUNS", value_name = "N")]
+    pub max_concurrent_runs: Option<usize>,
     /// Names this instance in leases and logs [default: keel-<random>].
     #[arg(long, global = true, env = "KEEL_INSTANCE_ID", value_name = "NAME")]
     pub instance_id: Option<String>,
@@ -131,6 +135,19 @@ pub struct Options {
     /// Requests a user may send at once before the rate applies.
     #[arg(long, global = true, env = "KEEL_RATE_BURST", value_name = "N", default_value_t = 200)]
     pub rate_burst: u32,
+    /// Requests per second per client address, counted before authentication (so before any key
+    /// is looked up); 0 turns the limit off. Behind a proxy every client has the proxy's address.
+    #[arg(
+        long,
+        global = true,
+        env = "KEEL_RATE_LIMIT_PER_ADDRESS",
+        value_name = "PER_SECOND",
+        default_value_t = 200.0
+    )]
+    pub rate_limit_per_address: f64,
+    /// Requests one client address may send at once before its rate applies.
+    #[arg(long, global = true, env = "KEEL_RATE_BURST_PER_ADDRESS", value_name = "N", default_value_t = 400)]
+    pub rate_burst_per_address: u32,
     /// Open streams (SSE, WebSocket) per user; 0 turns the cap off.
     #[arg(long, global = true, env = "KEEL_MAX_STREAMS_PER_USER", value_name = "N", default_value_t = 64)]
     pub max_streams_per_user: usize,
@@ -241,12 +258,15 @@ pub struct Settings {
     pub demo_healthy: u32,
     pub bus: BusChoice,
     pub lease_ttl: Duration,
+    pub max_concurrent_runs: usize,
     pub instance_id: Option<String>,
     pub log_format: LogFormat,
     pub insecure_no_auth: bool,
     pub api_keys: Vec<KeyHash>,
     pub rate_limit: f64,
     pub rate_burst: u32,
+    pub rate_limit_per_address: f64,
+    pub rate_burst_per_address: u32,
     pub max_streams_per_user: usize,
     pub stream_ticket_ttl: Duration,
     pub body_limit: usize,
@@ -381,9 +401,10 @@ impl Settings {
             let problem = format!("{host:?} must be a host name (letters, digits, dots, dashes; an optional :port)");
             return Err(bad("allowed_hosts", problem));
         }
-        if !(o.rate_limit.is_finite() && o.rate_limit >= 0.0) {
-            let problem = format!("{} must be a number of requests per second, 0 or more", o.rate_limit);
-            return Err(bad("rate_limit", problem));
+        for (key, rate) in [("rate_limit", o.rate_limit), ("rate_limit_per_address", o.rate_limit_per_address)] {
+            if !(rate.is_finite() && rate >= 0.0) {
+                return Err(bad(key, format!("{rate} must be a number of requests per second, 0 or more")));
+            }
         }
         let at_least_one = |key: &str, n: usize| match n {
             0 => Err(bad(key, "must be at least 1".to_owned())),
@@ -401,6 +422,10 @@ impl Settings {
             demo_healthy: o.demo_healthy,
             bus,
             lease_ttl: duration("lease_ttl", &o.lease_ttl)?,
+            max_concurrent_runs: match o.max_concurrent_runs {
+                Some(n) => at_least_one("max_concurrent_runs", n)?,
+                None => keel_core::engine::default_max_concurrent_runs(),
+            },
             instance_id: o.instance_id.clone(),
             log_format: o.log_format,
             insecure_no_auth: o.insecure_no_auth,
@@ -409,6 +434,8 @@ impl Settings {
             rate_limit: o.rate_limit,
             // A burst of 0 would refuse every request; the limit is turned off with a rate of 0.
             rate_burst: o.rate_burst.max(1),
+            rate_limit_per_address: o.rate_limit_per_address,
+            rate_burst_per_address: o.rate_burst_per_address.max(1),
             max_streams_per_user: o.max_streams_per_user,
             stream_ticket_ttl: duration("stream_ticket_ttl", &o.stream_ticket_ttl)?,
             body_limit: at_least_one("body_limit", o.body_limit)?,

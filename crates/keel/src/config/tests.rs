@@ -69,6 +69,8 @@ fn defaults() {
     assert_eq!(s.demo_abnormal, 0);
     assert_eq!(s.bus, BusChoice::Local);
     assert_eq!(s.lease_ttl, Duration::from_secs(30));
+    let cores = std::thread::available_parallelism().unwrap().get();
+    assert_eq!(s.max_concurrent_runs, 64 * cores);
     assert_eq!(s.instance_id, None);
     assert_eq!(s.log_format, LogFormat::Text);
     assert_eq!(s.otlp_endpoint, None);
@@ -227,6 +229,11 @@ fn limits_have_defaults_and_are_checked() {
     assert_eq!((s.body_limit, s.json_max_depth, s.replay_page_max, s.rate_limit), (4096, 8, 50, 5.0));
     assert_eq!(err(&["--json-max-depth", "0"], None), "--json-max-depth: must be at least 1");
     assert_eq!(err(&[], Some("replay_page_max = 0")), "keel.toml: replay_page_max: must be at least 1");
+    assert_eq!((s.rate_limit_per_address, s.rate_burst_per_address), (200.0, 400));
+    let s = ok(&["--rate-limit-per-address", "0"], Some("rate_burst_per_address = 10\nmax_concurrent_runs = 4"));
+    assert_eq!((s.rate_limit_per_address, s.rate_burst_per_address, s.max_concurrent_runs), (0.0, 10, 4));
+    assert!(err(&["--rate-limit-per-address=-1"], None).starts_with("--rate-limit-per-address: -1 must be"));
+    assert_eq!(err(&["--max-concurrent-runs", "0"], None), "--max-concurrent-runs: must be at least 1");
     assert!(ok(&["--insecure-no-auth"], None).insecure_no_auth);
     assert!(ok(&[], Some("insecure_no_auth = true")).insecure_no_auth);
 }
