@@ -126,6 +126,7 @@ enum Scenario {
         /// The server's pid, to read its CPU time around each run.
         #[arg(long)]
         server_pid: Option<u32>,
+    },
     /// A burst of runs posted through this instance of several sharing a database; the share each
     /// instance ran (each run's `worker`).
     Spread {
