@@ -47,7 +47,8 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 const EARLIER_CHECKSUMS: &[(i64, &str)] =
     &[(1, "a47af493a73e34b5997330377134d296c5d86319b51456f174cf3492b91a696ac578243185d724b5c095899b2fca52e6")];
 
-const MAX_CONNECTIONS: u32 = 10;
+/// The committers' connections (at most [`PostgresOptions::COMMITTERS`]) and the readers'.
+const MAX_CONNECTIONS: u32 = 12;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 const ACTIVE: &str = "('queued', 'running', 'interrupted')";
@@ -75,9 +76,10 @@ impl PostgresOptions {
     /// A run's worker waits for each answer before it commits again, so the queue holds about one
     /// commit per busy worker or request: as for SQLite's writer, a few thousand.
     pub const COMMIT_QUEUE: usize = 4096;
-    /// Two: one group is written while the next one gathers and the previous one's `COMMIT` waits
-    /// for its WAL flush.
-    pub const COMMITTERS: usize = 2;
+    /// Four: a commit seldom waits for a committer to be free (the queueing a group adds to a
+    /// commit's latency), and groups still form whenever more commits arrive than four
+    /// transactions in flight write.
+    pub const COMMITTERS: usize = 4;
 }
 
 impl Default for PostgresOptions {
