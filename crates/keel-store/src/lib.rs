@@ -5,7 +5,7 @@ pub mod conformance;
 mod postgres;
 mod sqlite;
 
-pub use postgres::PostgresStore;
+pub use postgres::{CommitStats, PostgresOptions, PostgresStore};
 pub use sqlite::{SqliteOptions, SqliteStore};
 
 /// The drivers, for programs that keep tables of their own beside Keel's

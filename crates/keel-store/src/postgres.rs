@@ -36,6 +36,10 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transaction};
 
+mod group;
+
+pub use group::CommitStats;
+
 static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:
@@ -44,7 +48,8 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 const EARLIER_CHECKSUMS: &[(i64, &str)] =
     &[(1, "a47af493a73e34b5997330377134d296c5d86319b51456f174cf3492b91a696ac578243185d724b5c095899b2fca52e6")];
 
-const MAX_CONNECTIONS: u32 = 10;
+/// The committers' connections (at most [`PostgresOptions::COMMITTERS`]) and the readers'.
+const MAX_CONNECTIONS: u32 = 12;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 const ACTIVE: &str = "('queued', 'running', 'interrupted')";
@@ -56,33 +61,77 @@ const START_ATTEMPTS: usize = 3;
 /// How often `idempotency_begin` looks again when the key it collided with vanished meanwhile.
 const IDEMPOTENCY_ATTEMPTS: usize = 3;
 
-/// The Postgres store. Cloning shares the pool.
+/// How the Postgres store groups its commits (see [`PostgresStore::commit_stats`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PostgresOptions {
+    /// How many commits may wait for a committer; past it a commit is refused at once with
+    /// [`StoreError::Overloaded`] (a `503` with `Retry-After`) instead of queueing without bound.
+    /// Default [`PostgresOptions::COMMIT_QUEUE`].
+    pub commit_queue: usize,
+    /// How many groups of commits may be in flight at once, each a transaction on a connection of
+    /// its own. Default [`PostgresOptions::COMMITTERS`].
+    pub committers: usize,
+}
+
+impl PostgresOptions {
+    /// A run's worker waits for each answer before it commits again, so the queue holds about one
+    /// commit per busy worker or request: as for SQLite's writer, a few thousand.
+    pub const COMMIT_QUEUE: usize = 4096;
+    /// Four: a commit seldom waits for a committer to be free (the queueing a group adds to a
+    /// commit's latency), and groups still form whenever more commits arrive than four
+    /// transactions in flight write.
+    pub const COMMITTERS: usize = 4;
+}
+
+impl Default for PostgresOptions {
+    fn default() -> Self {
+        Self { commit_queue: Self::COMMIT_QUEUE, committers: Self::COMMITTERS }
+    }
+}
+
+/// The Postgres store. Cloning shares the pool and the committers.
 #[derive(Debug, Clone)]
 pub struct PostgresStore {
     pool: PgPool,
     /// The dedicated schema of [`PostgresStore::connect_with_schema`], if any.
     schema: Option<String>,
+    committer: std::sync::Arc<group::Committer>,
 }
 
 impl PostgresStore {
     /// Connects to `postgres://…` and migrates the database (in the connection's default schema,
     /// as its `search_path` says).
     pub async fn connect(url: &str) -> StoreResult<Self> {
-        let options = url_options(url)?;
-        probe(&options).await?;
-        let pool = pool_options().connect_with(options).await.map_err(db("connect to the database"))?;
-        let store = Self { pool, schema: None };
+        Self::connect_with(url, PostgresOptions::default()).await
+    }
+
+    /// [`PostgresStore::connect`] with options.
+    pub async fn connect_with(url: &str, options: PostgresOptions) -> StoreResult<Self> {
+        let connect = url_options(url)?;
+        probe(&connect).await?;
+        let pool = pool_options().connect_with(connect).await.map_err(db("connect to the database"))?;
+        let store = Self::new(pool, None, &options);
         store.migrate().await?;
         Ok(store)
+    }
+
+    fn new(pool: PgPool, schema: Option<String>, options: &PostgresOptions) -> Self {
+        let committer = group::Committer::start(pool.clone(), options.committers, options.commit_queue);
+        Self { pool, schema, committer: std::sync::Arc::new(committer) }
     }
 
     /// Connects to `postgres://…`, creates `schema` if it does not exist, makes it every
     /// connection's `search_path` and migrates it: the store's tables live in that schema only.
     /// `schema` is a plain identifier (letters, digits and `_`, not starting with a digit or `pg_`).
     pub async fn connect_with_schema(url: &str, schema: &str) -> StoreResult<Self> {
+        Self::connect_with_schema_and(url, schema, PostgresOptions::default()).await
+    }
+
+    /// [`PostgresStore::connect_with_schema`] with options.
+    pub async fn connect_with_schema_and(url: &str, schema: &str, options: PostgresOptions) -> StoreResult<Self> {
         let quoted = quote_schema(schema)?;
-        let options = url_options(url)?;
-        probe(&options).await?;
+        let connect = url_options(url)?;
+        probe(&connect).await?;
         let set_path = format!("SET search_path TO {quoted}");
         let pool = pool_options()
             .after_connect(move |conn, _meta| {
@@ -92,14 +141,14 @@ impl PostgresStore {
                     Ok(())
                 })
             })
-            .connect_with(options)
+            .connect_with(connect)
             .await
             .map_err(db("connect to the database"))?;
         sqlx::query(&format!("CREATE SCHEMA IF NOT EXISTS {quoted}"))
             .execute(&pool)
             .await
             .map_err(db("create the schema"))?;
-        let store = Self { pool, schema: Some(schema.to_owned()) };
+        let store = Self::new(pool, Some(schema.to_owned()), &options);
         store.migrate().await?;
         Ok(store)
     }
@@ -137,9 +186,21 @@ impl PostgresStore {
         self.schema.as_deref()
     }
 
-    /// Closes every connection; waits for the ones in use.
+    /// Writes the commits queued before this call, then closes every connection; waits for the
+    /// ones in use. Later commits are errors.
     pub async fn close(&self) {
+        self.committer.close().await;
         self.pool.close().await;
+    }
+
+    /// How many commits were answered, in how many group transactions.
+    pub fn commit_stats(&self) -> CommitStats {
+        self.committer.stats()
+    }
+
+    /// Commits waiting for a committer (not those in a group being written).
+    pub fn queued_commits(&self) -> usize {
+        self.committer.queued()
     }
 
     async fn migrate(&self) -> StoreResult<()> {
@@ -946,6 +1007,34 @@ async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Commit
     Ok(Committed { events, cancel_requested: run.cancel_requested })
 }
 
+/// One commit in a transaction of its own: the answer a commit refused inside a group gets, and the
+/// one the others of that group get when they are written again without it ([`group`]).
+async fn commit_alone(pool: &PgPool, commit: &Commit) -> StoreResult<Committed> {
+    // READ COMMITTED, the server's default: correctness comes from conditional statements.
+    let mut tx = pool.begin().await.map_err(db("begin a transaction"))?;
+    // On an error the transaction is dropped, which rolls it back.
+    let committed = apply_commit(&mut tx, commit).await?;
+    if let Some(answer) = &commit.idempotency {
+        let done = sqlx::query(
+            "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2, expires_at = $3 \
+             WHERE user_id = $4 AND key = $5 AND state = 'in_flight'",
+        )
+        .bind(i64::from(answer.status))
+        .bind(&answer.response)
+        .bind(answer.expires_at)
+        .bind(&answer.user_id)
+        .bind(&answer.key)
+        .execute(&mut *tx)
+        .await
+        .map_err(db("store the answer under its idempotency key"))?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
+        }
+    }
+    tx.commit().await.map_err(db("commit"))?;
+    Ok(committed)
+}
+
 /// Inserts the run; `Ok(false)` if the one-active-run index refused it (another run of the
 /// conversation became active first). The transaction is then aborted: the caller rolls it back.
 async fn insert_run(conn: &mut PgConnection, run: &Run) -> StoreResult<bool> {
@@ -1168,28 +1257,7 @@ impl RunStore for PostgresStore {
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
-        let mut tx = self.begin().await?;
-        // On an error the transaction is dropped, which rolls it back.
-        let committed = apply_commit(&mut tx, &commit).await?;
-        if let Some(answer) = &commit.idempotency {
-            let done = sqlx::query(
-                "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2, expires_at = $3 \
-                 WHERE user_id = $4 AND key = $5 AND state = 'in_flight'",
-            )
-            .bind(i64::from(answer.status))
-            .bind(&answer.response)
-            .bind(answer.expires_at)
-            .bind(&answer.user_id)
-            .bind(&answer.key)
-            .execute(&mut *tx)
-            .await
-            .map_err(db("store the answer under its idempotency key"))?;
-            if done.rows_affected() == 0 {
-                return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
-            }
-        }
-        tx.commit().await.map_err(db("commit"))?;
-        Ok(committed)
+        self.committer.commit(commit).await
     }
 
     async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {

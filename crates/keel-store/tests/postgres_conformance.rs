@@ -11,10 +11,13 @@ use std::sync::{Arc, Once};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use keel_core::domain::{Checkpoint, RunStatus};
-use keel_core::ids::RunId;
-use keel_core::store::{ConversationStore, IdempotencyBegin, NewRun, RunStore, Store, StoreError};
-use keel_store::PostgresStore;
+use keel_core::domain::{Checkpoint, Fact, FactSource, Message, Role, RunStatus, ToolCallState};
+use keel_core::event::EventKind;
+use keel_core::ids::{MessageId, RunId};
+use keel_core::store::{
+    Commit, ConversationStore, Fence, IdempotencyBegin, NewRun, RunStore, Store, StoreError, ToolCallChange,
+};
+use keel_store::{PostgresOptions, PostgresStore};
 use sqlx::{Connection, PgConnection};
 
 const URL_VAR: &str = "KEEL_TEST_POSTGRES_URL";
@@ -309,4 +312,229 @@ async fn the_database_clock_is_read_and_tracked() {
     let (before, now, after) = (store.db_now().await.unwrap(), clock.now(), store.db_now().await.unwrap());
     let slack = chrono::Duration::milliseconds(50);
     assert!(now >= before - slack && now <= after + slack, "{before} <= {now} <= {after}");
+}
+
+// --- group commit
+
+/// Polls `done` until it holds, failing the case after 30 s.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A queued run on a conversation of its own.
+async fn queued_run(store: &PostgresStore) -> RunId {
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
+    store.start_run(new_run(&conversation.id)).await.expect("start").run.id
+}
+
+/// A commit any request may make on a queued run, with `events` events.
+fn on_queued(run_id: &RunId, events: usize) -> Commit {
+    let mut commit = Commit::new(run_id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, now());
+    for i in 0..events {
+        commit = commit.event(EventKind::NodeStarted { node: format!("e{i}") });
+    }
+    commit
+}
+
+/// A transaction on another connection that holds the run row: the committers wait for it.
+async fn hold_run(url: &str, store: &PostgresStore, run_id: &RunId) -> PgConnection {
+    let mut conn = raw(url, store.schema().expect("schema")).await;
+    sqlx::query("BEGIN").execute(&mut conn).await.expect("begin");
+    sqlx::query("SELECT 1 FROM runs WHERE id = $1 FOR UPDATE")
+        .bind(run_id.as_str())
+        .execute(&mut conn)
+        .await
+        .expect("lock the run");
+    conn
+}
+
+type Answer = tokio::task::JoinHandle<Result<keel_core::store::Committed, StoreError>>;
+
+fn commit_in_background(store: &PostgresStore, commit: Commit) -> Answer {
+    let store = store.clone();
+    tokio::spawn(async move { store.commit(commit).await })
+}
+
+/// With the one committer held inside a group, queues `commits` (they form the next group) and
+/// returns their answers once it is released.
+async fn as_one_group(
+    url: &str,
+    store: &PostgresStore,
+    commits: Vec<Commit>,
+) -> Vec<Result<keel_core::store::Committed, StoreError>> {
+    let blocker = queued_run(store).await;
+    let mut held = hold_run(url, store, &blocker).await;
+    let groups = store.commit_stats().groups;
+    let blocked = commit_in_background(store, on_queued(&blocker, 1));
+    eventually("the committer is inside the blocked group", || store.commit_stats().groups == groups + 1).await;
+    let n = commits.len();
+    let answers: Vec<Answer> = commits.into_iter().map(|c| commit_in_background(store, c)).collect();
+    eventually("every commit is queued", || store.queued_commits() == n).await;
+    sqlx::query("COMMIT").execute(&mut held).await.expect("release the run");
+    blocked.await.expect("task").expect("the blocked commit");
+    let mut results = Vec::new();
+    for answer in answers {
+        results.push(answer.await.expect("task"));
+    }
+    assert_eq!(store.commit_stats().groups, groups + 2, "the commits were written as one group");
+    results
+}
+
+async fn one_committer(url: &str, queue: usize) -> (PostgresStore, SchemaGuard) {
+    let schema = new_schema_name();
+    let options = PostgresOptions { commit_queue: queue, committers: 1 };
+    let store = PostgresStore::connect_with_schema_and(url, &schema, options).await.expect("connect");
+    (store.clone(), SchemaGuard(store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_refused_inside_a_group_fails_alone() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
+
+    // refused by its fence: left out of the group, which commits the others
+    let fenced = Commit::new(runs[1].clone(), Fence::Unowned { from: vec![RunStatus::Running] }, now())
+        .event(EventKind::NodeStarted { node: "x".into() });
+    let results = as_one_group(&url, &store, vec![on_queued(&runs[0], 2), fenced, on_queued(&runs[2], 3)]).await;
+    assert_eq!(results[0].as_ref().expect("first").events.len(), 2);
+    match &results[1] {
+        Err(StoreError::Conflict(why)) => assert!(why.contains("is queued, not running"), "{why}"),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(results[2].as_ref().expect("last").events.iter().map(|e| e.sequence).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(store.commit_stats().regrouped, 0, "a fence refusal costs the group nothing");
+
+    // refused past its fence (a tool call it does not have): the group is written again without it
+    let missing = keel_core::ids::CallId::new();
+    let mut refused = on_queued(&runs[1], 1);
+    refused.tool_calls.push(ToolCallChange::transition(&missing, ToolCallState::Requested, ToolCallState::Allowed));
+    let results = as_one_group(&url, &store, vec![on_queued(&runs[0], 1), refused, on_queued(&runs[2], 1)]).await;
+    assert_eq!(results[0].as_ref().expect("first").events[0].sequence, 3);
+    match &results[1] {
+        Err(StoreError::Conflict(why)) => assert!(why.contains("is not a call of run"), "{why}"),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_eq!(results[2].as_ref().expect("last").events[0].sequence, 4);
+    assert_eq!(store.commit_stats().regrouped, 1);
+
+    // nothing of the refused commits was written; the others were, once
+    assert_eq!(store.list_events(&runs[0], 0, 100).await.expect("events").len(), 3);
+    assert!(store.list_events(&runs[1], 0, 100).await.expect("events").is_empty());
+    assert_eq!(store.get_run(&runs[1]).await.expect("get").expect("run").next_sequence, 1);
+    assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_commit_queue_refuses_at_once_and_loses_nothing_accepted() {
+    let Some(url) = url() else { return };
+    const QUEUE: usize = 4;
+    let (store, _guard) = one_committer(&url, QUEUE).await;
+    let mut runs = Vec::new();
+    for _ in 0..12 {
+        runs.push(queued_run(&store).await);
+    }
+    let blocker = queued_run(&store).await;
+    let mut held = hold_run(&url, &store, &blocker).await;
+    let blocked = commit_in_background(&store, on_queued(&blocker, 1));
+    eventually("the committer is inside the blocked group", || store.commit_stats().groups == 1).await;
+
+    let answers: Vec<Answer> = runs.iter().map(|run| commit_in_background(&store, on_queued(run, 2))).collect();
+    eventually("the queue is full and the others are answered", || {
+        store.queued_commits() == QUEUE && answers.iter().filter(|a| a.is_finished()).count() == runs.len() - QUEUE
+    })
+    .await;
+    sqlx::query("COMMIT").execute(&mut held).await.expect("release the run");
+    blocked.await.expect("task").expect("the blocked commit");
+
+    let (mut accepted, mut overloaded) = (0, 0);
+    for (run, answer) in runs.iter().zip(answers) {
+        let answer = answer.await.expect("task");
+        let stored = store.list_events(run, 0, 100).await.expect("events").len();
+        match answer {
+            Ok(committed) => {
+                accepted += 1;
+                assert_eq!((committed.events.len(), stored), (2, 2), "an accepted commit is written");
+            }
+            Err(StoreError::Overloaded) => {
+                overloaded += 1;
+                assert_eq!(stored, 0, "a refused commit is not written");
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    assert_eq!((accepted, overloaded), (QUEUE, runs.len() - QUEUE));
+    // the queue drained: commits are accepted again
+    store.commit(on_queued(&runs[0], 1)).await.expect("accepted again");
+}
+
+/// Two instances on one database: their groups take the run rows in one order, so commits on the
+/// same runs from both never deadlock, and every one is written once, in contiguous sequences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_stores_on_one_schema_commit_the_same_runs_without_deadlock() {
+    let Some(url) = url() else { return };
+    let (a, _guard) = connect_fresh(&url).await;
+    let b = PostgresStore::connect_with_schema(&url, a.schema().expect("schema")).await.expect("connect again");
+    const RUNS: usize = 8;
+    const TASKS: usize = 8;
+    const ROUNDS: usize = 25;
+    let mut runs = Vec::new();
+    for _ in 0..RUNS {
+        runs.push(queued_run(&a).await);
+    }
+    let runs = Arc::new(runs);
+    let mut tasks = Vec::new();
+    for (s, store) in [a.clone(), b.clone()].into_iter().enumerate() {
+        for t in 0..TASKS {
+            let (store, runs) = (store.clone(), runs.clone());
+            tasks.push(tokio::spawn(async move {
+                let mut failures = Vec::new();
+                for i in 0..ROUNDS {
+                    // each store walks the runs in the other's reverse order
+                    let k = (t + i) % RUNS;
+                    let run = &runs[if s == 0 { k } else { RUNS - 1 - k }];
+                    let run_row = store.get_run(run).await.expect("get");
+                    let mut commit = on_queued(run, 2);
+                    commit.facts.push(Fact {
+                        key: format!("k{}", i % 3),
+                        value: format!("{s}-{t}-{i}").into(),
+                        source: FactSource::ToolResult,
+                        updated_at: now(),
+                    });
+                    commit.messages.push(Message {
+                        id: MessageId::new(),
+                        conversation_id: run_row.expect("run").conversation_id,
+                        run_id: Some(run.clone()),
+                        role: Role::Tool,
+                        content: "m".into(),
+                        tool_call_id: None,
+                        created_at: now(),
+                    });
+                    if let Err(e) = store.commit(commit).await {
+                        failures.push(e.to_string());
+                    }
+                }
+                failures
+            }));
+        }
+    }
+    let mut failures = Vec::new();
+    for task in tasks {
+        failures.extend(task.await.expect("task"));
+    }
+    assert!(failures.is_empty(), "every commit is written: {failures:?}");
+    let per_run = (2 * TASKS * ROUNDS / RUNS) as i64;
+    for run in runs.iter() {
+        let events = a.list_events(run, 0, 1000).await.expect("events");
+        assert_eq!(events.iter().map(|e| e.sequence).collect::<Vec<_>>(), (1..=2 * per_run).collect::<Vec<_>>());
+        let conversation = a.get_run(run).await.expect("get").expect("run").conversation_id;
+        assert_eq!(a.list_messages(&conversation).await.expect("messages").len() as i64, 1 + per_run);
+    }
+    let (sa, sb) = (a.commit_stats(), b.commit_stats());
+    assert_eq!(sa.commits + sb.commits, (2 * TASKS * ROUNDS) as u64);
+    b.close().await;
 }

@@ -1,0 +1,970 @@
+//! Group commit on Postgres: the commits that arrive while a group is in flight are written by a
+//! committer task in one transaction, a statement per table for the whole group, not per commit.
+//!
+//! **Why.** With `synchronous_commit = on` every `COMMIT` waits for a WAL flush, and every statement
+//! is a round trip; a commit used to be a transaction of its own with one statement per kind of
+//! record (five to ten round trips and a flush). A group is about as many round trips and one flush,
+//! whatever its size: `BEGIN`, the run rows locked and read, then one `UPDATE` of the run rows, one
+//! `INSERT` of the events (and of the messages, tool calls, … when any commit of the group has
+//! some), `COMMIT`.
+//!
+//! **The fence, in Rust.** The group's run rows are locked first, in id order (`SELECT … ORDER BY id
+//! FOR NO KEY UPDATE`), so two groups, in one process or two, take them in the same order and never
+//! deadlock on them; the rows read are then current until the transaction ends. Each commit's fence
+//! (lease owner, status) and status move are checked against those rows in Rust, exactly as the
+//! conditional `UPDATE` of a lone commit checks them: a commit its fence refuses is answered with the
+//! same error and left out of the group's statements, at no cost to the others.
+//!
+//! **Refusals past the fence.** The other checks (a tool call or an interrupt not in the state the
+//! commit expects, a reused id, an idempotency key not in flight, a record of another run) are
+//! rare; when one fails, the group's transaction is rolled back and its commits are written one by
+//! one, each in its own transaction by the lone-commit path ([`super::commit_alone`]), which gives
+//! each commit its exact answer: the refused commit fails alone and the others commit. (A savepoint
+//! per commit cannot help here: one statement writes the records of every commit of the group.)
+//!
+//! A group holds commits of distinct runs, so no commit of the group depends on another's effect
+//! on the same row: applying the group table by table is the same as applying its commits one after
+//! the other. A commit for a run already in the group waits for the next group.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use keel_core::domain::{InterruptStatus, RunStatus};
+use keel_core::event::Event;
+use keel_core::ids::ConversationId;
+use keel_core::store::{Commit, Committed, Fence, StoreError, StoreResult, ToolCallChange, ToolCallUpdate};
+use serde_json::Value;
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use super::{db, json, micros, Cols};
+
+/// The most commits one group takes: one transaction, and the wait of its first caller, stay short.
+pub const MAX_GROUP: usize = 64;
+
+/// What the store counts of its commits, since it was connected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommitStats {
+    /// Commits answered (written or refused).
+    pub commits: u64,
+    /// Group transactions begun: each ends in one `COMMIT` (or a rollback, see `regrouped`).
+    pub groups: u64,
+    /// Groups rolled back because a commit was refused past its fence, and written again one commit
+    /// per transaction.
+    pub regrouped: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    commits: AtomicU64,
+    groups: AtomicU64,
+    regrouped: AtomicU64,
+}
+
+struct Job {
+    commit: Commit,
+    reply: oneshot::Sender<StoreResult<Committed>>,
+}
+
+enum Msg {
+    Commit(Box<Job>),
+    /// Ends one committer after the commits queued before it.
+    Close(oneshot::Sender<()>),
+}
+
+/// The committers' queue. Cloning the store shares it.
+pub struct Committer {
+    queue: mpsc::Sender<Msg>,
+    committers: usize,
+    capacity: usize,
+    counters: Arc<Counters>,
+}
+
+impl std::fmt::Debug for Committer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Committer").field("committers", &self.committers).field("capacity", &self.capacity).finish()
+    }
+}
+
+impl Committer {
+    /// Starts `committers` tasks (at least one) on the current runtime, sharing a queue of
+    /// `capacity` commits.
+    pub fn start(pool: PgPool, committers: usize, capacity: usize) -> Self {
+        let committers = committers.max(1);
+        let (queue, receiver) = mpsc::channel(capacity.max(1));
+        let receiver = Arc::new(Mutex::new(receiver));
+        let counters = Arc::new(Counters::default());
+        for _ in 0..committers {
+            tokio::spawn(run(pool.clone(), receiver.clone(), counters.clone()));
+        }
+        Self { queue, committers, capacity, counters }
+    }
+
+    /// Queues `commit` and waits for its answer. With the queue full, [`StoreError::Overloaded`] at
+    /// once, and nothing is written. A caller that stops waiting does not withdraw its commit.
+    pub async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
+        let (reply, answer) = oneshot::channel();
+        self.queue.try_send(Msg::Commit(Box::new(Job { commit, reply }))).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => StoreError::Overloaded,
+            mpsc::error::TrySendError::Closed(_) => closed(),
+        })?;
+        answer.await.map_err(|_| closed())?
+    }
+
+    /// Commits waiting for a committer (not those in a group being written).
+    pub fn queued(&self) -> usize {
+        self.capacity.max(1) - self.queue.capacity()
+    }
+
+    pub fn stats(&self) -> CommitStats {
+        CommitStats {
+            commits: self.counters.commits.load(Ordering::Relaxed),
+            groups: self.counters.groups.load(Ordering::Relaxed),
+            regrouped: self.counters.regrouped.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Writes the commits queued before this call, then ends the committers. Later commits are
+    /// errors.
+    pub async fn close(&self) {
+        let mut acks = Vec::with_capacity(self.committers);
+        for _ in 0..self.committers {
+            let (ack, acked) = oneshot::channel();
+            // past the queue's bound (a close is never refused); an error: closed already
+            if self.queue.send(Msg::Close(ack)).await.is_err() {
+                break;
+            }
+            acks.push(acked);
+        }
+        for acked in acks {
+            let _ = acked.await;
+        }
+    }
+}
+
+fn closed() -> StoreError {
+    StoreError::Backend("commit: the store is closed".into())
+}
+
+/// One committer: takes the commits queued at that moment (at most [`MAX_GROUP`], of distinct runs),
+/// writes them as one group, answers them. Ends at its [`Msg::Close`], or when every handle is gone.
+async fn run(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>) {
+    let mut carried: Option<Job> = None;
+    loop {
+        let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
+        let mut close = None;
+        group.extend(carried.take());
+        // With a commit carried over, no waiting for the queue: another committer may hold it
+        // while it waits for the next commit, and the carried one would wait as long.
+        let queue = match group.is_empty() {
+            true => Some(receiver.lock().await),
+            false => receiver.try_lock().ok(),
+        };
+        if let Some(mut queue) = queue {
+            if group.is_empty() {
+                match queue.recv().await {
+                    Some(Msg::Commit(job)) => group.push(*job),
+                    Some(Msg::Close(ack)) => close = Some(ack),
+                    None => return,
+                }
+            }
+            while close.is_none() && group.len() < MAX_GROUP {
+                match queue.try_recv() {
+                    Ok(Msg::Commit(job)) => {
+                        if group.iter().any(|j| j.commit.run_id == job.commit.run_id) {
+                            carried = Some(*job);
+                            break;
+                        }
+                        group.push(*job);
+                    }
+                    Ok(Msg::Close(ack)) => close = Some(ack),
+                    Err(_) => break,
+                }
+            }
+        }
+        if !group.is_empty() {
+            write_group(&pool, group, &counters).await;
+        }
+        if let Some(ack) = close {
+            if let Some(job) = carried.take() {
+                write_group(&pool, vec![job], &counters).await;
+            }
+            let _ = ack.send(());
+            return;
+        }
+    }
+}
+
+/// Why a group's transaction did not commit.
+enum GroupFailure {
+    /// A commit was refused past its fence (or a statement failed): write the commits one by one.
+    Regroup,
+    /// The `COMMIT` itself failed: whether it took effect is unknown, so nothing is written again.
+    Commit(StoreError),
+}
+
+async fn write_group(pool: &PgPool, group: Vec<Job>, counters: &Counters) {
+    counters.groups.fetch_add(1, Ordering::Relaxed);
+    counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
+    let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
+    // A commit alone is cheaper the lone way: its fence is its first statement, with no lock to
+    // take before it (four round trips for the usual commit, not five).
+    let written = match commits.as_slice() {
+        [commit] => Ok(vec![super::commit_alone(pool, commit).await]),
+        _ => write(pool, &commits).await,
+    };
+    let answers = match written {
+        Ok(answers) => answers,
+        Err(GroupFailure::Commit(e)) => {
+            let why = match e {
+                StoreError::Backend(why) => why,
+                other => other.to_string(),
+            };
+            commits.iter().map(|_| Err(StoreError::Backend(why.clone()))).collect()
+        }
+        Err(GroupFailure::Regroup) => {
+            counters.regrouped.fetch_add(1, Ordering::Relaxed);
+            let mut answers = Vec::with_capacity(commits.len());
+            for commit in &commits {
+                answers.push(super::commit_alone(pool, commit).await);
+            }
+            answers
+        }
+    };
+    for (job, answer) in group.into_iter().zip(answers) {
+        // a caller that stopped waiting has nobody to tell
+        let _ = job.reply.send(answer);
+    }
+}
+
+/// The run row as the group's lock read it.
+struct RunRow {
+    status: RunStatus,
+    conversation_id: ConversationId,
+    next_sequence: i64,
+    cancel_requested: bool,
+    lease_owner: Option<String>,
+    lease_expires_at: Option<DateTime<Utc>>,
+    reason: Option<String>,
+}
+
+async fn write(pool: &PgPool, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
+    let mut tx = pool.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
+    match apply(&mut tx, commits).await {
+        Ok((answers, writes)) => {
+            if writes {
+                tx.commit().await.map_err(|e| GroupFailure::Commit(db("commit")(e)))?;
+            } else {
+                // every commit refused by its fence: nothing to write
+                tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+            }
+            Ok(answers)
+        }
+        Err(failure) => {
+            // at once, not when the connection is next used: the run rows stay locked until then,
+            // and the commits are about to be written again on other connections
+            tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+            Err(failure)
+        }
+    }
+}
+
+/// Locks and reads the group's run rows, checks each commit's fence, writes the commits that pass:
+/// their answers, and whether anything was written.
+async fn apply(
+    conn: &mut PgConnection,
+    commits: &[&Commit],
+) -> Result<(Vec<StoreResult<Committed>>, bool), GroupFailure> {
+    let mut ids: Vec<&str> = commits.iter().map(|c| c.run_id.as_str()).collect();
+    ids.sort_unstable();
+    let rows = sqlx::query(
+        "SELECT id, status, conversation_id, next_sequence, cancel_requested, lease_owner, lease_expires_at, reason \
+         FROM runs WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
+    )
+    .bind(&ids)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| GroupFailure::Commit(db("lock the runs")(e)))?;
+    let mut runs = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let c = Cols::new(row, "runs");
+        let read = || -> StoreResult<(String, RunRow)> {
+            Ok((
+                c.get("id")?,
+                RunRow {
+                    status: c.parse("status", RunStatus::parse)?,
+                    conversation_id: c.id("conversation_id")?,
+                    next_sequence: c.get("next_sequence")?,
+                    cancel_requested: c.get("cancel_requested")?,
+                    lease_owner: c.get("lease_owner")?,
+                    lease_expires_at: c.opt_ts("lease_expires_at")?,
+                    reason: c.get("reason")?,
+                },
+            ))
+        };
+        // an unreadable row: each commit gets its own answer from the lone path
+        let (id, run) = read().map_err(|_| GroupFailure::Regroup)?;
+        runs.insert(id, run);
+    }
+
+    let mut answers = Vec::with_capacity(commits.len());
+    let mut batch = Batch::default();
+    for c in commits {
+        let answer = match runs.get(c.run_id.as_str()) {
+            None => Err(StoreError::NotFound("run")),
+            Some(run) => match fence(c, run) {
+                Err(refusal) => Err(refusal),
+                Ok(()) => {
+                    if !batch.add(c, run).map_err(|_| GroupFailure::Regroup)? {
+                        return Err(GroupFailure::Regroup);
+                    }
+                    Ok(committed(c, run))
+                }
+            },
+        };
+        answers.push(answer);
+    }
+    let writes = !batch.runs.ids.is_empty();
+    if writes {
+        batch.execute(conn).await?;
+    }
+    Ok((answers, writes))
+}
+
+/// The fence and the status move of a lone commit's conditional `UPDATE` (and its refusal's
+/// wording), checked against the locked row.
+fn fence(c: &Commit, run: &RunRow) -> StoreResult<()> {
+    let status = run.status;
+    let passes = match &c.fence {
+        Fence::Lease { owner, .. } => status.is_active() && run.lease_owner.as_deref() == Some(owner.as_str()),
+        Fence::Acquire { from, .. } | Fence::Unowned { from } => from.contains(&status),
+    };
+    if !passes {
+        return Err(StoreError::Conflict(match &c.fence {
+            Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
+            Fence::Acquire { from, .. } | Fence::Unowned { from } => {
+                format!("run {} is {status}, not {}", c.run_id, super::status_list(from))
+            }
+        }));
+    }
+    if let Some(change) = &c.run {
+        if !status.can_transition_to(change.to) {
+            return Err(StoreError::Conflict(format!("run {}: {status} -> {} is not allowed", c.run_id, change.to)));
+        }
+    }
+    Ok(())
+}
+
+fn committed(c: &Commit, run: &RunRow) -> Committed {
+    let now = micros(c.now);
+    let events = (run.next_sequence..)
+        .zip(&c.events)
+        .map(|(sequence, kind)| Event { kind: kind.clone(), run_id: c.run_id.clone(), sequence, ts: now })
+        .collect();
+    Committed { events, cancel_requested: run.cancel_requested }
+}
+
+/// Column arrays of one multi-row statement: `UNNEST` of one array per column.
+#[derive(Default)]
+struct RunUpdates {
+    ids: Vec<String>,
+    status: Vec<&'static str>,
+    reason: Vec<Option<String>>,
+    lease_owner: Vec<Option<String>>,
+    lease_expires_at: Vec<Option<DateTime<Utc>>>,
+    next_sequence: Vec<i64>,
+    updated_at: Vec<DateTime<Utc>>,
+    checkpoint: Vec<Option<Value>>,
+}
+
+#[derive(Default)]
+struct Texts {
+    ids: Vec<String>,
+    conversation_ids: Vec<String>,
+    run_ids: Vec<String>,
+    texts: Vec<String>,
+    created_at: Vec<DateTime<Utc>>,
+}
+
+#[derive(Default)]
+struct Messages {
+    ids: Vec<String>,
+    conversation_ids: Vec<String>,
+    run_ids: Vec<Option<String>>,
+    roles: Vec<&'static str>,
+    contents: Vec<String>,
+    tool_call_ids: Vec<Option<String>>,
+    created_at: Vec<DateTime<Utc>>,
+}
+
+#[derive(Default)]
+struct Discards {
+    ids: Vec<String>,
+    run_ids: Vec<String>,
+}
+
+#[derive(Default)]
+struct CallInserts {
+    ids: Vec<String>,
+    run_ids: Vec<String>,
+    conversation_ids: Vec<String>,
+    names: Vec<String>,
+    args: Vec<Value>,
+    states: Vec<&'static str>,
+    results: Vec<Option<Value>>,
+    summaries: Vec<Option<String>>,
+    started_at: Vec<Option<DateTime<Utc>>>,
+    finished_at: Vec<Option<DateTime<Utc>>>,
+    attempts: Vec<i32>,
+}
+
+#[derive(Default)]
+struct CallUpdates {
+    ids: Vec<String>,
+    run_ids: Vec<String>,
+    from: Vec<&'static str>,
+    to: Vec<&'static str>,
+    args: Vec<Option<Value>>,
+    results: Vec<Option<Value>>,
+    summaries: Vec<Option<String>>,
+    started_at: Vec<Option<DateTime<Utc>>>,
+    finished_at: Vec<Option<DateTime<Utc>>>,
+    attempts: Vec<Option<i32>>,
+}
+
+#[derive(Default)]
+struct InterruptInserts {
+    ids: Vec<String>,
+    run_ids: Vec<String>,
+    kinds: Vec<&'static str>,
+    statuses: Vec<&'static str>,
+    payloads: Vec<Value>,
+    call_ids: Vec<Value>,
+    created_at: Vec<DateTime<Utc>>,
+    expires_at: Vec<DateTime<Utc>>,
+    decisions: Vec<Option<Value>>,
+    resolved_by: Vec<Option<String>>,
+    resolved_at: Vec<Option<DateTime<Utc>>>,
+    notes: Vec<Option<String>>,
+}
+
+#[derive(Default)]
+struct InterruptChanges {
+    ids: Vec<String>,
+    run_ids: Vec<String>,
+    to: Vec<&'static str>,
+    decisions: Vec<Option<Value>>,
+    resolved_by: Vec<Option<String>>,
+    notes: Vec<Option<String>>,
+    now: Vec<DateTime<Utc>>,
+    resolving: Vec<bool>,
+}
+
+#[derive(Default)]
+struct Events {
+    run_ids: Vec<String>,
+    sequences: Vec<i64>,
+    types: Vec<&'static str>,
+    data: Vec<Value>,
+    created_at: Vec<DateTime<Utc>>,
+}
+
+#[derive(Default)]
+struct Answers {
+    user_ids: Vec<String>,
+    keys: Vec<String>,
+    statuses: Vec<i64>,
+    responses: Vec<Value>,
+    expires_at: Vec<DateTime<Utc>>,
+}
+
+/// Everything the group writes, a column array per table column.
+#[derive(Default)]
+struct Batch {
+    runs: RunUpdates,
+    texts: Texts,
+    messages: Messages,
+    discards: Discards,
+    call_inserts: CallInserts,
+    call_updates: CallUpdates,
+    interrupt_inserts: InterruptInserts,
+    interrupt_changes: InterruptChanges,
+    /// (conversation, key) → (value, source, updated_at): the last write of a key wins, as it
+    /// would one commit after the other.
+    facts: HashMap<(String, String), (String, &'static str, DateTime<Utc>)>,
+    /// conversation → (through message, text)
+    summaries: HashMap<String, (String, String)>,
+    events: Events,
+    answers: Answers,
+}
+
+impl Batch {
+    /// Adds a commit whose fence passed. `Ok(false)`: a check past the fence refuses it (the lone
+    /// path gives its answer).
+    fn add(&mut self, c: &Commit, run: &RunRow) -> StoreResult<bool> {
+        let now = micros(c.now);
+        let conversation = run.conversation_id.as_str();
+        let run_id = c.run_id.as_str();
+
+        // records handed to the commit must belong to its run and conversation; transitions must be
+        // allowed
+        let owned = c
+            .messages
+            .iter()
+            .all(|m| m.conversation_id == run.conversation_id && m.run_id.as_ref().is_none_or(|r| *r == c.run_id))
+            && c.tool_calls.iter().all(|change| match change {
+                ToolCallChange::Insert(call) => call.run_id == c.run_id,
+                ToolCallChange::Update(u) => u.from.can_transition_to(u.to),
+            })
+            && c.new_interrupts.iter().all(|i| i.run_id == c.run_id)
+            && c.interrupt_changes.iter().all(|change| InterruptStatus::Pending.can_transition_to(change.to))
+            && c.summary.as_ref().is_none_or(|s| s.conversation_id == run.conversation_id);
+        if !owned {
+            return Ok(false);
+        }
+
+        // the run row: fence, status move, checkpoint in one row of one UPDATE
+        let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+        let (mut lease_owner, mut lease_expires_at) = (run.lease_owner.clone(), run.lease_expires_at);
+        match &c.fence {
+            Fence::Lease { lease_until, .. } => lease_expires_at = Some(*lease_until),
+            Fence::Acquire { owner, lease_until, .. } => {
+                lease_owner = Some(owner.clone());
+                lease_expires_at = Some(*lease_until);
+            }
+            Fence::Unowned { .. } => {}
+        }
+        let (mut status, mut reason) = (run.status, run.reason.clone());
+        if let Some(change) = &c.run {
+            status = change.to;
+            reason = change.reason.clone();
+            // a paused or finished run has no worker
+            if change.to == RunStatus::Interrupted || change.to.is_terminal() {
+                lease_owner = None;
+                lease_expires_at = None;
+            }
+        }
+        let r = &mut self.runs;
+        r.ids.push(run_id.to_owned());
+        r.status.push(status.as_str());
+        r.reason.push(reason);
+        r.lease_owner.push(lease_owner);
+        r.lease_expires_at.push(lease_expires_at);
+        r.next_sequence.push(run.next_sequence + n);
+        r.updated_at.push(c.now);
+        r.checkpoint.push(c.checkpoint.as_ref().map(|cp| json("checkpoint", cp)).transpose()?);
+
+        for t in &c.text {
+            // one row per message in one statement: appends to one message are joined first
+            if let Some(i) = (0..self.texts.ids.len())
+                .rev()
+                .find(|&i| self.texts.ids[i] == t.message_id.as_str() && self.texts.run_ids[i] == run_id)
+            {
+                self.texts.texts[i].push_str(&t.text);
+                continue;
+            }
+            self.texts.ids.push(t.message_id.as_str().to_owned());
+            self.texts.conversation_ids.push(conversation.to_owned());
+            self.texts.run_ids.push(run_id.to_owned());
+            self.texts.texts.push(t.text.clone());
+            self.texts.created_at.push(now);
+        }
+        for m in &c.messages {
+            let ms = &mut self.messages;
+            ms.ids.push(m.id.as_str().to_owned());
+            ms.conversation_ids.push(m.conversation_id.as_str().to_owned());
+            ms.run_ids.push(m.run_id.as_ref().map(|r| r.as_str().to_owned()));
+            ms.roles.push(m.role.as_str());
+            ms.contents.push(m.content.as_str().to_owned());
+            ms.tool_call_ids.push(m.tool_call_id.as_ref().map(|id| id.as_str().to_owned()));
+            ms.created_at.push(m.created_at);
+        }
+        for id in &c.discard_messages {
+            self.discards.ids.push(id.as_str().to_owned());
+            self.discards.run_ids.push(run_id.to_owned());
+        }
+        for change in &c.tool_calls {
+            match change {
+                ToolCallChange::Insert(call) => {
+                    let ci = &mut self.call_inserts;
+                    ci.ids.push(call.id.as_str().to_owned());
+                    ci.run_ids.push(call.run_id.as_str().to_owned());
+                    ci.conversation_ids.push(conversation.to_owned());
+                    ci.names.push(call.name.clone());
+                    ci.args.push(call.args.inner().clone());
+                    ci.states.push(call.state.as_str());
+                    ci.results.push(call.result.as_ref().map(|r| r.inner().clone()));
+                    ci.summaries.push(call.summary.as_ref().map(|s| s.as_str().to_owned()));
+                    ci.started_at.push(call.started_at);
+                    ci.finished_at.push(call.finished_at);
+                    ci.attempts.push(call.attempts as i32);
+                }
+                ToolCallChange::Update(ToolCallUpdate {
+                    id,
+                    from,
+                    to,
+                    args,
+                    result,
+                    summary,
+                    attempts,
+                    started_at,
+                    finished_at,
+                }) => {
+                    let cu = &mut self.call_updates;
+                    cu.ids.push(id.as_str().to_owned());
+                    cu.run_ids.push(run_id.to_owned());
+                    cu.from.push(from.as_str());
+                    cu.to.push(to.as_str());
+                    cu.args.push(args.as_ref().map(|a| a.inner().clone()));
+                    cu.results.push(result.as_ref().map(|r| r.inner().clone()));
+                    cu.summaries.push(summary.as_ref().map(|s| s.as_str().to_owned()));
+                    cu.started_at.push(*started_at);
+                    cu.finished_at.push(*finished_at);
+                    cu.attempts.push(attempts.map(|n| n as i32));
+                }
+            }
+        }
+        for i in &c.new_interrupts {
+            let ii = &mut self.interrupt_inserts;
+            ii.ids.push(i.id.as_str().to_owned());
+            ii.run_ids.push(i.run_id.as_str().to_owned());
+            ii.kinds.push(i.kind.as_str());
+            ii.statuses.push(i.status.as_str());
+            ii.payloads.push(i.payload.inner().clone());
+            ii.call_ids.push(json("interrupt call ids", &i.call_ids)?);
+            ii.created_at.push(i.created_at);
+            ii.expires_at.push(i.expires_at);
+            ii.decisions.push(i.decision.as_ref().map(|d| d.inner().clone()));
+            ii.resolved_by.push(i.resolved_by.clone());
+            ii.resolved_at.push(i.resolved_at);
+            ii.notes.push(i.note.as_ref().map(|n| n.as_str().to_owned()));
+        }
+        for change in &c.interrupt_changes {
+            let ic = &mut self.interrupt_changes;
+            ic.ids.push(change.id.as_str().to_owned());
+            ic.run_ids.push(run_id.to_owned());
+            ic.to.push(change.to.as_str());
+            ic.decisions.push(change.decision.as_ref().map(|d| d.inner().clone()));
+            ic.resolved_by.push(change.resolved_by.clone());
+            ic.notes.push(change.note.as_ref().map(|n| n.as_str().to_owned()));
+            ic.now.push(c.now);
+            ic.resolving.push(change.to == InterruptStatus::Resolved);
+        }
+        for f in &c.facts {
+            self.facts.insert(
+                (conversation.to_owned(), f.key.clone()),
+                (f.value.as_str().to_owned(), f.source.as_str(), f.updated_at),
+            );
+        }
+        if let Some(s) = &c.summary {
+            self.summaries.insert(
+                conversation.to_owned(),
+                (s.through_message_id.as_str().to_owned(), s.text.as_str().to_owned()),
+            );
+        }
+        for (sequence, kind) in (run.next_sequence..).zip(&c.events) {
+            let e = &mut self.events;
+            e.run_ids.push(run_id.to_owned());
+            e.sequences.push(sequence);
+            e.types.push(kind.type_name());
+            e.data.push(kind.to_data());
+            e.created_at.push(now);
+        }
+        if let Some(answer) = &c.idempotency {
+            let a = &mut self.answers;
+            a.user_ids.push(answer.user_id.clone());
+            a.keys.push(answer.key.clone());
+            a.statuses.push(i64::from(answer.status));
+            a.responses.push(answer.response.clone());
+            a.expires_at.push(answer.expires_at);
+        }
+        Ok(true)
+    }
+
+    /// The group's statements, in the order a lone commit makes them. A statement that fails, or a
+    /// conditional one that matches fewer rows than it was given, refuses a commit: `Regroup`.
+    async fn execute(self, conn: &mut PgConnection) -> Result<(), GroupFailure> {
+        let regroup = |_| GroupFailure::Regroup;
+        let r = &self.runs;
+        sqlx::query(
+            "UPDATE runs SET status = u.status, reason = u.reason, lease_owner = u.lease_owner, \
+             lease_expires_at = u.lease_expires_at, next_sequence = u.next_sequence, updated_at = u.updated_at, \
+             checkpoint = COALESCE(u.checkpoint, runs.checkpoint) \
+             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::bigint[], \
+                         $7::timestamptz[], $8::jsonb[]) \
+                  AS u (id, status, reason, lease_owner, lease_expires_at, next_sequence, updated_at, checkpoint) \
+             WHERE runs.id = u.id",
+        )
+        .bind(&r.ids)
+        .bind(&r.status)
+        .bind(&r.reason)
+        .bind(&r.lease_owner)
+        .bind(&r.lease_expires_at)
+        .bind(&r.next_sequence)
+        .bind(&r.updated_at)
+        .bind(&r.checkpoint)
+        .execute(&mut *conn)
+        .await
+        .map_err(regroup)?;
+
+        let t = &self.texts;
+        if !t.ids.is_empty() {
+            let done = sqlx::query(
+                "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+                 SELECT t.id, t.conversation_id, t.run_id, 'assistant', t.content, NULL, t.created_at \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) \
+                      AS t (id, conversation_id, run_id, content, created_at) \
+                 ON CONFLICT (id) DO UPDATE SET content = messages.content || excluded.content \
+                 WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'",
+            )
+            .bind(&t.ids)
+            .bind(&t.conversation_ids)
+            .bind(&t.run_ids)
+            .bind(&t.texts)
+            .bind(&t.created_at)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+            all_matched(done.rows_affected(), t.ids.len())?;
+        }
+
+        let m = &self.messages;
+        if !m.ids.is_empty() {
+            sqlx::query(
+                "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
+                                      $7::timestamptz[])",
+            )
+            .bind(&m.ids)
+            .bind(&m.conversation_ids)
+            .bind(&m.run_ids)
+            .bind(&m.roles)
+            .bind(&m.contents)
+            .bind(&m.tool_call_ids)
+            .bind(&m.created_at)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        let d = &self.discards;
+        if !d.ids.is_empty() {
+            // a message that never got its first text was never created: nothing to delete is fine
+            sqlx::query(
+                "DELETE FROM messages USING unnest($1::text[], $2::text[]) AS d (id, run_id) \
+                 WHERE messages.id = d.id AND messages.run_id = d.run_id AND messages.role = 'assistant'",
+            )
+            .bind(&d.ids)
+            .bind(&d.run_ids)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        let ci = &self.call_inserts;
+        if !ci.ids.is_empty() {
+            sqlx::query(
+                "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
+                 started_at, finished_at, attempts) \
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::text[], \
+                                      $7::jsonb[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::int4[])",
+            )
+            .bind(&ci.ids)
+            .bind(&ci.run_ids)
+            .bind(&ci.conversation_ids)
+            .bind(&ci.names)
+            .bind(&ci.args)
+            .bind(&ci.states)
+            .bind(&ci.results)
+            .bind(&ci.summaries)
+            .bind(&ci.started_at)
+            .bind(&ci.finished_at)
+            .bind(&ci.attempts)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        let cu = &self.call_updates;
+        if !cu.ids.is_empty() {
+            let done = sqlx::query(
+                "UPDATE tool_calls SET state = u.to_state, args = COALESCE(u.args, tool_calls.args), \
+                 result = COALESCE(u.result, tool_calls.result), summary = COALESCE(u.summary, tool_calls.summary), \
+                 started_at = COALESCE(u.started_at, tool_calls.started_at), \
+                 finished_at = COALESCE(u.finished_at, tool_calls.finished_at), \
+                 attempts = COALESCE(u.attempts, tool_calls.attempts) \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], $7::text[], \
+                             $8::timestamptz[], $9::timestamptz[], $10::int4[]) \
+                      AS u (id, run_id, from_state, to_state, args, result, summary, started_at, finished_at, attempts) \
+                 WHERE tool_calls.id = u.id AND tool_calls.run_id = u.run_id AND tool_calls.state = u.from_state",
+            )
+            .bind(&cu.ids)
+            .bind(&cu.run_ids)
+            .bind(&cu.from)
+            .bind(&cu.to)
+            .bind(&cu.args)
+            .bind(&cu.results)
+            .bind(&cu.summaries)
+            .bind(&cu.started_at)
+            .bind(&cu.finished_at)
+            .bind(&cu.attempts)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+            // one row per update: a call updated twice in the group matches once, and regroups
+            all_matched(done.rows_affected(), cu.ids.len())?;
+        }
+
+        let ii = &self.interrupt_inserts;
+        if !ii.ids.is_empty() {
+            sqlx::query(
+                "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, \
+                 decision, resolved_by, resolved_at, note) \
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], \
+                                      $7::timestamptz[], $8::timestamptz[], $9::jsonb[], $10::text[], \
+                                      $11::timestamptz[], $12::text[])",
+            )
+            .bind(&ii.ids)
+            .bind(&ii.run_ids)
+            .bind(&ii.kinds)
+            .bind(&ii.statuses)
+            .bind(&ii.payloads)
+            .bind(&ii.call_ids)
+            .bind(&ii.created_at)
+            .bind(&ii.expires_at)
+            .bind(&ii.decisions)
+            .bind(&ii.resolved_by)
+            .bind(&ii.resolved_at)
+            .bind(&ii.notes)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        let ic = &self.interrupt_changes;
+        if !ic.ids.is_empty() {
+            // an interrupt past its expiry may still expire or be cancelled, never be resolved
+            let done = sqlx::query(
+                "UPDATE interrupts SET status = u.to_status, decision = COALESCE(u.decision, interrupts.decision), \
+                 resolved_by = COALESCE(u.resolved_by, interrupts.resolved_by), resolved_at = u.now, \
+                 note = COALESCE(u.note, interrupts.note) \
+                 FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::text[], $6::text[], \
+                             $7::timestamptz[], $8::bool[]) \
+                      AS u (id, run_id, to_status, decision, resolved_by, note, now, resolving) \
+                 WHERE interrupts.id = u.id AND interrupts.run_id = u.run_id AND interrupts.status = 'pending' \
+                   AND (NOT u.resolving OR interrupts.expires_at > u.now)",
+            )
+            .bind(&ic.ids)
+            .bind(&ic.run_ids)
+            .bind(&ic.to)
+            .bind(&ic.decisions)
+            .bind(&ic.resolved_by)
+            .bind(&ic.notes)
+            .bind(&ic.now)
+            .bind(&ic.resolving)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+            all_matched(done.rows_affected(), ic.ids.len())?;
+        }
+
+        if !self.facts.is_empty() {
+            // in key order, so two groups lock the rows of one conversation in the same order
+            let mut facts: Vec<_> = self.facts.into_iter().collect();
+            facts.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            let mut columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for ((conversation, key), (value, source, updated_at)) in facts {
+                columns.0.push(conversation);
+                columns.1.push(key);
+                columns.2.push(value);
+                columns.3.push(source);
+                columns.4.push(updated_at);
+            }
+            sqlx::query(
+                "INSERT INTO facts (conversation_id, key, value, source, updated_at) \
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) \
+                 ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
+                 updated_at = excluded.updated_at",
+            )
+            .bind(&columns.0)
+            .bind(&columns.1)
+            .bind(&columns.2)
+            .bind(&columns.3)
+            .bind(&columns.4)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        if !self.summaries.is_empty() {
+            let mut summaries: Vec<_> = self.summaries.into_iter().collect();
+            summaries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+            let mut columns = (Vec::new(), Vec::new(), Vec::new());
+            for (conversation, (through, text)) in summaries {
+                columns.0.push(conversation);
+                columns.1.push(through);
+                columns.2.push(text);
+            }
+            sqlx::query(
+                "INSERT INTO summaries (conversation_id, through_message_id, text) \
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) \
+                 ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
+                 text = excluded.text",
+            )
+            .bind(&columns.0)
+            .bind(&columns.1)
+            .bind(&columns.2)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        let e = &self.events;
+        if !e.run_ids.is_empty() {
+            sqlx::query(
+                "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
+                 SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::jsonb[], $5::timestamptz[])",
+            )
+            .bind(&e.run_ids)
+            .bind(&e.sequences)
+            .bind(&e.types)
+            .bind(&e.data)
+            .bind(&e.created_at)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+        }
+
+        let a = &self.answers;
+        if !a.keys.is_empty() {
+            let done = sqlx::query(
+                "UPDATE idempotency_keys SET state = 'done', status = u.status, response = u.response, \
+                 expires_at = u.expires_at \
+                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::jsonb[], $5::timestamptz[]) \
+                      AS u (user_id, key, status, response, expires_at) \
+                 WHERE idempotency_keys.user_id = u.user_id AND idempotency_keys.key = u.key \
+                   AND idempotency_keys.state = 'in_flight'",
+            )
+            .bind(&a.user_ids)
+            .bind(&a.keys)
+            .bind(&a.statuses)
+            .bind(&a.responses)
+            .bind(&a.expires_at)
+            .execute(&mut *conn)
+            .await
+            .map_err(regroup)?;
+            all_matched(done.rows_affected(), a.keys.len())?;
+        }
+        Ok(())
+    }
+}
+
+fn all_matched(matched: u64, given: usize) -> Result<(), GroupFailure> {
+    if matched == given as u64 {
+        Ok(())
+    } else {
+        Err(GroupFailure::Regroup)
+    }
+}
