@@ -57,6 +57,7 @@ async fn the_committed_spec_is_the_generated_one_and_the_served_one() {
         |spec: &Value| spec["paths"].as_object().unwrap().keys().cloned().collect::<std::collections::BTreeSet<_>>();
     let mut expected = paths(&core);
     expected.insert("/v1/demo/instances".to_owned());
+    expected.insert("/v1/demo/services".to_owned());
     assert_eq!(paths(&served), expected);
     for (path, item) in core["paths"].as_object().unwrap() {
         assert_eq!(&served["paths"][path], item, "{path} is served as generated");

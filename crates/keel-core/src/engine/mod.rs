@@ -132,7 +132,11 @@ struct Inner {
     bus: Arc<dyn Bus>,
     clock: Arc<dyn Clock>,
     config: EngineConfig,
-    workers: Mutex<HashMap<RunId, JoinHandle<()>>>,
+    /// Every live worker task, by a serial of its own: two tasks may briefly drive for one run (a
+    /// new run's worker and a claim racing for its lease; the loser stops at its first commit), and
+    /// neither may hide the other from shutdown, drop or the count.
+    workers: Mutex<HashMap<u64, JoinHandle<()>>>,
+    next_worker: std::sync::atomic::AtomicU64,
     /// Wakes a local worker at once when its run is cancelled (the durable flag is the truth; this
     /// only saves waiting for the next model chunk).
     cancel_signals: Mutex<HashMap<RunId, Arc<tokio::sync::Notify>>>,
@@ -183,6 +187,7 @@ impl Engine {
                 clock: parts.clock,
                 config,
                 workers: Mutex::new(HashMap::new()),
+                next_worker: std::sync::atomic::AtomicU64::new(0),
                 cancel_signals: Mutex::new(HashMap::new()),
                 cancel_reasons: Mutex::new(HashMap::new()),
                 shutting_down: AtomicBool::new(false),

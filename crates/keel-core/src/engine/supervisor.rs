@@ -133,7 +133,7 @@ impl Inner {
             return;
         }
         let inner = self.clone();
-        let key = run_id.clone();
+        let key = self.next_worker.fetch_add(1, Ordering::Relaxed);
         let handle = tokio::spawn(async move {
             let _slot = slot;
             let Ok(Some(mut run)) = inner.store.get_run(&run_id).await else {
