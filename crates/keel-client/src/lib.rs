@@ -22,7 +22,7 @@
 //!
 //! - Requests and responses are the server's own types, from [`keel_core::wire`] (re-exported
 //!   here): the two sides can't disagree on a field.
-//! - [`KeelClient::events`] is DESIGN's "reconnect with `Last-Event-ID`" client: it follows a run's
+//! - [`KeelClient::events`] is the "reconnect with `Last-Event-ID`" client of docs/events.md: it follows a run's
 //!   event stream to its terminal event across dropped connections and server restarts, backing
 //!   off, delivering every event once, in order. The SSE parser it uses is [`sse::SseParser`].
 //! - [`KeelClient::resume`] (and [`KeelClient::resume_with_note`], a decision with the decider's

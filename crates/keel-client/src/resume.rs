@@ -1,7 +1,7 @@
 //! Resuming a run's event stream: the cursor that de-duplicates across reconnects, the reconnect
 //! policy, and the stream that ties them to HTTP.
 //!
-//! DESIGN: "reconnect with `Last-Event-ID`". A run's events carry `sequence` 1, 2, 3 … with no
+//! Reconnect with `Last-Event-ID` (docs/events.md). A run's events carry `sequence` 1, 2, 3 … with no
 //! gaps, and `GET /v1/runs/{id}/events` with `Last-Event-ID: N` replays everything after `N`, then
 //! streams live events, until the run's terminal event. So a client that remembers the last
 //! sequence it delivered can reconnect after any drop and deliver every event exactly once.

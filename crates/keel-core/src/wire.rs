@@ -1,6 +1,6 @@
 //! The JSON bodies of the HTTP API (v1) that are not a domain record as it is, shared by the server
 //! (`keel-server`, which serializes them) and the client (`keel-client`, which deserializes them),
-//! so both sides agree by construction. Shapes follow DESIGN.md, "The contract, by example": fields
+//! so both sides agree by construction. Shapes follow docs/api.md: fields
 //! may be added (with `#[serde(default)]`, so an older server still decodes); none may be renamed.
 
 use serde::{Deserialize, Serialize};

@@ -1,5 +1,5 @@
 //! Random walks over the run, interrupt and tool-call state machines: valid moves are applied,
-//! invalid ones refused and never applied, and every path follows the lifecycle of DESIGN.md.
+//! invalid ones refused and never applied, and every path follows the lifecycle of docs/architecture.md.
 
 use keel_core::{InterruptStatus, RunStatus, ToolCallState};
 use proptest::prelude::*;

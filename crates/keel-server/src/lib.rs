@@ -1,5 +1,5 @@
 //! Keel's HTTP API (v1): axum routes, JSON errors and the SSE encoder, over the engine of
-//! `keel-core`. The shapes are those of DESIGN.md, "The contract, by example".
+//! `keel-core`. The shapes are those of docs/api.md.
 #![forbid(unsafe_code)]
 
 pub mod ag_ui;

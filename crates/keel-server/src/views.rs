@@ -1,5 +1,5 @@
-//! The JSON shapes of responses that are not a domain record as it is (see DESIGN.md, "The
-//! contract, by example"). Most live in [`keel_core::wire`], shared with the client; the ones here
+//! The JSON shapes of responses that are not a domain record as it is (see
+//! docs/api.md). Most live in [`keel_core::wire`], shared with the client; the ones here
 //! are the server's own. Fields may be added, none may be renamed. Handlers serialize these types,
 //! and the OpenAPI spec is derived from them, so the two can't disagree.
 
