@@ -107,7 +107,7 @@ pub fn insert_events(
         let chunk: Vec<EventKind> = kinds.by_ref().take(EVENTS_PER_INSERT).collect();
         let mut data = Vec::with_capacity(chunk.len());
         for kind in &chunk {
-            data.push(json("event data", &kind.to_data())?);
+            data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
         }
         let sequences: Vec<i64> = (sequence..).take(chunk.len()).collect();
         let types: Vec<&str> = chunk.iter().map(EventKind::type_name).collect();
