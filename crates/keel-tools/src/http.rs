@@ -185,7 +185,7 @@ impl std::fmt::Debug for HttpTool {
 }
 
 /// `${VAR}` in a header value, replaced by the variable's value; each value used is added to `secrets`.
-fn interpolate(
+pub(crate) fn interpolate(
     field: &str,
     template: &str,
     env: &dyn Fn(&str) -> Option<String>,
