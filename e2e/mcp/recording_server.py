@@ -7,7 +7,8 @@ pinned in requirements.txt). It appends one JSON line per event to the file name
   {"event": "done", "tool", "key"}                 when a call answers
   {"event": "cancelled", "tool", "key"}            when a call is cancelled (notifications/cancelled)
 
-Tools (each sleeps `delay_ms` before it answers, so a test can act while a call is in flight):
+Tools (each sleeps `delay_ms` before it answers, so a test can act while a call is in flight; a
+call whose key the record already has answers at once, as a retry after a crash should):
   write   - a side effect, not idempotent (no hints but readOnlyHint=false)
   put     - a side effect, idempotentHint=true
   read    - readOnlyHint=true
@@ -44,8 +45,17 @@ def key_of(ctx: Context) -> str | None:
     return extra.get("keel.dev/idempotencyKey") or getattr(meta, "keel.dev/idempotencyKey", None)
 
 
+def seen(key: str | None) -> bool:
+    if not RECORD or key is None or not os.path.exists(RECORD):
+        return False
+    with open(RECORD, encoding="utf-8") as f:
+        return any(json.loads(line).get("key") == key for line in f if line.strip())
+
+
 async def run(tool: str, ctx: Context, args: dict, delay_ms: int) -> str:
     key = key_of(ctx)
+    if seen(key):
+        delay_ms = 0
     record(event="call", tool=tool, args=args, key=key, pid=os.getpid())
     try:
         await asyncio.sleep(delay_ms / 1000)
@@ -84,4 +94,7 @@ async def fail(message: str) -> str:
 if __name__ == "__main__":
     record(event="started", pid=os.getpid())
     print("recording_server.py started", file=sys.stderr)
-    server.run()
+    try:
+        server.run()
+    except BaseException as e:  # noqa: BLE001 - stdin closed under it (Keel was killed): exit quietly
+        print(f"recording_server.py stopped: {type(e).__name__}", file=sys.stderr)

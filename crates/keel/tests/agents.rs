@@ -579,11 +579,11 @@ fn a_bad_tool_in_keel_toml_stops_serve_with_one_line() {
     let cases = [
         (
             tool("kind = \"grpc\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = { type = \"object\" }\n"),
-            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http",
+            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http, mcp",
         ),
         (
             tool("kind = \"http\"\nargs_schema = { type = \"object\" }\n"),
-            "agent \"ops\": tools[0] (\"restart\"): url: missing; a tool of kind http needs method, url and args_schema",
+            "agent \"ops\": tools[0] (\"restart\"): url: missing; a tool of kind http needs description, method, url and args_schema",
         ),
         (
             tool(

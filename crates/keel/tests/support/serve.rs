@@ -112,9 +112,20 @@ impl Serve {
         Self::again(dir)
     }
 
+    /// [`Serve::start`] with more environment variables for `keel serve`.
+    pub fn start_with_env(dir: &Path, toml: &str, env: &[(&str, &str)]) -> Self {
+        std::fs::write(dir.join("keel.toml"), toml).unwrap();
+        Self::spawn(dir, env)
+    }
+
     /// With the keel.toml already in `dir`.
     pub fn again(dir: &Path) -> Self {
+        Self::spawn(dir, &[])
+    }
+
+    fn spawn(dir: &Path, env: &[(&str, &str)]) -> Self {
         let mut child = keel()
+            .envs(env.iter().copied())
             .args(["serve", "--listen", "127.0.0.1:0"])
             .arg("--config")
             .arg(dir.join("keel.toml"))
