@@ -253,3 +253,20 @@ fn the_documented_example_builds() {
     assert_eq!(card.title, "Restart pay-prod-2?");
     assert_eq!(card.description, "POST /v1/instances/pay-prod-2/restart (reason: stuck)");
 }
+
+/// The MCP example of docs/tools.md: two tables that check (nothing is started).
+#[test]
+fn the_documented_mcp_example_checks() {
+    let doc = include_str!("../../../docs/tools.md");
+    let section = doc.split("## MCP tools").nth(1).expect("the MCP section");
+    let block = section.split("```toml\n").nth(1).and_then(|rest| rest.split("```").next()).expect("a toml block");
+    let file: toml::Table = toml::from_str(block).unwrap();
+    let tools = file["agents"]["tools"].as_array().expect("[[agents.tools]]");
+    assert_eq!(tools.len(), 2);
+    let vars = |name: &str| ["GITHUB_TOKEN", "TICKETS_TOKEN"].contains(&name).then(|| "t0ken-value".to_owned());
+    for table in tools {
+        let config: ToolConfig = table.clone().try_into().unwrap();
+        assert_eq!(config.kind(), "mcp");
+        keel_tools::check(&config, &vars).unwrap_or_else(|e| panic!("{}: {e}", config.name()));
+    }
+}

@@ -193,6 +193,54 @@ fn calls(path: &Path, tool: &str) -> Vec<Value> {
     record(path).into_iter().filter(|e| e["event"] == "call" && e["tool"] == tool).collect()
 }
 
+/// The agent `ops` with the recording server as `rec`, every tool allowed; its record goes to
+/// `recorded`.
+fn recording_toml(model: &str, python: &str, recorded: &Path) -> String {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../e2e/mcp/recording_server.py");
+    let tool = format!(
+        "name = \"rec\"\ncommand = {}\nargs = [{}]\nenv = {{ MCP_RECORD = {} }}\nallow = [\"*\"]",
+        quoted(python),
+        quoted(&script.display().to_string()),
+        quoted(&recorded.display().to_string())
+    );
+    keel_toml(model, &tool)
+}
+
+/// A run cancelled while its MCP call runs: the call is stopped (the server is sent
+/// `notifications/cancelled` and records it), recorded as failed with the code `cancelled`, and
+/// the run ends `cancelled` at once rather than when the call would have answered.
+#[test]
+fn a_cancelled_run_cancels_its_mcp_call_on_the_server() {
+    let Some(python) = var("KEEL_TEST_MCP_PYTHON") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let recorded = dir.path().join("record.jsonl");
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &recording_toml(&model.url, &python, &recorded));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let conv = api.conversation(Some("ops")).await;
+        let run = api.start(&conv, r#"call rec__write {"item": "c", "delay_ms": 60000}"#).await;
+        eventually("the server to hold the call", || async { (calls(&recorded, "write").len() == 1).then_some(()) })
+            .await;
+        let asked = Instant::now();
+        let (status, body) = api.post(&format!("/v1/runs/{run}/cancel"), json!({})).await;
+        assert_eq!(status, 200, "{body}");
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "cancelled", "{view}");
+        assert!(asked.elapsed() < Duration::from_secs(20), "the run waited for the call");
+        let call = &view["toolCalls"][0];
+        assert_eq!(call["state"], "failed", "{view}");
+        assert_eq!(call["errorCode"], "cancelled", "{view}");
+        let cancelled = eventually("the server to record the cancellation", || async {
+            let found: Vec<Value> = record(&recorded).into_iter().filter(|e| e["event"] == "cancelled").collect();
+            (!found.is_empty()).then_some(found)
+        })
+        .await;
+        assert_eq!(cancelled[0]["key"], call["id"]);
+        assert!(record(&recorded).iter().all(|e| e["event"] != "done"), "the call never finished");
+    });
+}
+
 /// A crash of Keel while the MCP server holds the calls: after the restart, the call of the
 /// `idempotentHint` tool is sent again with the same key (in `_meta`) and completes; the other is
 /// not sent again, and a human is asked (`outcome_unknown`).
@@ -201,15 +249,8 @@ fn a_crash_of_keel_mid_call_retries_idempotent_mcp_tools_and_asks_about_the_othe
     let Some(python) = var("KEEL_TEST_MCP_PYTHON") else { return };
     let dir = tempfile::tempdir().unwrap();
     let recorded: PathBuf = dir.path().join("record.jsonl");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../e2e/mcp/recording_server.py");
     let model = MockModel::start();
-    let tool = format!(
-        "name = \"rec\"\ncommand = {}\nargs = [{}]\nenv = {{ MCP_RECORD = {} }}\nallow = [\"*\"]",
-        quoted(&python),
-        quoted(&script.display().to_string()),
-        quoted(&recorded.display().to_string())
-    );
-    let server = Serve::start(dir.path(), &keel_toml(&model.url, &tool));
+    let server = Serve::start(dir.path(), &recording_toml(&model.url, &python, &recorded));
     let api = Api::new(&server);
     let rt = runtime();
     let (put_run, write_run) = rt.block_on(async {
