@@ -28,9 +28,10 @@ use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientHandler, Peer, RoleClient, ServiceError, ServiceExt};
 use serde_json::{Map, Value};
 
-use crate::common::check_name;
+use crate::common::{
+    check_name, interpolate, parse_max_response_bytes, parse_timeout, resolve_headers, scrub, scrub_error, tidy_secrets,
+};
 use crate::config::{McpToolConfig, McpTransportConfig, ToolConfigError};
-use crate::http::{interpolate, DEFAULT_MAX_RESPONSE_BYTES};
 
 /// Between the server's name and its tool's in the names the model sees.
 pub const NAME_SEPARATOR: &str = "__";
@@ -43,8 +44,6 @@ const MAX_BACKOFF: Duration = Duration::from_secs(30);
 const STABLE_AFTER: Duration = Duration::from_secs(60);
 /// How much of a tool's error text the model is shown.
 const ERROR_TEXT_CHARS: usize = 1000;
-/// Shorter secret values are not scrubbed from messages (they would hide ordinary words).
-const MIN_SCRUBBED_CHARS: usize = 4;
 /// The variables of Keel's own environment a stdio server also gets: what a program needs to be
 /// found and to run (`node`, `python`), nothing that may hold a secret.
 const INHERITED_VARS: &[&str] = &["PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "TZ"];
@@ -185,51 +184,24 @@ impl McpServerConfig {
                          headers = { Authorization = \"Bearer ${TOKEN}\" }",
                     ));
                 }
-                let mut resolved = HashMap::new();
-                for (name, template) in headers {
-                    let field = format!("headers.{}", mask::truncate(name, 64));
-                    let header = HeaderName::from_bytes(name.trim().as_bytes())
-                        .map_err(|_| ToolConfigError::new(&field, "not a valid HTTP header name"))?;
-                    if RESERVED_HEADERS.contains(&header.as_str()) {
-                        return Err(ToolConfigError::new(&field, "the MCP transport sets this header; remove it"));
-                    }
-                    if resolved.contains_key(&header) {
-                        return Err(ToolConfigError::new(&field, "given twice (header names are case-insensitive)"));
-                    }
-                    let value = interpolate(&field, template, env, &mut secrets)?;
-                    let mut header_value = HeaderValue::from_str(&value).map_err(|_| {
-                        ToolConfigError::new(
-                            &field,
-                            "not a valid header value once ${…} is replaced (a newline or control character?)",
-                        )
-                    })?;
-                    header_value.set_sensitive(true);
-                    secrets.push(value);
-                    resolved.insert(header, header_value);
-                }
+                let resolved = resolve_headers(
+                    headers,
+                    RESERVED_HEADERS,
+                    "the MCP transport sets this header; remove it",
+                    env,
+                    &mut secrets,
+                )?;
+                let resolved: HashMap<HeaderName, HeaderValue> =
+                    resolved.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
                 Transport::Http { url: parsed.to_string(), headers: resolved }
             }
         };
-        let timeout = match &config.timeout {
-            None => keel_core::tool::DEFAULT_TOOL_TIMEOUT,
-            Some(text) => humantime::parse_duration(text.trim()).map_err(|e| {
-                ToolConfigError::new("timeout", format!("{e}; write a duration such as \"10s\" or \"500ms\""))
-            })?,
-        };
-        if timeout.is_zero() {
-            return Err(ToolConfigError::new("timeout", "must be more than 0"));
-        }
-        let max_response_bytes = match config.max_response_bytes {
-            None => DEFAULT_MAX_RESPONSE_BYTES,
-            Some(0) => return Err(ToolConfigError::new("max_response_bytes", "must be more than 0")),
-            Some(n) => usize::try_from(n).map_err(|_| ToolConfigError::new("max_response_bytes", "too large"))?,
-        };
+        let timeout = parse_timeout(config.timeout.as_deref())?;
+        let max_response_bytes = parse_max_response_bytes(config.max_response_bytes)?;
         let patterns = |field: &str, list: &[String]| -> Result<Vec<Pattern>, ToolConfigError> {
             list.iter().enumerate().map(|(i, p)| Pattern::parse(&format!("{field}[{i}]"), p)).collect()
         };
-        secrets.retain(|s| s.trim().len() >= MIN_SCRUBBED_CHARS);
-        secrets.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-        secrets.dedup();
+        tidy_secrets(&mut secrets);
         Ok(Self {
             name: config.name.clone(),
             transport,
@@ -244,14 +216,7 @@ impl McpServerConfig {
 
     /// `text` without any environment or header value of this server.
     fn scrub(&self, text: &str) -> String {
-        let text = self.secrets.iter().fold(text.to_owned(), |t, s| {
-            if t.contains(s.as_str()) {
-                t.replace(s.as_str(), "***")
-            } else {
-                t
-            }
-        });
-        mask::mask_text(&text)
+        mask::mask_text(&scrub(&self.secrets, text.to_owned()))
     }
 
     /// What the server is, for messages: its command or its host, never an argument or a header.
@@ -299,7 +264,7 @@ impl McpServerConfig {
         };
         match started {
             Err(_) => Err(format!("no answer to initialize within {}", humantime::format_duration(CONNECT_TIMEOUT))),
-            Ok(Err(e)) => Err(self.scrub(&format!("the MCP handshake failed: {e}"))),
+            Ok(Err(e)) => Err(self.scrub(&mask::truncate(&format!("the MCP handshake failed: {e}"), 500))),
             Ok(Ok(running)) => Ok(running),
         }
     }
@@ -368,7 +333,11 @@ impl McpServer {
         let running = config.connect(handler.clone()).await.map_err(|m| fail(format!("{}: {m}", config.label())))?;
         let listed = match tokio::time::timeout(CONNECT_TIMEOUT, running.peer().list_all_tools()).await {
             Err(_) => return Err(fail(format!("{}: no answer to tools/list", config.label()))),
-            Ok(Err(e)) => return Err(fail(config.scrub(&format!("{}: tools/list failed: {e}", config.label())))),
+            Ok(Err(e)) => {
+                return Err(fail(
+                    config.scrub(&mask::truncate(&format!("{}: tools/list failed: {e}", config.label()), 500)),
+                ))
+            }
             Ok(Ok(tools)) => tools,
         };
         let server = Arc::new(McpServer { link: Mutex::new(Link::Up(running.peer().clone())), config });
@@ -404,10 +373,17 @@ impl McpServer {
                 .map(str::to_owned)
                 .or_else(|| listed.title.clone())
                 .unwrap_or_else(|| format!("The tool {remote} of the MCP server {}.", server.config.name));
+            let parameters = Value::Object((*listed.input_schema).clone());
+            if let Err(e) = keel_core::tool::JsonSchema::compile(&parameters) {
+                // One tool Keel cannot check the arguments of is left out, not the whole server.
+                tracing::warn!(server = %server.config.name, tool = %mask::truncate(&remote, 80), error = %e,
+                    "an MCP tool whose input schema Keel cannot compile is left out");
+                continue;
+            }
             let spec = ToolSpec {
                 name: offered,
                 description,
-                parameters: Value::Object((*listed.input_schema).clone()),
+                parameters,
                 result_schema: None,
                 side_effect,
                 idempotent: read_only || annotations.idempotent_hint == Some(true),
@@ -566,18 +542,7 @@ impl McpTool {
     }
 
     fn scrub_error(&self, e: ToolError) -> ToolError {
-        let s = |m: String| self.server.config.scrub(&m);
-        match e {
-            ToolError::Invalid(m) => ToolError::Invalid(s(m)),
-            ToolError::Precondition(m) => ToolError::Precondition(s(m)),
-            ToolError::Failed(m) => ToolError::Failed(s(m)),
-            ToolError::Unreachable(m) => ToolError::Unreachable(s(m)),
-            ToolError::Timeout(m) => ToolError::Timeout(s(m)),
-            ToolError::Status { status, message } => ToolError::Status { status, message: s(message) },
-            ToolError::BadResponse(m) => ToolError::BadResponse(s(m)),
-            ToolError::TooLarge { limit } => ToolError::TooLarge { limit },
-            ToolError::OutcomeUnknown(m) => ToolError::OutcomeUnknown(s(m)),
-        }
+        scrub_error(e, |m| self.server.config.scrub(&m))
     }
 }
 

@@ -287,29 +287,30 @@ fn a_crash_of_keel_mid_call_retries_idempotent_mcp_tools_and_asks_about_the_othe
     });
 }
 
+/// `keel serve` with the keel.toml of `dir`, which must fail: its stderr.
+fn serve_fails(dir: &Path) -> String {
+    let out = support::keel()
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(dir.join("keel.toml"))
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 /// A server that cannot be started stops `keel serve` with one line naming the agent and the tool.
 #[test]
 fn an_mcp_server_that_does_not_start_stops_serve_with_one_line() {
     let dir = tempfile::tempdir().unwrap();
     let model = MockModel::start();
-    std::fs::write(
-        dir.path().join("keel.toml"),
-        keel_toml(&model.url, "name = \"files\"\ncommand = \"/nonexistent/mcp-files\""),
-    )
-    .unwrap();
+    let file = |tool: &str| std::fs::write(dir.path().join("keel.toml"), keel_toml(&model.url, tool)).unwrap();
+    file("name = \"files\"\ncommand = \"/nonexistent/mcp-files\"");
     let started = Instant::now();
-    let out = support::keel()
-        .args(["serve", "--listen", "127.0.0.1:0"])
-        .arg("--config")
-        .arg(dir.path().join("keel.toml"))
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
+    let stderr = serve_fails(dir.path());
     assert!(started.elapsed() < Duration::from_secs(30));
-    let stderr = String::from_utf8_lossy(&out.stderr);
     let line = stderr.lines().find(|l| l.contains("files")).unwrap_or_else(|| panic!("{stderr}"));
     assert!(
         line.contains(
@@ -319,20 +320,8 @@ fn an_mcp_server_that_does_not_start_stops_serve_with_one_line() {
     );
 
     // An unset variable is found when the file is read, before anything is started.
-    std::fs::write(
-        dir.path().join("keel.toml"),
-        keel_toml(&model.url, "name = \"files\"\ncommand = \"x\"\nenv = { TOKEN = \"${FILES_TOKEN_UNSET}\" }"),
-    )
-    .unwrap();
-    let out = support::keel()
-        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
-        .arg(dir.path().join("keel.toml"))
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    file("name = \"files\"\ncommand = \"x\"\nenv = { TOKEN = \"${FILES_TOKEN_UNSET}\" }");
+    let stderr = serve_fails(dir.path());
     assert!(
         stderr.contains(
             r#"agent "ops": tools[0] ("files"): env.TOKEN: the environment variable FILES_TOKEN_UNSET is not set"#
