@@ -23,7 +23,7 @@ use keel_core::tool::{ActionDescription, Policy, Tool, ToolContext, ToolError, T
 use keel_core::UserRole;
 use reqwest::header::{HeaderName, HeaderValue};
 use rmcp::model::{CallToolRequestParams, ClientConfig, MetaObject, RequestMetaObject};
-use rmcp::service::{NotificationContext, RunningService};
+use rmcp::service::{NotificationContext, RunningService, RunningServiceCancellationToken};
 use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
 use rmcp::{ClientHandler, Peer, RoleClient, ServiceError, ServiceExt};
 use serde_json::{Map, Value};
@@ -302,9 +302,15 @@ impl ClientHandler for Handler {
     }
 }
 
-/// What a call finds: the server's peer, or why there is none.
+/// What a call finds: the server's session, or why there is none.
 enum Link {
-    Up(Peer<RoleClient>),
+    Up {
+        /// Counts the sessions, so that a call ends only the one it failed on.
+        session: u64,
+        peer: Peer<RoleClient>,
+        /// Ends the session (then the supervisor opens a new one); taken when used.
+        stop: Option<RunningServiceCancellationToken>,
+    },
     Down(String),
 }
 
@@ -340,7 +346,8 @@ impl McpServer {
             }
             Ok(Ok(tools)) => tools,
         };
-        let server = Arc::new(McpServer { link: Mutex::new(Link::Up(running.peer().clone())), config });
+        let link = Link::Up { session: 0, peer: running.peer().clone(), stop: Some(running.cancellation_token()) };
+        let server = Arc::new(McpServer { link: Mutex::new(link), config });
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
         for listed in listed {
             let remote = listed.name.to_string();
@@ -392,15 +399,21 @@ impl McpServer {
             };
             tools.push(Arc::new(McpTool { spec, remote, server: server.clone() }));
         }
+        if tools.is_empty() {
+            // Nothing would ever call it: the server is stopped (dropping its session ends it).
+            tracing::warn!(server = %server.config.name, "the MCP server offers no tool this table selects");
+            return Ok(tools);
+        }
         tokio::spawn(supervise(Arc::downgrade(&server), running, handler));
         Ok(tools)
     }
 
-    fn peer(&self) -> Result<Peer<RoleClient>, ToolError> {
+    /// The session a call is sent on, and its number.
+    fn peer(&self) -> Result<(u64, Peer<RoleClient>), ToolError> {
         let link = self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         match &*link {
-            Link::Up(peer) if !peer.is_transport_closed() => Ok(peer.clone()),
-            Link::Up(_) => {
+            Link::Up { session, peer, .. } if !peer.is_transport_closed() => Ok((*session, peer.clone())),
+            Link::Up { .. } => {
                 Err(ToolError::Unreachable(format!("{} has stopped; it is being restarted", self.config.label())))
             }
             Link::Down(why) => Err(ToolError::Unreachable(format!("{} is not running: {why}", self.config.label()))),
@@ -410,12 +423,26 @@ impl McpServer {
     fn set(&self, link: Link) {
         *self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = link;
     }
+
+    /// Ends `session` after its transport failed, so that the supervisor opens a new one: a
+    /// Streamable HTTP session whose server went away does not end by itself.
+    fn end_session(&self, failed: u64) {
+        let mut link = self.link.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Link::Up { session, stop, .. } = &mut *link {
+            if *session == failed {
+                if let Some(stop) = stop.take() {
+                    stop.cancel();
+                }
+            }
+        }
+    }
 }
 
 /// Waits for the session to end, then starts the server again, with backoff; ends when the
 /// server's tools are gone.
 async fn supervise(server: Weak<McpServer>, mut running: RunningService<RoleClient, Handler>, handler: Handler) {
     let mut backoff = FIRST_BACKOFF;
+    let mut session = 0;
     loop {
         let up_since = Instant::now();
         let reason = match running.waiting().await {
@@ -437,7 +464,8 @@ async fn supervise(server: Weak<McpServer>, mut running: RunningService<RoleClie
             match alive.config.connect(handler.clone()).await {
                 Ok(next) => {
                     tracing::info!(server = %alive.config.name, "the MCP server is running again");
-                    alive.set(Link::Up(next.peer().clone()));
+                    session += 1;
+                    alive.set(Link::Up { session, peer: next.peer().clone(), stop: Some(next.cancellation_token()) });
                     running = next;
                     break;
                 }
@@ -474,7 +502,7 @@ impl McpTool {
         let Some(arguments) = args.as_object() else {
             return Err(ToolError::Invalid("the arguments must be a JSON object".to_owned()));
         };
-        let peer = self.server.peer()?;
+        let (session, peer) = self.server.peer()?;
         let mut meta = Map::new();
         meta.insert(IDEMPOTENCY_META_KEY.to_owned(), Value::String(ctx.idempotency_key.clone()));
         let mut params = CallToolRequestParams::new(self.remote.clone()).with_arguments(arguments.clone());
@@ -490,7 +518,12 @@ impl McpTool {
                     humantime::format_duration(self.spec.timeout)
                 )))
             }
-            Ok(Err(e)) => return Err(self.service_error(e, &label)),
+            Ok(Err(e)) => {
+                if matches!(e, ServiceError::TransportClosed | ServiceError::TransportSend(_)) {
+                    self.server.end_session(session);
+                }
+                return Err(self.service_error(e, &label));
+            }
             Ok(Ok(result)) => result,
         };
         let result = serde_json::to_value(&result)

@@ -235,3 +235,77 @@ async fn a_server_that_does_not_start_is_an_error_naming_the_field() {
     assert_eq!(e.field, "url");
     assert!(e.message.contains("the MCP server x (at 127.0.0.1)"), "{e}");
 }
+
+/// server-everything over Streamable HTTP on `port`; killed when dropped.
+struct EverythingHttp(std::process::Child);
+
+impl EverythingHttp {
+    fn start(script: &str, port: u16) -> Self {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new("node")
+            .args([script, "streamableHttp"])
+            .env("PORT", port.to_string())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("node runs server-everything");
+        let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+        let mut line = String::new();
+        loop {
+            line.clear();
+            assert!(stderr.read_line(&mut line).unwrap() > 0, "server-everything exited before it listened");
+            if line.contains(&format!("listening on port {port}")) {
+                break;
+            }
+        }
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        Self(child)
+    }
+}
+
+impl Drop for EverythingHttp {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A server over HTTP that goes away: calls fail clearly and at once; once it is back, a new
+/// session is opened and calls work again.
+#[tokio::test]
+async fn a_server_over_http_that_goes_away_is_connected_again() {
+    let Ok(script) = std::env::var("KEEL_TEST_MCP_EVERYTHING") else {
+        eprintln!("skipped: KEEL_TEST_MCP_EVERYTHING is not set (run e2e/mcp/install.sh; CI sets it)");
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let server = EverythingHttp::start(&script, port);
+    let config: ToolConfig = toml::from_str(&format!(
+        "kind = \"mcp\"\nname = \"ev\"\nurl = \"http://127.0.0.1:{port}/mcp\"\ntimeout = \"5s\""
+    ))
+    .unwrap();
+    let tools = keel_tools::build_all(&config, &|_| None).await.unwrap();
+    let sum = named(&tools, "ev__get-sum");
+    let out = sum.execute(&support::ctx(), &json!({"a": 1, "b": 2})).await.unwrap();
+    assert!(out.result.as_str().unwrap().contains('3'), "{:?}", out.result);
+
+    drop(server);
+    let asked = Instant::now();
+    let error = sum.execute(&support::ctx(), &json!({"a": 1, "b": 2})).await.unwrap_err();
+    assert!(asked.elapsed() < Duration::from_secs(6), "{error:?}");
+    assert!(error.to_string().contains("the MCP server ev"), "{error:?}");
+
+    let _server = EverythingHttp::start(&script, port);
+    let start = Instant::now();
+    loop {
+        match sum.execute(&support::ctx(), &json!({"a": 2, "b": 2})).await {
+            Ok(out) => {
+                assert!(out.result.as_str().unwrap().contains('4'), "{:?}", out.result);
+                break;
+            }
+            Err(e) => assert!(start.elapsed() < DEADLINE, "not connected again: {e:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
