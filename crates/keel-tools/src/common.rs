@@ -1,14 +1,18 @@
-//! What every kind of tool builds the same way: the name, the policies by role and the
-//! confirmation card.
+//! What every kind of tool builds the same way: the name, the policies by role, the confirmation
+//! card, the timeout and size limit, the headers and variables it resolves, and keeping their
+//! values out of messages.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use keel_core::mask;
-use keel_core::tool::{ActionDescription, Policy, ToolSpec};
+use keel_core::tool::{ActionDescription, Policy, ToolError, ToolSpec};
 use keel_core::UserRole;
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use serde_json::Value;
 
 use crate::config::{CommonConfig, ConfirmConfig, PolicyConfig, ToolConfigError};
+use crate::http::DEFAULT_MAX_RESPONSE_BYTES;
 use crate::template::{arg_text, Template};
 
 /// How much of one argument a card shows.
@@ -117,5 +121,134 @@ impl Card {
                 None => mask::truncate(&format!("{} {}", common.name, mask::mask_value(args)), CARD_TEXT_CHARS),
             },
         }
+    }
+}
+
+/// `${VAR}` in a header value, replaced by the variable's value; each value used is added to `secrets`.
+pub(crate) fn interpolate(
+    field: &str,
+    template: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    secrets: &mut Vec<String>,
+) -> Result<String, ToolConfigError> {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let Some(end) = after.find('}') else {
+            return Err(ToolConfigError::new(field, "a ${ is never closed; write ${VAR}"));
+        };
+        let var = &after[..end];
+        let valid = var.bytes().next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+            && var.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        if !valid {
+            return Err(ToolConfigError::new(
+                field,
+                "${…} must name an environment variable: letters, digits and _, not starting with a digit",
+            ));
+        }
+        match env(var) {
+            Some(value) => {
+                out.push_str(&value);
+                secrets.push(value);
+            }
+            None => return Err(ToolConfigError::new(field, format!("the environment variable {var} is not set"))),
+        }
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// The configured headers, resolved and marked sensitive; each variable's value and each whole
+/// header value is added to `secrets`. A header in `reserved` is refused with `why`.
+pub(crate) fn resolve_headers(
+    configured: &BTreeMap<String, String>,
+    reserved: &[&str],
+    why: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    secrets: &mut Vec<String>,
+) -> Result<HeaderMap, ToolConfigError> {
+    let mut headers = HeaderMap::new();
+    for (name, template) in configured {
+        let field = format!("headers.{}", mask::truncate(name, 64));
+        let header = HeaderName::from_bytes(name.trim().as_bytes())
+            .map_err(|_| ToolConfigError::new(&field, "not a valid HTTP header name"))?;
+        if reserved.contains(&header.as_str()) {
+            return Err(ToolConfigError::new(&field, why));
+        }
+        if headers.contains_key(&header) {
+            return Err(ToolConfigError::new(&field, "given twice (header names are case-insensitive)"));
+        }
+        let resolved = interpolate(&field, template, env, secrets)?;
+        // The message says where the bad byte may come from, never what the value is.
+        let mut value = HeaderValue::from_str(&resolved).map_err(|_| {
+            ToolConfigError::new(
+                &field,
+                "not a valid header value once ${…} is replaced (a newline or control character?)",
+            )
+        })?;
+        value.set_sensitive(true);
+        headers.insert(header, value);
+        secrets.push(resolved);
+    }
+    Ok(headers)
+}
+
+/// Shorter secret values are not scrubbed from messages (they would hide ordinary words).
+const MIN_SCRUBBED_CHARS: usize = 4;
+
+/// The secrets a tool keeps out of its messages, ready for [`scrub`]: very short values dropped
+/// (they would blank out ordinary words), the longest first (a value that holds another is
+/// replaced whole).
+pub(crate) fn tidy_secrets(secrets: &mut Vec<String>) {
+    secrets.retain(|s| s.trim().len() >= MIN_SCRUBBED_CHARS);
+    secrets.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
+    secrets.dedup();
+}
+
+/// `text` with every one of `secrets` replaced by `***`.
+pub(crate) fn scrub(secrets: &[String], text: String) -> String {
+    secrets
+        .iter()
+        .fold(text, |t, secret| if t.contains(secret.as_str()) { t.replace(secret.as_str(), "***") } else { t })
+}
+
+/// `e` with its message passed through `scrub`.
+pub(crate) fn scrub_error(e: ToolError, scrub: impl Fn(String) -> String) -> ToolError {
+    match e {
+        ToolError::Invalid(m) => ToolError::Invalid(scrub(m)),
+        ToolError::Precondition(m) => ToolError::Precondition(scrub(m)),
+        ToolError::Failed(m) => ToolError::Failed(scrub(m)),
+        ToolError::Unreachable(m) => ToolError::Unreachable(scrub(m)),
+        ToolError::Timeout(m) => ToolError::Timeout(scrub(m)),
+        ToolError::Status { status, message } => ToolError::Status { status, message: scrub(message) },
+        ToolError::BadResponse(m) => ToolError::BadResponse(scrub(m)),
+        ToolError::TooLarge { limit } => ToolError::TooLarge { limit },
+        ToolError::OutcomeUnknown(m) => ToolError::OutcomeUnknown(scrub(m)),
+    }
+}
+
+/// `timeout`: a duration such as `10s`, more than 0; absent, the engine's default.
+pub(crate) fn parse_timeout(text: Option<&str>) -> Result<Duration, ToolConfigError> {
+    let timeout = match text {
+        None => keel_core::tool::DEFAULT_TOOL_TIMEOUT,
+        Some(text) => humantime::parse_duration(text.trim()).map_err(|e| {
+            ToolConfigError::new("timeout", format!("{e}; write a duration such as \"10s\" or \"500ms\""))
+        })?,
+    };
+    if timeout.is_zero() {
+        return Err(ToolConfigError::new("timeout", "must be more than 0"));
+    }
+    Ok(timeout)
+}
+
+/// `max_response_bytes`: more than 0; absent, [`DEFAULT_MAX_RESPONSE_BYTES`].
+pub(crate) fn parse_max_response_bytes(n: Option<u64>) -> Result<usize, ToolConfigError> {
+    match n {
+        None => Ok(DEFAULT_MAX_RESPONSE_BYTES),
+        Some(0) => Err(ToolConfigError::new("max_response_bytes", "must be more than 0")),
+        Some(n) => usize::try_from(n).map_err(|_| ToolConfigError::new("max_response_bytes", "too large")),
     }
 }

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 /// The kinds of tool a `[[agents.tools]]` table can declare.
-pub const SUPPORTED_KINDS: &[&str] = &["http"];
+pub const SUPPORTED_KINDS: &[&str] = &["http", "mcp"];
 
 /// A problem in a tool's configuration: the field (`url`, `headers.Authorization`, `policy.viewer`)
 /// and what is wrong with it. It never holds a secret: header values and environment values are not
@@ -36,22 +36,32 @@ impl ToolConfigError {
 #[non_exhaustive]
 pub enum ToolConfig {
     Http(HttpToolConfig),
+    /// An MCP server: one table, as many tools as the server lists.
+    Mcp(McpToolConfig),
 }
 
 impl ToolConfig {
-    pub fn common(&self) -> &CommonConfig {
+    /// The fields every tool that is one tool has; `None` for an MCP server, whose tools are the
+    /// server's.
+    pub fn common(&self) -> Option<&CommonConfig> {
         match self {
-            ToolConfig::Http(c) => &c.common,
+            ToolConfig::Http(c) => Some(&c.common),
+            ToolConfig::Mcp(_) => None,
         }
     }
 
+    /// The tool's name; for an MCP server, the server's (its tools' prefix).
     pub fn name(&self) -> &str {
-        &self.common().name
+        match self {
+            ToolConfig::Http(c) => &c.common.name,
+            ToolConfig::Mcp(c) => &c.name,
+        }
     }
 
     pub fn kind(&self) -> &'static str {
         match self {
             ToolConfig::Http(_) => "http",
+            ToolConfig::Mcp(_) => "mcp",
         }
     }
 }
@@ -160,6 +170,65 @@ impl std::fmt::Debug for HttpToolConfig {
     }
 }
 
+/// An MCP server whose tools an agent offers: started as a child process (`command`) or reached
+/// over Streamable HTTP (`url`). See docs/tools.md, "MCP tools".
+#[derive(Clone, PartialEq)]
+pub struct McpToolConfig {
+    /// The server's name in this agent; its tools are offered as `<name>__<tool>`.
+    pub name: String,
+    pub transport: McpTransportConfig,
+    /// How long one call may take, a duration such as `10s`; default 30s.
+    pub timeout: Option<String>,
+    /// The largest result accepted, in bytes of JSON; default 1 MiB.
+    pub max_response_bytes: Option<u64>,
+    /// Name patterns (`*` matches any run of characters) of the server's tools, by policy. A tool
+    /// that matches `deny` is not offered; else `ask`, else `allow`; else its annotations decide.
+    pub allow: Vec<String>,
+    pub ask: Vec<String>,
+    pub deny: Vec<String>,
+}
+
+/// How Keel reaches an MCP server.
+#[derive(Clone, PartialEq)]
+pub enum McpTransportConfig {
+    /// A child process speaking MCP on its stdin and stdout.
+    Stdio {
+        command: String,
+        args: Vec<String>,
+        /// Variable name → value; the value may use `${VAR}`. The child sees only these and a few
+        /// of Keel's own (see docs/tools.md).
+        env: BTreeMap<String, String>,
+    },
+    /// A server speaking MCP's Streamable HTTP.
+    Http {
+        url: String,
+        /// Header name → value; the value may use `${VAR}`.
+        headers: BTreeMap<String, String>,
+    },
+}
+
+impl std::fmt::Debug for McpToolConfig {
+    // Environment and header values stay out: whatever a config writes there is treated as a secret.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut d = f.debug_struct("McpToolConfig");
+        d.field("name", &self.name);
+        match &self.transport {
+            McpTransportConfig::Stdio { command, args, env } => {
+                d.field("command", command).field("args", &args.len()).field("env", &env.keys().collect::<Vec<_>>())
+            }
+            McpTransportConfig::Http { url, headers } => {
+                d.field("url", &keel_core::mask::mask_text(url)).field("headers", &headers.keys().collect::<Vec<_>>())
+            }
+        };
+        d.field("timeout", &self.timeout)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .field("allow", &self.allow)
+            .field("ask", &self.ask)
+            .field("deny", &self.deny)
+            .finish()
+    }
+}
+
 /// Every field of every kind, flat, so that the TOML deserializer reads the table directly (its
 /// errors keep their line and column) and an unknown field is refused; which fields a kind takes is
 /// checked when it is converted.
@@ -168,12 +237,11 @@ impl std::fmt::Debug for HttpToolConfig {
 struct RawToolConfig {
     kind: Option<String>,
     name: String,
-    description: String,
+    description: Option<String>,
     policy: Option<PolicyConfig>,
     idempotent: Option<bool>,
     side_effect: Option<bool>,
-    #[serde(default)]
-    confirm: ConfirmConfig,
+    confirm: Option<ConfirmConfig>,
     // kind = "http"
     method: Option<String>,
     url: Option<String>,
@@ -182,6 +250,13 @@ struct RawToolConfig {
     args_schema: Option<Value>,
     result_schema: Option<Value>,
     max_response_bytes: Option<u64>,
+    // kind = "mcp" (with url, headers, timeout, max_response_bytes)
+    command: Option<String>,
+    args: Option<Vec<String>>,
+    env: Option<BTreeMap<String, String>>,
+    allow: Option<Vec<String>>,
+    ask: Option<Vec<String>>,
+    deny: Option<Vec<String>>,
 }
 
 fn supported() -> String {
@@ -195,18 +270,32 @@ impl TryFrom<RawToolConfig> for ToolConfig {
         let Some(kind) = raw.kind else {
             return Err(ToolConfigError::new("kind", format!("missing; supported kinds: {}", supported())));
         };
-        let common = CommonConfig {
-            name: raw.name,
-            description: raw.description,
-            policy: raw.policy,
-            idempotent: raw.idempotent,
-            side_effect: raw.side_effect,
-            confirm: raw.confirm,
-        };
         match kind.as_str() {
             "http" => {
                 let required = |field: &str| {
-                    ToolConfigError::new(field, "missing; a tool of kind http needs method, url and args_schema")
+                    ToolConfigError::new(
+                        field,
+                        "missing; a tool of kind http needs description, method, url and args_schema",
+                    )
+                };
+                let mcp_only = [
+                    ("command", raw.command.is_some()),
+                    ("args", raw.args.is_some()),
+                    ("env", raw.env.is_some()),
+                    ("allow", raw.allow.is_some()),
+                    ("ask", raw.ask.is_some()),
+                    ("deny", raw.deny.is_some()),
+                ];
+                if let Some((field, _)) = mcp_only.iter().find(|(_, given)| *given) {
+                    return Err(ToolConfigError::new(*field, "only for kind mcp"));
+                }
+                let common = CommonConfig {
+                    name: raw.name,
+                    description: raw.description.ok_or_else(|| required("description"))?,
+                    policy: raw.policy,
+                    idempotent: raw.idempotent,
+                    side_effect: raw.side_effect,
+                    confirm: raw.confirm.unwrap_or_default(),
                 };
                 Ok(ToolConfig::Http(HttpToolConfig {
                     common,
@@ -217,6 +306,63 @@ impl TryFrom<RawToolConfig> for ToolConfig {
                     args_schema: raw.args_schema.ok_or_else(|| required("args_schema"))?,
                     result_schema: raw.result_schema,
                     max_response_bytes: raw.max_response_bytes,
+                }))
+            }
+            "mcp" => {
+                // What the server says about its tools (their descriptions, schemas and annotations)
+                // is not written here; a field that would be is refused rather than ignored.
+                let not_for_mcp = [
+                    ("description", raw.description.is_some(), "the server describes its tools"),
+                    ("policy", raw.policy.is_some(), "use allow, ask and deny with tool name patterns"),
+                    ("idempotent", raw.idempotent.is_some(), "the server's idempotentHint decides"),
+                    ("side_effect", raw.side_effect.is_some(), "the server's readOnlyHint decides"),
+                    ("confirm", raw.confirm.is_some(), "the card names the tool and its arguments"),
+                    ("method", raw.method.is_some(), "only for kind http"),
+                    ("args_schema", raw.args_schema.is_some(), "the server gives each tool's input schema"),
+                    ("result_schema", raw.result_schema.is_some(), "only for kind http"),
+                ];
+                if let Some((field, _, why)) = not_for_mcp.iter().find(|(_, given, _)| *given) {
+                    return Err(ToolConfigError::new(*field, format!("not for kind mcp: {why}")));
+                }
+                let transport = match (raw.command, raw.url) {
+                    (Some(command), None) => {
+                        if raw.headers.is_some() {
+                            return Err(ToolConfigError::new("headers", "only with url (an MCP server over HTTP)"));
+                        }
+                        McpTransportConfig::Stdio {
+                            command,
+                            args: raw.args.unwrap_or_default(),
+                            env: raw.env.unwrap_or_default(),
+                        }
+                    }
+                    (None, Some(url)) => {
+                        if raw.args.is_some() || raw.env.is_some() {
+                            let field = if raw.args.is_some() { "args" } else { "env" };
+                            return Err(ToolConfigError::new(field, "only with command (an MCP server over stdio)"));
+                        }
+                        McpTransportConfig::Http { url, headers: raw.headers.unwrap_or_default() }
+                    }
+                    (Some(_), Some(_)) => {
+                        return Err(ToolConfigError::new(
+                            "command",
+                            "give command (a server over stdio) or url (over HTTP), not both",
+                        ))
+                    }
+                    (None, None) => {
+                        return Err(ToolConfigError::new(
+                            "command",
+                            "missing; a tool of kind mcp needs command (a server over stdio) or url (over HTTP)",
+                        ))
+                    }
+                };
+                Ok(ToolConfig::Mcp(McpToolConfig {
+                    name: raw.name,
+                    transport,
+                    timeout: raw.timeout,
+                    max_response_bytes: raw.max_response_bytes,
+                    allow: raw.allow.unwrap_or_default(),
+                    ask: raw.ask.unwrap_or_default(),
+                    deny: raw.deny.unwrap_or_default(),
                 }))
             }
             other => Err(ToolConfigError::new(

@@ -18,7 +18,10 @@ use reqwest::{Method, StatusCode, Url};
 use serde_json::{Map, Value};
 use tokio::time::{timeout_at, Instant};
 
-use crate::common::{check_name, policies, Card};
+use crate::common::{
+    check_name, parse_max_response_bytes, parse_timeout, policies, resolve_headers, scrub, scrub_error, tidy_secrets,
+    Card,
+};
 use crate::config::{HttpToolConfig, ToolConfigError};
 use crate::template::{schema_properties, Template};
 
@@ -30,8 +33,6 @@ pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
 const ERROR_BODY_BYTES: usize = 4096;
 /// How much of an error answer goes into the message the model is shown.
 const ERROR_BODY_CHARS: usize = 300;
-/// Shorter header values are not scrubbed from messages (they would hide ordinary words).
-const MIN_SCRUBBED_CHARS: usize = 4;
 /// The most the connect phase may take, whatever the tool's timeout.
 const MAX_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -184,81 +185,6 @@ impl std::fmt::Debug for HttpTool {
     }
 }
 
-/// `${VAR}` in a header value, replaced by the variable's value; each value used is added to `secrets`.
-fn interpolate(
-    field: &str,
-    template: &str,
-    env: &dyn Fn(&str) -> Option<String>,
-    secrets: &mut Vec<String>,
-) -> Result<String, ToolConfigError> {
-    let mut out = String::new();
-    let mut rest = template;
-    while let Some(start) = rest.find("${") {
-        out.push_str(&rest[..start]);
-        let after = &rest[start + 2..];
-        let Some(end) = after.find('}') else {
-            return Err(ToolConfigError::new(field, "a ${ is never closed; write ${VAR}"));
-        };
-        let var = &after[..end];
-        let valid = var.bytes().next().is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
-            && var.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
-        if !valid {
-            return Err(ToolConfigError::new(
-                field,
-                "${…} must name an environment variable: letters, digits and _, not starting with a digit",
-            ));
-        }
-        match env(var) {
-            Some(value) => {
-                out.push_str(&value);
-                secrets.push(value);
-            }
-            None => return Err(ToolConfigError::new(field, format!("the environment variable {var} is not set"))),
-        }
-        rest = &after[end + 1..];
-    }
-    out.push_str(rest);
-    Ok(out)
-}
-
-/// The configured headers, and the texts to keep out of every message: each variable's value and each
-/// whole header value.
-fn resolve_headers(
-    config: &HttpToolConfig,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<(HeaderMap, Vec<String>), ToolConfigError> {
-    let mut headers = HeaderMap::new();
-    let mut secrets = Vec::new();
-    for (name, template) in &config.headers {
-        let field = format!("headers.{}", mask::truncate(name, 64));
-        let header = HeaderName::from_bytes(name.trim().as_bytes())
-            .map_err(|_| ToolConfigError::new(&field, "not a valid HTTP header name"))?;
-        if RESERVED_HEADERS.contains(&header.as_str()) {
-            return Err(ToolConfigError::new(&field, "Keel sets this header on every request; remove it"));
-        }
-        if headers.contains_key(&header) {
-            return Err(ToolConfigError::new(&field, "given twice (header names are case-insensitive)"));
-        }
-        let resolved = interpolate(&field, template, env, &mut secrets)?;
-        // The message says where the bad byte may come from, never what the value is.
-        let mut value = HeaderValue::from_str(&resolved).map_err(|_| {
-            ToolConfigError::new(
-                &field,
-                "not a valid header value once ${…} is replaced (a newline or control character?)",
-            )
-        })?;
-        value.set_sensitive(true);
-        headers.insert(header, value);
-        secrets.push(resolved);
-    }
-    // Very short values would blank out ordinary words; the longest go first, so a value that holds
-    // another is replaced whole.
-    secrets.retain(|s| s.trim().len() >= MIN_SCRUBBED_CHARS);
-    secrets.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-    secrets.dedup();
-    Ok((headers, secrets))
-}
-
 impl HttpTool {
     /// Checks and resolves an `http` tool's configuration; see [`crate::build`].
     pub fn new(config: &HttpToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Self, ToolConfigError> {
@@ -301,22 +227,17 @@ impl HttpTool {
         let url = UrlTemplate::parse(&config.url, &properties).map_err(|m| ToolConfigError::new("url", m))?;
         let path_args: BTreeSet<String> = url.path.args().map(str::to_owned).collect();
         let card = Card::parse(&common.confirm, &properties)?;
-        let (headers, secrets) = resolve_headers(config, env)?;
-
-        let timeout = match &config.timeout {
-            None => keel_core::tool::DEFAULT_TOOL_TIMEOUT,
-            Some(text) => humantime::parse_duration(text.trim()).map_err(|e| {
-                ToolConfigError::new("timeout", format!("{e}; write a duration such as \"10s\" or \"500ms\""))
-            })?,
-        };
-        if timeout.is_zero() {
-            return Err(ToolConfigError::new("timeout", "must be more than 0"));
-        }
-        let max_response_bytes = match config.max_response_bytes {
-            None => DEFAULT_MAX_RESPONSE_BYTES,
-            Some(0) => return Err(ToolConfigError::new("max_response_bytes", "must be more than 0")),
-            Some(n) => usize::try_from(n).map_err(|_| ToolConfigError::new("max_response_bytes", "too large"))?,
-        };
+        let mut secrets = Vec::new();
+        let headers = resolve_headers(
+            &config.headers,
+            RESERVED_HEADERS,
+            "Keel sets this header on every request; remove it",
+            env,
+            &mut secrets,
+        )?;
+        tidy_secrets(&mut secrets);
+        let timeout = parse_timeout(config.timeout.as_deref())?;
+        let max_response_bytes = parse_max_response_bytes(config.max_response_bytes)?;
 
         let side_effect = common.side_effect.unwrap_or(method != Method::GET);
         let idempotent = common.idempotent.unwrap_or(!side_effect);
@@ -363,25 +284,8 @@ impl HttpTool {
         })
     }
 
-    /// `text` without any header value or environment value this tool was built with.
-    fn scrub(&self, text: String) -> String {
-        self.secrets
-            .iter()
-            .fold(text, |t, secret| if t.contains(secret.as_str()) { t.replace(secret.as_str(), "***") } else { t })
-    }
-
     fn scrub_error(&self, e: ToolError) -> ToolError {
-        match e {
-            ToolError::Invalid(m) => ToolError::Invalid(self.scrub(m)),
-            ToolError::Precondition(m) => ToolError::Precondition(self.scrub(m)),
-            ToolError::Failed(m) => ToolError::Failed(self.scrub(m)),
-            ToolError::Unreachable(m) => ToolError::Unreachable(self.scrub(m)),
-            ToolError::Timeout(m) => ToolError::Timeout(self.scrub(m)),
-            ToolError::Status { status, message } => ToolError::Status { status, message: self.scrub(message) },
-            ToolError::BadResponse(m) => ToolError::BadResponse(self.scrub(m)),
-            ToolError::TooLarge { limit } => ToolError::TooLarge { limit },
-            ToolError::OutcomeUnknown(m) => ToolError::OutcomeUnknown(self.scrub(m)),
-        }
+        scrub_error(e, |m| scrub(&self.secrets, m))
     }
 
     /// `POST /restart/{instanceId}`: what events, errors and logs name the request by.
@@ -598,6 +502,7 @@ impl Tool for HttpTool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::common::interpolate;
     use serde_json::json;
 
     fn props(names: &[&str]) -> BTreeSet<String> {

@@ -1,6 +1,7 @@
 //! Tools declared in keel.toml (`[[agents.tools]]`), built into [`keel_core::tool::Tool`]s.
 //!
-//! One kind so far, `http`: a call is one HTTP request carrying the call's idempotency key. See
+//! Two kinds: `http`, where a call is one HTTP request carrying the call's idempotency key, and
+//! `mcp`, where one table is an MCP server and yields the tools it lists ([`build_all`]). See
 //! docs/tools.md for the fields, the headers sent and what each failure leads to.
 //!
 //! ```
@@ -25,19 +26,54 @@ use keel_core::tool::Tool;
 mod common;
 mod config;
 mod http;
+mod mcp;
 mod template;
 
 pub use config::{
-    CommonConfig, ConfirmConfig, HttpToolConfig, PolicyConfig, ToolConfig, ToolConfigError, SUPPORTED_KINDS,
+    CommonConfig, ConfirmConfig, HttpToolConfig, McpToolConfig, McpTransportConfig, PolicyConfig, ToolConfig,
+    ToolConfigError, SUPPORTED_KINDS,
 };
 pub use http::{HttpTool, DEFAULT_MAX_RESPONSE_BYTES};
+pub use mcp::{McpServer, McpServerConfig, McpTool, IDEMPOTENCY_META_KEY, NAME_SEPARATOR};
 
 /// Builds the tool a configuration declares: checks every field, compiles its schemas and resolves
 /// its `${VAR}` references through `env` (the caller decides where variables come from; tests pass
 /// a closure, the binary `std::env::var`). A bad field is an error naming it, here rather than at the
 /// first call.
+///
+/// A table of kind `mcp` is many tools, known only once its server is started: it is refused here
+/// (see [`check`] and [`build_all`]).
 pub fn build(config: &ToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Arc<dyn Tool>, ToolConfigError> {
     match config {
         ToolConfig::Http(http) => Ok(Arc::new(HttpTool::new(http, env)?)),
+        ToolConfig::Mcp(_) => Err(ToolConfigError::new(
+            "kind",
+            "an mcp table is as many tools as its server lists; build it with keel_tools::build_all",
+        )),
+    }
+}
+
+/// Checks every field of a table, as [`build`] does, without starting anything: an MCP server is
+/// not run, its variables are resolved.
+pub fn check(config: &ToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ToolConfigError> {
+    match config {
+        ToolConfig::Http(http) => HttpTool::new(http, env).map(drop),
+        ToolConfig::Mcp(mcp) => McpServerConfig::new(mcp, env).map(drop),
+    }
+}
+
+/// The tools a table declares: one for `http`; for `mcp`, the tools its server lists (the server is
+/// started here, and kept running by a task of its own — call this inside a Tokio runtime). A
+/// server that cannot be started or does not list its tools is an error naming `command` or `url`.
+pub async fn build_all(
+    config: &ToolConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Vec<Arc<dyn Tool>>, ToolConfigError> {
+    match config {
+        ToolConfig::Http(_) => Ok(vec![build(config, env)?]),
+        ToolConfig::Mcp(mcp) => {
+            let server = McpServerConfig::new(mcp, env)?;
+            McpServer::start(server).await
+        }
     }
 }

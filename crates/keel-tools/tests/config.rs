@@ -92,10 +92,71 @@ fn defaults_follow_the_method() {
 
 #[test]
 fn an_unknown_or_missing_kind_lists_the_supported_ones() {
-    let e = parse_error(&valid("").replace("kind = \"http\"", "kind = \"mcp\""));
-    assert!(e.contains(r#"kind: unknown tool kind "mcp"; supported kinds: http"#), "{e}");
+    let e = parse_error(&valid("").replace("kind = \"http\"", "kind = \"grpc\""));
+    assert!(e.contains(r#"kind: unknown tool kind "grpc"; supported kinds: http, mcp"#), "{e}");
     let e = parse_error(&valid("").replace("kind = \"http\"", ""));
-    assert!(e.contains("kind: missing; supported kinds: http"), "{e}");
+    assert!(e.contains("kind: missing; supported kinds: http, mcp"), "{e}");
+}
+
+#[test]
+fn mcp_tables_name_the_field_that_is_wrong() {
+    let mcp = |lines: &str| format!("kind = \"mcp\"\nname = \"files\"\n{lines}\n");
+    // What the server says about its tools is not written in the table.
+    let e = parse_error(&valid("").replace("kind = \"http\"", "kind = \"mcp\""));
+    assert!(e.contains("description: not for kind mcp: the server describes its tools"), "{e}");
+    let e = parse_error(&mcp("command = \"x\"\npolicy = \"ask\""));
+    assert!(e.contains("policy: not for kind mcp: use allow, ask and deny"), "{e}");
+    let e = parse_error(&mcp(""));
+    assert!(e.contains("command: missing; a tool of kind mcp needs command"), "{e}");
+    let e = parse_error(&mcp("command = \"x\"\nurl = \"http://h/mcp\""));
+    assert!(e.contains("not both"), "{e}");
+    let e = parse_error(&mcp("url = \"http://h/mcp\"\nargs = [\"a\"]"));
+    assert!(e.contains("args: only with command"), "{e}");
+    let e = parse_error(&mcp("command = \"x\"\nheaders = { A = \"b\" }"));
+    assert!(e.contains("headers: only with url"), "{e}");
+    let e = parse_error(&toml_with("allow = [\"*\"]"));
+    assert!(e.contains("allow: only for kind mcp"), "{e}");
+
+    // Checked without starting anything; a build of one tool is refused.
+    let check = |text: &str, vars: &[(&str, &str)]| {
+        let config: ToolConfig = toml::from_str(text).unwrap();
+        let vars: std::collections::HashMap<String, String> =
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        keel_tools::check(&config, &move |n| vars.get(n).cloned())
+    };
+    let ok = mcp("command = \"/nonexistent/server\"\nenv = { TOKEN = \"${FILES_TOKEN}\" }\nallow = [\"get_*\"]");
+    check(&ok, &[("FILES_TOKEN", "s3cret-value")]).unwrap();
+    let e = check(&ok, &[]).unwrap_err();
+    assert_eq!(e.to_string(), "env.TOKEN: the environment variable FILES_TOKEN is not set");
+    assert!(keel_tools::build(&toml::from_str(&ok).unwrap(), &|_| None).is_err());
+    let e = check(&mcp("command = \"x\"\ndeny = [\"\"]"), &[]).unwrap_err();
+    assert_eq!(e.field, "deny[0]");
+    let e = check(&mcp("url = \"ftp://h/mcp\""), &[]).unwrap_err();
+    assert_eq!(e.to_string(), "url: the scheme must be http or https");
+    let e = check(&mcp("url = \"http://h/mcp\"\nheaders = { Mcp-Session-Id = \"x\" }"), &[]).unwrap_err();
+    assert_eq!(e.field, "headers.Mcp-Session-Id");
+    let e = check(&mcp("command = \"x\"\ntimeout = \"0s\""), &[]).unwrap_err();
+    assert_eq!(e.to_string(), "timeout: must be more than 0");
+    let e = check(&format!("kind = \"mcp\"\nname = \"{}\"\ncommand = \"x\"", "n".repeat(62)), &[]).unwrap_err();
+    assert_eq!(e.field, "name");
+
+    // Environment and header values stay out of Debug.
+    let config: ToolConfig = toml::from_str(&mcp(
+        "url = \"https://mcp.example.com/mcp\"\nheaders = { Authorization = \"Bearer s3cret-value\" }",
+    ))
+    .unwrap();
+    let shown = format!("{config:?}");
+    assert!(shown.contains("Authorization") && !shown.contains("s3cret-value"), "{shown}");
+    let resolved = keel_tools::McpServerConfig::new(
+        match &config {
+            ToolConfig::Mcp(m) => m,
+            other => panic!("{other:?}"),
+        },
+        &|_| None,
+    )
+    .unwrap();
+    let shown = format!("{resolved:?}");
+    assert!(!shown.contains("s3cret-value"), "{shown}");
 }
 
 #[test]
@@ -191,4 +252,21 @@ fn the_documented_example_builds() {
     let card = tool.describe(&serde_json::json!({"instanceId": "pay-prod-2", "reason": "stuck"}));
     assert_eq!(card.title, "Restart pay-prod-2?");
     assert_eq!(card.description, "POST /v1/instances/pay-prod-2/restart (reason: stuck)");
+}
+
+/// The MCP example of docs/tools.md: two tables that check (nothing is started).
+#[test]
+fn the_documented_mcp_example_checks() {
+    let doc = include_str!("../../../docs/tools.md");
+    let section = doc.split("## MCP tools").nth(1).expect("the MCP section");
+    let block = section.split("```toml\n").nth(1).and_then(|rest| rest.split("```").next()).expect("a toml block");
+    let file: toml::Table = toml::from_str(block).unwrap();
+    let tools = file["agents"]["tools"].as_array().expect("[[agents.tools]]");
+    assert_eq!(tools.len(), 2);
+    let vars = |name: &str| ["GITHUB_TOKEN", "TICKETS_TOKEN"].contains(&name).then(|| "t0ken-value".to_owned());
+    for table in tools {
+        let config: ToolConfig = table.clone().try_into().unwrap();
+        assert_eq!(config.kind(), "mcp");
+        keel_tools::check(&config, &vars).unwrap_or_else(|e| panic!("{}: {e}", config.name()));
+    }
 }

@@ -236,17 +236,21 @@ fn context_for(choice: &ModelChoice, prompt: &str) -> ContextConfig {
 }
 
 /// The agents keel.toml declares, each with its model (or the server's) and its tools.
-fn configured_agents(settings: &Settings) -> anyhow::Result<Vec<Agent>> {
+async fn configured_agents(settings: &Settings) -> anyhow::Result<Vec<Agent>> {
     let mut agents = Vec::new();
     for config in &settings.agents {
         let choice = config.model.as_ref().unwrap_or(&settings.model);
         let model = model_of(choice, settings.demo_delay)?;
         let mut tools = ToolRegistry::new();
         for tool in &config.tools {
-            // Checked when the settings were read; built again here for this process.
-            let built = config::agents::build_tool(&tool.table, &config::process_env)
+            // Checked when the settings were read; built here for this process (an MCP server is
+            // started, and its tools listed, now).
+            let built = config::agents::build_tools(&tool.table, &config::process_env)
+                .await
                 .map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
-            tools.register(built).map_err(|e| anyhow::anyhow!("agent {:?}: {e}", config.id))?;
+            for one in built {
+                tools.register(one).map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
+            }
         }
         let mut context = context_for(choice, &config.system_prompt);
         if let Some(budget) = config.context.budget_tokens {
@@ -304,7 +308,7 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             .default_agent(keel_opspilot::AGENT_ID)
             .routes(keel_opspilot::routes::routes(fleet, seed, true));
     }
-    let configured = configured_agents(&settings)?;
+    let configured = configured_agents(&settings).await?;
     if !demo_mode {
         if let Some(default) = settings.agents.iter().find(|a| a.default) {
             builder = builder.default_agent(&default.id);

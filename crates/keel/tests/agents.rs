@@ -10,13 +10,13 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
+use support::serve::{Api, MockModel, Serve};
 use support::{eventually, keel};
 
 // ------------------------------------------------------------------------------ the tool service
@@ -73,226 +73,6 @@ impl Drop for ToolService {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-// ------------------------------------------------------------------------------ the mock model
-
-/// An OpenAI-compatible chat completions endpoint on a free port (see the module's doc).
-struct MockModel {
-    url: String,
-    requests: Arc<Mutex<Vec<Value>>>,
-}
-
-impl MockModel {
-    fn start() -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let url = format!("http://{}/v1", listener.local_addr().unwrap());
-        let requests = Arc::new(Mutex::new(Vec::new()));
-        let seen = requests.clone();
-        std::thread::spawn(move || {
-            for socket in listener.incoming() {
-                let Ok(socket) = socket else { continue };
-                let seen = seen.clone();
-                std::thread::spawn(move || answer(socket, &seen));
-            }
-        });
-        Self { url, requests }
-    }
-
-    fn requests(&self) -> Vec<Value> {
-        self.requests.lock().unwrap().clone()
-    }
-}
-
-fn read_request(socket: &mut TcpStream) -> Option<Vec<u8>> {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if socket.read(&mut byte).ok()? == 0 {
-            return None;
-        }
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
-    let length = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|n| n.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    let mut body = vec![0; length];
-    socket.read_exact(&mut body).ok()?;
-    Some(body)
-}
-
-fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
-    let Some(body) = read_request(&mut socket) else { return };
-    let request: Value = serde_json::from_slice(&body).unwrap_or_default();
-    seen.lock().unwrap().push(request.clone());
-    let last = request["messages"].as_array().and_then(|m| m.last()).cloned().unwrap_or_default();
-    let chunk = |delta: Value, finish: Value| {
-        json!({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "mock",
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-    };
-    let content = last["content"].as_str().unwrap_or("");
-    let chunks = if last["role"] == "tool" {
-        vec![chunk(json!({"content": format!("tool said: {content}")}), Value::Null), chunk(json!({}), "stop".into())]
-    } else if let Some((tool, args)) = content.strip_prefix("call ").and_then(|rest| rest.split_once(' ')) {
-        vec![
-            chunk(
-                json!({"tool_calls": [{"index": 0, "id": "call_0", "type": "function",
-                                       "function": {"name": tool, "arguments": args}}]}),
-                Value::Null,
-            ),
-            chunk(json!({}), "tool_calls".into()),
-        ]
-    } else {
-        vec![chunk(json!({"content": "hello"}), Value::Null), chunk(json!({}), "stop".into())]
-    };
-    let body: String = chunks.iter().map(|c| format!("data: {c}\n\n")).chain(["data: [DONE]\n\n".to_owned()]).collect();
-    let _ = write!(
-        socket,
-        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-}
-
-// ------------------------------------------------------------------------------ keel serve
-
-/// `keel serve --config DIR/keel.toml --data-dir DIR/data` on a free port; killed when dropped.
-struct Serve {
-    child: Child,
-    url: String,
-    dir: PathBuf,
-}
-
-impl Serve {
-    fn start(dir: &Path, toml: &str) -> Self {
-        std::fs::write(dir.join("keel.toml"), toml).unwrap();
-        Self::again(dir)
-    }
-
-    /// With the keel.toml already in `dir`.
-    fn again(dir: &Path) -> Self {
-        let mut child = keel()
-            .args(["serve", "--listen", "127.0.0.1:0"])
-            .arg("--config")
-            .arg(dir.join("keel.toml"))
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn keel serve");
-        let mut banner = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut banner).unwrap();
-        let url = banner
-            .trim()
-            .strip_prefix("Keel listening on ")
-            .map(|u| u.trim_end_matches('/').to_owned())
-            .unwrap_or_else(|| panic!("unexpected banner {banner:?}"));
-        Self { child, url, dir: dir.to_owned() }
-    }
-
-    /// SIGKILL: no graceful stop, no lease released, the tool's request left hanging.
-    fn kill(mut self) -> PathBuf {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-        self.dir.clone()
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The public API of one server, as the local user of a keyless server.
-struct Api {
-    base: String,
-    http: reqwest::Client,
-}
-
-impl Api {
-    fn new(server: &Serve) -> Self {
-        Self { base: server.url.clone(), http: reqwest::Client::new() }
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let response = self.http.get(format!("{}{path}", self.base)).send().await.unwrap();
-        assert_eq!(response.status(), 200, "GET {path}");
-        response.json().await.unwrap()
-    }
-
-    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let response = self.http.post(format!("{}{path}", self.base)).json(&body).send().await.unwrap();
-        let status = response.status().as_u16();
-        (status, response.json().await.unwrap_or_default())
-    }
-
-    async fn conversation(&self, agent: Option<&str>) -> String {
-        let body = match agent {
-            Some(a) => json!({"agentId": a}),
-            None => json!({}),
-        };
-        let (status, conv) = self.post("/v1/conversations", body).await;
-        assert_eq!(status, 201, "{conv}");
-        conv["id"].as_str().unwrap().to_owned()
-    }
-
-    /// Sends a message and waits for the run to pause or end: the turn.
-    async fn say(&self, conv: &str, content: &str) -> Value {
-        let (status, turn) =
-            self.post(&format!("/v1/conversations/{conv}/messages?wait=true"), json!({"content": content})).await;
-        assert_eq!(status, 200, "{turn}");
-        turn
-    }
-
-    /// Sends a message and returns its run at once.
-    async fn start(&self, conv: &str, content: &str) -> String {
-        let (status, accepted) =
-            self.post(&format!("/v1/conversations/{conv}/messages"), json!({"content": content})).await;
-        assert_eq!(status, 202, "{accepted}");
-        accepted["runId"].as_str().unwrap().to_owned()
-    }
-
-    async fn resume(&self, run: &str, interrupt: &str, decision: Value, note: Option<&str>, key: &str) -> (u16, Value) {
-        let mut body = json!({"interruptId": interrupt, "decision": decision, "idempotencyKey": key});
-        if let Some(note) = note {
-            body["note"] = json!(note);
-        }
-        self.post(&format!("/v1/runs/{run}/resume?wait=true"), body).await
-    }
-
-    async fn run(&self, run: &str) -> Value {
-        self.get(&format!("/v1/runs/{run}")).await
-    }
-
-    async fn events(&self, run: &str) -> Vec<Value> {
-        let response = self
-            .http
-            .get(format!("{}/v1/runs/{run}/events", self.base))
-            .header("accept", "application/json")
-            .send()
-            .await
-            .unwrap();
-        let page: Value = response.json().await.unwrap();
-        page["events"].as_array().unwrap().clone()
-    }
-
-    async fn settled(&self, run: &str) -> Value {
-        eventually("the run to pause or end", || async {
-            let view = self.run(run).await;
-            (view["status"] != "running" && view["status"] != "queued").then_some(view)
-        })
-        .await
-    }
-
-    async fn tool_finished(&self, run: &str) -> Vec<Value> {
-        self.events(run).await.into_iter().filter(|e| e["type"] == "tool_finished").collect()
     }
 }
 
@@ -799,11 +579,11 @@ fn a_bad_tool_in_keel_toml_stops_serve_with_one_line() {
     let cases = [
         (
             tool("kind = \"grpc\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = { type = \"object\" }\n"),
-            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http",
+            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http, mcp",
         ),
         (
             tool("kind = \"http\"\nargs_schema = { type = \"object\" }\n"),
-            "agent \"ops\": tools[0] (\"restart\"): url: missing; a tool of kind http needs method, url and args_schema",
+            "agent \"ops\": tools[0] (\"restart\"): url: missing; a tool of kind http needs description, method, url and args_schema",
         ),
         (
             tool(

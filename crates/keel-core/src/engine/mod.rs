@@ -471,7 +471,8 @@ impl Engine {
     }
 
     /// Durable cancel: any instance sees it. A queued or paused run ends at once; a running one at
-    /// its worker's next step or model chunk.
+    /// its worker's next step or model chunk, and a worker of this instance stops the tool calls it
+    /// has in flight.
     pub async fn cancel(&self, user_id: &str, run_id: &RunId) -> EngineResult<Run> {
         self.run(user_id, run_id).await?;
         self.inner.cancel(run_id, "cancelled_by_user").await

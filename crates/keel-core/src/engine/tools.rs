@@ -104,6 +104,9 @@ impl Worker {
             .into_iter()
             .partition(|c| self.agent.tools.get(&c.name).map(|t| !t.spec().side_effect).unwrap_or(true));
         to_ask.extend(self.run_calls(read_only).await?);
+        if self.run.cancel_requested {
+            return Ok(true);
+        }
         for call in side_effects {
             to_ask.extend(self.run_calls(vec![call]).await?);
             if self.run.cancel_requested {
@@ -201,7 +204,7 @@ impl Worker {
             }
             let contexts: Vec<ToolContext> = claimed.iter().map(|(call, _)| self.tool_context(call, role)).collect();
             let metrics = &self.inner.config.metrics;
-            let outcomes = futures::future::join_all(claimed.iter().zip(contexts.iter()).map(|((call, tool), ctx)| {
+            let calls = futures::future::join_all(claimed.iter().zip(contexts.iter()).map(|((call, tool), ctx)| {
                 // Ids and the tool's name only: arguments and results may hold anything.
                 let span = tracing::info_span!(
                     "tool_call",
@@ -227,8 +230,22 @@ impl Worker {
                     output
                 }
                 .instrument(span)
-            }))
-            .await;
+            }));
+            // A cancel of the run stops its calls in flight: their futures are dropped, which a tool
+            // may pass on (an MCP tool sends `notifications/cancelled`).
+            let outcomes = tokio::select! {
+                outcomes = calls => Some(outcomes),
+                _ = self.cancel_signal.notified() => None,
+            };
+            let Some(outcomes) = outcomes else {
+                for (call, _) in &claimed {
+                    let reason = "the run was cancelled while this call ran: it was stopped, and may or may not \
+                                  have taken effect";
+                    self.settle_failed(call, ToolCallState::Executing, reason, "cancelled").await?;
+                }
+                self.run.cancel_requested = true;
+                return Ok(unknown);
+            };
             let mut retry = Vec::new();
             for ((call, tool), outcome) in claimed.into_iter().zip(outcomes) {
                 let outcome = match outcome {

@@ -347,8 +347,9 @@ fn finish(mut d: Draft, first_by_default: bool, env: Env) -> Result<AgentConfig,
         };
         let (name, kind) = (name.to_owned(), kind.to_owned());
         // Every field of the tool is checked here, at start, with its kind's rules (and the
-        // environment variables its headers name): a mistake stops the server with one line.
-        build_tool(&table, env).map_err(|e| format!("{at}: {e}"))?;
+        // environment variables its headers name): a mistake stops the server with one line. An MCP
+        // server is started later, when the agent is built (`build_tools`).
+        check_tool(&table, env).map_err(|e| format!("{at}: {e}"))?;
         tools.push(ToolConfig { name, kind, table });
     }
     // Named at the first of the two, which is where a reader of the file meets the name first.
@@ -363,15 +364,26 @@ fn finish(mut d: Draft, first_by_default: bool, env: Env) -> Result<AgentConfig,
     Ok(d.config)
 }
 
-/// The tool a `[[agents.tools]]` table declares, built by its kind's crate (`keel-tools`); the
+fn parse_tool(table: &toml::Table) -> Result<keel_tools::ToolConfig, String> {
+    toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| {
+        let message = e.message().trim().to_owned();
+        serde_unknown_field(&message).unwrap_or(message)
+    })
+}
+
+/// Checks a `[[agents.tools]]` table with its kind's rules (`keel-tools`), starting nothing; the
 /// error is `field: problem`.
-pub fn build_tool(table: &toml::Table, env: Env) -> Result<std::sync::Arc<dyn keel_core::tool::Tool>, String> {
-    let config: keel_tools::ToolConfig =
-        toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| {
-            let message = e.message().trim().to_owned();
-            serde_unknown_field(&message).unwrap_or(message)
-        })?;
-    keel_tools::build(&config, env).map_err(|e| e.to_string())
+pub fn check_tool(table: &toml::Table, env: Env) -> Result<(), String> {
+    keel_tools::check(&parse_tool(table)?, env).map_err(|e| e.to_string())
+}
+
+/// The tools a `[[agents.tools]]` table declares, built by its kind's crate (`keel-tools`): one, or
+/// for an MCP server the tools it lists (the server is started here). The error is `field: problem`.
+pub async fn build_tools(
+    table: &toml::Table,
+    env: Env<'_>,
+) -> Result<Vec<std::sync::Arc<dyn keel_core::tool::Tool>>, String> {
+    keel_tools::build_all(&parse_tool(table)?, env).await.map_err(|e| e.to_string())
 }
 
 /// serde's ``unknown field `x`, expected one of `a`, `b` `` in the words the rest of the settings
