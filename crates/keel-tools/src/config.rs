@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 /// The kinds of tool a `[[agents.tools]]` table can declare.
-pub const SUPPORTED_KINDS: &[&str] = &["http"];
+pub const SUPPORTED_KINDS: &[&str] = &["http", "client"];
 
 /// A problem in a tool's configuration: the field (`url`, `headers.Authorization`, `policy.viewer`)
 /// and what is wrong with it. It never holds a secret: header values and environment values are not
@@ -36,12 +36,14 @@ impl ToolConfigError {
 #[non_exhaustive]
 pub enum ToolConfig {
     Http(HttpToolConfig),
+    Client(ClientToolConfig),
 }
 
 impl ToolConfig {
     pub fn common(&self) -> &CommonConfig {
         match self {
             ToolConfig::Http(c) => &c.common,
+            ToolConfig::Client(c) => &c.common,
         }
     }
 
@@ -52,6 +54,7 @@ impl ToolConfig {
     pub fn kind(&self) -> &'static str {
         match self {
             ToolConfig::Http(_) => "http",
+            ToolConfig::Client(_) => "client",
         }
     }
 }
@@ -160,6 +163,19 @@ impl std::fmt::Debug for HttpToolConfig {
     }
 }
 
+/// A tool the client runs: Keel records the call, pauses the run and takes the client's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientToolConfig {
+    pub common: CommonConfig,
+    /// The arguments' JSON Schema (a TOML table); its top level must be `type = "object"`.
+    pub args_schema: Value,
+    /// A JSON Schema the client's result must match (422 `INVALID_RESULT` otherwise).
+    pub result_schema: Option<Value>,
+    /// How long a call waits for the client's answer, such as `10m`; default: the server's
+    /// interrupt TTL.
+    pub timeout: Option<String>,
+}
+
 /// Every field of every kind, flat, so that the TOML deserializer reads the table directly (its
 /// errors keep their line and column) and an unknown field is refused; which fields a kind takes is
 /// checked when it is converted.
@@ -217,6 +233,27 @@ impl TryFrom<RawToolConfig> for ToolConfig {
                     args_schema: raw.args_schema.ok_or_else(|| required("args_schema"))?,
                     result_schema: raw.result_schema,
                     max_response_bytes: raw.max_response_bytes,
+                }))
+            }
+            "client" => {
+                // The fields only an HTTP tool takes: a client tool sends nothing itself.
+                for (field, given) in [
+                    ("method", raw.method.is_some()),
+                    ("url", raw.url.is_some()),
+                    ("headers", raw.headers.is_some()),
+                    ("max_response_bytes", raw.max_response_bytes.is_some()),
+                ] {
+                    if given {
+                        return Err(ToolConfigError::new(field, "not a field of a client tool (kind = \"client\")"));
+                    }
+                }
+                Ok(ToolConfig::Client(ClientToolConfig {
+                    common,
+                    args_schema: raw.args_schema.ok_or_else(|| {
+                        ToolConfigError::new("args_schema", "missing; a tool of kind client needs args_schema")
+                    })?,
+                    result_schema: raw.result_schema,
+                    timeout: raw.timeout,
                 }))
             }
             other => Err(ToolConfigError::new(

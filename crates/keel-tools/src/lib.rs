@@ -1,7 +1,8 @@
 //! Tools declared in keel.toml (`[[agents.tools]]`), built into [`keel_core::tool::Tool`]s.
 //!
-//! One kind so far, `http`: a call is one HTTP request carrying the call's idempotency key. See
-//! docs/tools.md for the fields, the headers sent and what each failure leads to.
+//! Two kinds: `http` (a call is one HTTP request carrying the call's idempotency key) and `client`
+//! (a call the client runs and answers; Keel pauses the run for it). See docs/tools.md for the
+//! fields, the headers sent and what each failure leads to.
 //!
 //! ```
 //! let config: keel_tools::ToolConfig = toml::from_str(r#"
@@ -22,13 +23,16 @@ use std::sync::Arc;
 
 use keel_core::tool::Tool;
 
+mod client;
 mod common;
 mod config;
 mod http;
 mod template;
 
+pub use client::ClientTool;
 pub use config::{
-    CommonConfig, ConfirmConfig, HttpToolConfig, PolicyConfig, ToolConfig, ToolConfigError, SUPPORTED_KINDS,
+    ClientToolConfig, CommonConfig, ConfirmConfig, HttpToolConfig, PolicyConfig, ToolConfig, ToolConfigError,
+    SUPPORTED_KINDS,
 };
 pub use http::{HttpTool, DEFAULT_MAX_RESPONSE_BYTES};
 
@@ -39,5 +43,6 @@ pub use http::{HttpTool, DEFAULT_MAX_RESPONSE_BYTES};
 pub fn build(config: &ToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Arc<dyn Tool>, ToolConfigError> {
     match config {
         ToolConfig::Http(http) => Ok(Arc::new(HttpTool::new(http, env)?)),
+        ToolConfig::Client(client) => Ok(Arc::new(ClientTool::new(client)?)),
     }
 }

@@ -32,7 +32,7 @@ pub struct ResumeAccepted {
 
 /// Whether a resume's answer is the stored answer of an earlier request with the same key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Replayed(bool);
+pub(super) struct Replayed(pub(super) bool);
 
 impl Engine {
     /// A human's decision on a pending interrupt, in the order that makes it safe: authorize the
@@ -232,6 +232,29 @@ impl Engine {
             expires_at: now + chrono::Duration::hours(24),
         });
 
+        let resumed_sequence = self.commit_claim(run, interrupt, commit, owner).await?;
+        if resumed_sequence != accepted.resumed_sequence {
+            // Can't happen under the fence; if it ever does, the stored answer is corrected.
+            tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
+            let accepted = ResumeAccepted { resumed_sequence, ..accepted };
+            let body = serde_json::to_value(&accepted).unwrap_or(Value::Null);
+            inner.store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
+            return Ok(accepted);
+        }
+        Ok(accepted)
+    }
+
+    /// Commits a claim of `interrupt` (a commit fenced on the run being `interrupted`, which
+    /// resolves the interrupt), then continues the run in a worker. Of concurrent claims exactly
+    /// one commits; the others get the error that says why. Answers the `resumed` event's sequence.
+    pub(super) async fn commit_claim(
+        &self,
+        run: &Run,
+        interrupt: &Interrupt,
+        commit: Commit,
+        owner: String,
+    ) -> EngineResult<i64> {
+        let inner = &self.inner;
         // A slot for the worker that continues the run, taken before the claim so that a run this
         // instance has no room for is not left leased to it.
         let slot = inner.capacity.try_take();
@@ -272,15 +295,7 @@ impl Engine {
                 }
             }
         }
-        if resumed_sequence != accepted.resumed_sequence {
-            // Can't happen under the fence; if it ever does, the stored answer is corrected.
-            tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
-            let accepted = ResumeAccepted { resumed_sequence, ..accepted };
-            let body = serde_json::to_value(&accepted).unwrap_or(Value::Null);
-            inner.store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
-            return Ok(accepted);
-        }
-        Ok(accepted)
+        Ok(resumed_sequence)
     }
 }
 
