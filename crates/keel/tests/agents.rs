@@ -934,3 +934,215 @@ fn serve_without_agents_runs_a_plain_assistant_and_seeds_nothing() {
     let server = Serve::again(dir.path());
     check(&server);
 }
+
+// ------------------------------------------------------------------------------ client-side tools
+
+/// The agent `front`: `ask_user` (a question only the user can answer, with a result schema),
+/// `pick_file` (asks for approval first) and `ask_quick` (the client has one second to answer).
+fn client_toml(model: &str) -> String {
+    format!(
+        r#"
+[[agents]]
+id = "front"
+name = "Front"
+system_prompt = "You ask the user when you must."
+[agents.model]
+kind = "openai"
+base_url = "{model}"
+name = "mock"
+max_retries = 0
+
+[[agents.tools]]
+kind = "client"
+name = "ask_user"
+description = "Ask the user a question and get their answer"
+args_schema = {{ type = "object", properties = {{ question = {{ type = "string" }} }}, required = ["question"] }}
+result_schema = {{ type = "object", properties = {{ answer = {{ type = "string", maxLength = 50 }} }}, required = ["answer"], additionalProperties = false }}
+
+[[agents.tools]]
+kind = "client"
+name = "pick_file"
+description = "Let the user pick a local file and read it"
+policy = "ask"
+args_schema = {{ type = "object", properties = {{ pattern = {{ type = "string" }} }} }}
+[agents.tools.confirm]
+title = "Read a local file ({{pattern}})?"
+
+[[agents.tools]]
+kind = "client"
+name = "ask_quick"
+description = "Ask, but only for a second"
+timeout = "1s"
+args_schema = {{ type = "object" }}
+"#
+    )
+}
+
+impl Api {
+    async fn tool_result(&self, run: &str, body: Value) -> (u16, Value) {
+        self.post(&format!("/v1/runs/{run}/tool-results"), body).await
+    }
+}
+
+/// A client-side tool over the REST API: the call pauses the run on a `tool_call` interrupt with
+/// the call's id, name and arguments; a wrong call id, a body without a result, a result that
+/// breaks the schema are refused (422) and decide nothing; the answer continues the run once — the
+/// same request again gets the first answer, another answer 409, concurrent answers one winner —
+/// and the model sees exactly one result; an error from the client is the call's error; an `ask`
+/// tool shows its card first; cancel and expiry end the call as unanswered.
+#[test]
+fn a_client_tool_waits_for_the_clients_answer_and_continues_once() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let conv = api.conversation(Some("front")).await;
+        let turn = api.say(&conv, r#"call ask_user {"question": "Which region?"}"#).await;
+        assert_eq!(turn["run"]["status"], "interrupted", "{turn}");
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let interrupt = &turn["interrupt"];
+        assert_eq!(interrupt["kind"], "tool_call", "{interrupt}");
+        let payload = &interrupt["payload"];
+        let call = payload["callId"].as_str().unwrap().to_owned();
+        assert_eq!(payload["tool"], "ask_user");
+        assert_eq!(payload["args"], json!({"question": "Which region?"}));
+        assert_eq!(payload["actions"][0]["resultSchema"]["required"], json!(["answer"]));
+        assert_eq!(api.run(&run).await["toolCalls"][0]["state"], "suspended");
+
+        // Refused, and nothing decided: an unknown call, a malformed one, no result, a bad result.
+        for (body, code, said) in [
+            (json!({"callId": "call_00000000000000000000000000", "result": {"answer": "eu"}, "idempotencyKey": "a"}),
+             "UNKNOWN_CALL", "callId"),
+            (json!({"callId": "nope", "result": {"answer": "eu"}, "idempotencyKey": "a"}), "UNKNOWN_CALL", "callId"),
+            (json!({"callId": &call, "idempotencyKey": "a"}), "VALIDATION_FAILED", "exactly one"),
+            (json!({"callId": &call, "result": {"answer": "eu"}, "error": "x", "idempotencyKey": "a"}),
+             "VALIDATION_FAILED", "exactly one"),
+            (json!({"callId": &call, "result": {"answer": "eu"}}), "VALIDATION_FAILED", "idempotencyKey"),
+            (json!({"callId": &call, "result": {"answer": 7}, "idempotencyKey": "a"}), "INVALID_RESULT", "$.answer"),
+            (json!({"callId": &call, "result": {"answer": "eu", "extra": "s3cr3t-value"}, "idempotencyKey": "a"}),
+             "INVALID_RESULT", "$"),
+        ] {
+            let (status, answer) = api.tool_result(&run, body.clone()).await;
+            assert_eq!(status, 422, "{body}: {answer}");
+            assert_eq!(answer["error"]["code"], code, "{body}: {answer}");
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(message.contains(said), "{message}");
+            assert!(!message.contains("s3cr3t-value"), "never the value: {message}");
+        }
+        assert_eq!(api.run(&run).await["status"], "interrupted");
+        let (status, body) = api
+            .post(
+                &format!("/v1/runs/{run}/resume"),
+                json!({"interruptId": interrupt["id"], "decision": "approve", "idempotencyKey": "r"}),
+            )
+            .await;
+        assert_eq!((status, body["error"]["code"].as_str()), (422, Some("INVALID_DECISION")), "{body}");
+
+        // The answer, twice with its key (the first answer again), then with another key (409).
+        let answer = json!({"callId": &call, "result": {"answer": "eu-west"}, "idempotencyKey": "answer-1"});
+        let (status, first) = api.tool_result(&run, answer.clone()).await;
+        assert_eq!(status, 200, "{first}");
+        assert_eq!(first["callId"], call.as_str());
+        assert_eq!(first["outcome"], "success");
+        let (status, again) = api.tool_result(&run, answer).await;
+        assert_eq!((status, &again), (200, &first));
+        let (status, late) = api
+            .tool_result(&run, json!({"callId": &call, "result": {"answer": "us"}, "idempotencyKey": "answer-2"}))
+            .await;
+        assert_eq!((status, late["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")), "{late}");
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded");
+        assert_eq!(tool_messages(&model.requests(), "eu-west"), 1, "the model saw the result once");
+        let told = model.requests().last().unwrap()["messages"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(told["content"], r#"{"answer":"eu-west"}"#);
+        let events = api.events(&run).await;
+        let finished: Vec<_> = events.iter().filter(|e| e["type"] == "tool_finished").collect();
+        assert_eq!(finished.len(), 1);
+        assert_eq!(finished[0]["status"], "success");
+        assert_eq!(events.iter().filter(|e| e["type"] == "resumed").count(), 1);
+        // The model repeats it (`text_delta`); Keel's own events never carry it.
+        let own: Vec<_> = events.iter().filter(|e| e["type"] != "text_delta").cloned().collect();
+        assert!(!Value::from(own).to_string().contains("eu-west"), "the result is never in events");
+
+        // Concurrent answers with distinct keys (two tabs): one wins, the run continues once.
+        let turn = api.say(&conv, r#"call ask_user {"question": "Again?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let answers = futures::future::join_all((0..6).map(|i| {
+            api.tool_result(&run, json!({"callId": &call, "result": {"answer": format!("tab {i}")}, "idempotencyKey": format!("tab-{i}")}))
+        }))
+        .await;
+        let won = answers.iter().filter(|(s, _)| *s == 200).count();
+        let lost = answers.iter().filter(|(s, b)| *s == 409 && b["error"]["code"] == "TOOL_CALL_ALREADY_ANSWERED").count();
+        assert_eq!((won, lost), (1, 5), "{answers:?}");
+        assert_eq!(api.settled(&run).await["status"], "completed");
+        assert_eq!(api.events(&run).await.iter().filter(|e| e["type"] == "resumed").count(), 1);
+        assert_eq!(tool_messages(&model.requests(), "tab "), 1, "the model saw one result");
+
+        // The client's error is the call's error; the model is told and answers.
+        let turn = api.say(&conv, r#"call ask_user {"question": "Still there?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let (status, body) = api
+            .tool_result(&run, json!({"callId": &call, "error": "the user closed the dialog", "idempotencyKey": "e"}))
+            .await;
+        assert_eq!((status, body["outcome"].as_str()), (200, Some("error")), "{body}");
+        assert_eq!(api.settled(&run).await["status"], "completed");
+        let finished = api.tool_finished(&run).await;
+        assert_eq!((finished[0]["status"].as_str(), finished[0]["errorCode"].as_str()), (Some("error"), Some("client_error")));
+
+        // An `ask` client tool: the card first, then the client is asked.
+        let turn = api.say(&conv, r#"call pick_file {"pattern": "*.log"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        assert_eq!(turn["interrupt"]["kind"], "confirm_action", "{turn}");
+        assert_eq!(turn["interrupt"]["payload"]["title"], "Read a local file (*.log)?");
+        let (status, resumed) =
+            api.resume(&run, turn["interrupt"]["id"].as_str().unwrap(), json!("approve"), None, "ok-file").await;
+        assert_eq!(status, 200, "{resumed}");
+        assert_eq!(resumed["interrupt"]["kind"], "tool_call", "{resumed}");
+        let call = resumed["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let (status, _) = api
+            .tool_result(&run, json!({"callId": &call, "result": {"lines": 3}, "idempotencyKey": "file-1"}))
+            .await;
+        assert_eq!(status, 200);
+        assert_eq!(api.settled(&run).await["status"], "completed");
+
+        // Cancel: the call ends unanswered; an answer after it is refused.
+        let turn = api.say(&conv, r#"call ask_user {"question": "Cancel me?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let (status, _) = api.post(&format!("/v1/runs/{run}/cancel"), json!({})).await;
+        assert_eq!(status, 200);
+        let view = api.run(&run).await;
+        assert_eq!((view["status"].as_str(), view["toolCalls"][0]["state"].as_str()), (Some("cancelled"), Some("failed")));
+        let (status, body) =
+            api.tool_result(&run, json!({"callId": &call, "result": {"answer": "late"}, "idempotencyKey": "c"})).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")), "{body}");
+
+        // Expiry: the tool's own timeout (1s); a late answer is 410 and the run is cancelled.
+        let turn = api.say(&conv, r#"call ask_quick {}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        let (status, body) =
+            api.tool_result(&run, json!({"callId": &call, "result": {}, "idempotencyKey": "slow"})).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (410, Some("INTERRUPT_EXPIRED")), "{body}");
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "cancelled", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "failed");
+        assert_eq!(api.tool_finished(&run).await[0]["errorCode"], "unanswered");
+    });
+}
+
+/// How many tool messages holding `needle` the model's last request carried.
+fn tool_messages(requests: &[Value], needle: &str) -> usize {
+    let last = requests.last().unwrap();
+    last["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool" && m["content"].as_str().is_some_and(|c| c.contains(needle)))
+        .count()
+}
