@@ -1146,3 +1146,69 @@ fn tool_messages(requests: &[Value], needle: &str) -> usize {
         .filter(|m| m["role"] == "tool" && m["content"].as_str().is_some_and(|c| c.contains(needle)))
         .count()
 }
+
+/// The AG-UI events of one `RunAgentInput` posted to `/v1/ag-ui/front`.
+async fn ag_ui(api: &Api, input: Value) -> Vec<Value> {
+    let response = api.http.post(format!("{}/v1/ag-ui/front", api.base)).json(&input).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.text().await.unwrap();
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// A frontend tool over AG-UI: the client declares `ask_user` (a client tool of the agent), the
+/// model calls it, the run ends after `TOOL_CALL_END` (`RUN_FINISHED`, success), the client sends
+/// the result as a `tool` message in the next input, and the run continues to its answer — once,
+/// however often the same input is sent.
+#[test]
+fn a_frontend_tool_over_ag_ui_is_answered_with_a_tool_message() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let thread = format!("thread-{}", std::process::id());
+        let tools = json!([{"name": "ask_user", "description": "Ask the user", "parameters": {"type": "object"}}]);
+        let question = json!({"id": "u1", "role": "user", "content": r#"call ask_user {"question": "Which region?"}"#});
+        let first =
+            ag_ui(&api, json!({"threadId": thread, "runId": "r1", "messages": [question], "tools": tools})).await;
+        let types: Vec<&str> = first.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        let start = first.iter().find(|e| e["type"] == "TOOL_CALL_START").expect("the call is announced");
+        assert_eq!(start["toolCallName"], "ask_user");
+        let call = start["toolCallId"].as_str().unwrap().to_owned();
+        assert!(!types.contains(&"TOOL_CALL_RESULT"), "{types:?}");
+        assert_eq!(first.last().unwrap()["type"], "RUN_FINISHED");
+        assert_eq!(first.last().unwrap()["outcome"]["type"], "success");
+        let snapshot = first.iter().rev().find(|e| e["type"] == "MESSAGES_SNAPSHOT").unwrap()["messages"].clone();
+
+        let mut messages = snapshot.as_array().unwrap().clone();
+        messages.push(json!({"id": "t1", "role": "tool", "toolCallId": call, "content": r#"{"answer": "eu-west"}"#}));
+        let answer = json!({"threadId": thread, "runId": "r2", "messages": messages, "tools": tools});
+        let second = ag_ui(&api, answer.clone()).await;
+        let types: Vec<&str> = second.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert!(types.contains(&"TOOL_CALL_RESULT"), "{types:?}");
+        assert!(!types.contains(&"TOOL_CALL_START"), "the call is not started again: {types:?}");
+        assert_eq!(second.last().unwrap()["outcome"]["type"], "success", "{types:?}");
+        let text: String =
+            second.iter().filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT").filter_map(|e| e["delta"].as_str()).collect();
+        assert_eq!(text, r#"tool said: {"answer":"eu-west"}"#);
+        let asked = model.requests().len();
+
+        // The same input again: the first answer, nothing continues twice.
+        let third = ag_ui(&api, answer).await;
+        assert_eq!(third.last().unwrap()["outcome"]["type"], "success");
+        assert_eq!(model.requests().len(), asked, "the model was not asked again");
+        // A different answer to the answered call is refused before the stream starts.
+        messages.pop();
+        messages.push(json!({"id": "t2", "role": "tool", "toolCallId": call, "content": r#"{"answer": "us"}"#}));
+        let response = api
+            .http
+            .post(format!("{}/v1/ag-ui/front", api.base))
+            .json(&json!({"threadId": thread, "runId": "r3", "messages": messages}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 409);
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "TOOL_CALL_ALREADY_ANSWERED");
+    });
+}

@@ -13,7 +13,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::response::Response;
 use futures::StreamExt;
-use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage};
+use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage, ToolResultAccepted, ToolResultRequest};
 use keel_core::stream::Until;
 use keel_core::{CallId, Conversation, ConversationId, Event, EventKind, MessageId, RunId};
 use serde_json::{json, Value};
@@ -150,6 +150,13 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput, agent: Opt
         return Ok(stream(&state, permit, &input, conversation.id, run.id, after, Some(snapshot)));
     }
 
+    if let Some(answered) = tool_answer(&state, &caller, &input, agent.as_deref()).await? {
+        let (conversation, run_id, accepted) = answered;
+        let snapshot = snapshot(&state, &conversation).await?;
+        let after = (accepted.resumed_sequence - 1).max(0);
+        return Ok(stream(&state, permit, &input, conversation, run_id, after, Some(snapshot)));
+    }
+
     let conversation =
         thread_conversation(&state, &caller, &input, agent.as_deref(), true).await?.ok_or_else(ApiError::not_found)?;
     let (client_id, content) = input
@@ -164,6 +171,39 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput, agent: Opt
         engine.send_message(&caller.0, &conversation.id, SendMessage { content, cancel_on_disconnect: false }).await?;
     store.bind(MESSAGES, conversation.id.as_str(), client_id, started.message.id.as_str(), engine.now()).await?;
     Ok(stream(&state, permit, &input, conversation.id, started.run.id, 0, None))
+}
+
+/// A frontend tool's answer: the input ends with `tool` messages, and one of them (the newest)
+/// answers a client-side call of the thread's conversation. It goes through
+/// `Engine::submit_tool_result` with a key derived from the call and the answer, so the same
+/// input again gets the first answer and continues nothing twice.
+async fn tool_answer(
+    state: &AppState,
+    caller: &Caller,
+    input: &RunAgentInput,
+    agent: Option<&str>,
+) -> ApiResult<Option<(ConversationId, RunId, ToolResultAccepted)>> {
+    if input.trailing_tool_messages().next().is_none() {
+        return Ok(None);
+    }
+    let Some(conversation) = thread_conversation(state, caller, input, agent, false).await? else { return Ok(None) };
+    let engine = &state.engine;
+    let Some(agent) = engine.agent_of(&conversation) else { return Ok(None) };
+    let calls = engine.store().list_conversation_tool_calls(&conversation.id).await?;
+    for message in input.trailing_tool_messages() {
+        let Some(tool_call_id) = &message.tool_call_id else { continue };
+        let Some(call) = calls.iter().find(|c| c.id.as_str() == tool_call_id) else { continue };
+        if agent.tools.get(&call.name).and_then(|t| t.client_side()).is_none() {
+            continue;
+        }
+        let (result, error) = message.tool_outcome().map_err(ApiError::validation)?;
+        let idempotency_key = input::tool_answer_key(&call.id, &result, &error);
+        let outcome = super::runs::client_outcome(result, error)?;
+        let request = ToolResultRequest { call_id: call.id.to_string(), outcome, idempotency_key };
+        let accepted = engine.submit_tool_result(&caller.0, &call.run_id, request).await?;
+        return Ok(Some((conversation.id.clone(), call.run_id.clone(), accepted)));
+    }
+    Ok(None)
 }
 
 /// The conversation of `threadId`: a Keel conversation id as it is; any other thread id through its

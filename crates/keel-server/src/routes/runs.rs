@@ -10,6 +10,7 @@ use keel_core::engine::{
 use keel_core::stream::Until;
 use keel_core::wire::{ResumeBody, RunList, RunSummary, ToolResultBody};
 use keel_core::{InterruptId, RunId, RunStatus, TicketScope};
+use serde_json::Value;
 
 use crate::auth::ticket_created;
 use crate::error::{ApiError, ApiResult};
@@ -279,12 +280,7 @@ pub async fn tool_result(
     ApiJson(body): ApiJson<ToolResultBody>,
 ) -> ApiResult<Response> {
     let wait = params.flag("wait")?;
-    let outcome = match (body.result, body.error) {
-        (Some(result), None) if !result.is_null() => ClientOutcome::Result(result),
-        (None, Some(error)) if (1..=2000).contains(&error.chars().count()) => ClientOutcome::Error(error),
-        (None, Some(_)) => return Err(ApiError::validation("error: must be 1 to 2000 characters")),
-        _ => return Err(ApiError::validation("result or error: exactly one is required (a result is not null)")),
-    };
+    let outcome = client_outcome(body.result, body.error)?;
     let idempotency_key = idempotency_key(body.idempotency_key.as_deref(), &headers)?;
     let request = ToolResultRequest { call_id: body.call_id, outcome, idempotency_key };
     // A stream's slot is taken before the answer, so a refused stream answers nothing.
@@ -301,6 +297,16 @@ pub async fn tool_result(
         );
     }
     Ok((StatusCode::OK, Json(ToolResultOrTurn::Accepted(accepted))).into_response())
+}
+
+/// A tool result's `result` or `error`: exactly one (the WebSocket's `tool_result` too).
+pub(crate) fn client_outcome(result: Option<Value>, error: Option<String>) -> Result<ClientOutcome, ApiError> {
+    match (result, error) {
+        (Some(result), None) if !result.is_null() => Ok(ClientOutcome::Result(result)),
+        (None, Some(error)) if (1..=2000).contains(&error.chars().count()) => Ok(ClientOutcome::Error(error)),
+        (None, Some(_)) => Err(ApiError::validation("error: must be 1 to 2000 characters")),
+        _ => Err(ApiError::validation("result or error: exactly one is required (a result is not null)")),
+    }
 }
 
 /// What `POST /v1/runs/{id}/tool-results` answers with as JSON.
