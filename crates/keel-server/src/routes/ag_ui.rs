@@ -1,9 +1,10 @@
 //! `POST /v1/ag-ui` (and `/v1/ag-ui/{agent}`): AG-UI 1.0 over SSE, a view of a Keel run.
 //!
-//! A `RunAgentInput` either starts a turn (its last user message is new to Keel) or answers the
-//! interrupt a previous AG-UI run ended with (`resume`), through the same engine calls as the REST
-//! routes. The response maps the run's stored-then-live events (`Engine::events`, the source of the
-//! native SSE stream) through [`crate::ag_ui::Mapper`]. docs/ag-ui.md has the details.
+//! A `RunAgentInput` either starts a turn (its last user message is new to Keel), answers the
+//! interrupt a previous AG-UI run ended with (`resume`), or answers a frontend tool's call (a `tool`
+//! message at its end), through the same engine calls as the REST routes. The response maps the
+//! run's stored-then-live events (`Engine::events`, the source of the native SSE stream) through
+//! [`crate::ag_ui::Mapper`]. docs/ag-ui.md has the details.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -49,9 +50,9 @@ pub const MESSAGES: &str = "ag_ui.message";
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
         (status = 404, description = "`NOT_FOUND`: the thread is another user's; an unknown interrupt", body = ErrorBody),
-        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`, `TOOL_CALL_ALREADY_ANSWERED`", body = ErrorBody),
         (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`, `INVALID_RESULT` (a frontend tool's result)", body = ErrorBody),
         (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
     )
 )]
@@ -78,9 +79,9 @@ pub async fn run(
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
         (status = 404, description = "`NOT_FOUND`: no such agent; the thread is another user's; an unknown interrupt", body = ErrorBody),
-        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`, `TOOL_CALL_ALREADY_ANSWERED`", body = ErrorBody),
         (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED` (also: the thread's conversation talks to another agent), `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED` (also: the thread's conversation talks to another agent), `INVALID_DECISION`, `INVALID_ARGS`, `INVALID_RESULT` (a frontend tool's result)", body = ErrorBody),
         (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
     )
 )]
