@@ -6,7 +6,8 @@
 //!
 //! The mock model: a user message `call TOOL {json}` makes it call TOOL with those arguments (the
 //! call id always `call_0`, as some models number their calls); after a tool result it answers
-//! `tool said: <the result>`; anything else gets `hello`.
+//! `tool said: <the result>` (a result holding `hang-once` is held the first time, for a crash
+//! test); anything else gets `hello`.
 
 mod support;
 
@@ -14,6 +15,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
@@ -125,6 +127,9 @@ fn read_request(socket: &mut TcpStream) -> Option<Vec<u8>> {
     Some(body)
 }
 
+/// Whether the model already held a `hang-once` continuation (see [`answer`]).
+static HUNG_ONCE: AtomicBool = AtomicBool::new(false);
+
 fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
     let Some(body) = read_request(&mut socket) else { return };
     let request: Value = serde_json::from_slice(&body).unwrap_or_default();
@@ -135,6 +140,12 @@ fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
     };
     let content = last["content"].as_str().unwrap_or("");
+    if last["role"] == "tool" && content.contains("hang-once") && !HUNG_ONCE.swap(true, Ordering::SeqCst) {
+        // Holds the first continuation after a result that asks for it, so a test can kill Keel
+        // while the run continues; every later request is answered.
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        return;
+    }
     let chunks = if last["role"] == "tool" {
         vec![chunk(json!({"content": format!("tool said: {content}")}), Value::Null), chunk(json!({}), "stop".into())]
     } else if let Some((tool, args)) = content.strip_prefix("call ").and_then(|rest| rest.split_once(' ')) {
@@ -1210,5 +1221,50 @@ fn a_frontend_tool_over_ag_ui_is_answered_with_a_tool_message() {
         assert_eq!(response.status(), 409);
         let body: Value = response.json().await.unwrap();
         assert_eq!(body["error"]["code"], "TOOL_CALL_ALREADY_ANSWERED");
+    });
+}
+
+/// A crash after the answer: the client's result is committed, and Keel is SIGKILLed while the
+/// continuation's model call is in flight. The restarted server continues the run from its
+/// checkpoint, once: the model sees the result once, there is one `resumed` and one
+/// `tool_finished`, and the same answer again gets the first answer (the stored response survived
+/// the crash) while another is refused.
+#[test]
+fn a_crash_after_a_client_tools_answer_continues_the_run_once() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    let rt = runtime();
+    let answer = |call: &str| json!({"callId": call, "result": {"answer": "hang-once"}, "idempotencyKey": "crash-1"});
+    let (run, call, first) = rt.block_on(async {
+        let conv = api.conversation(Some("front")).await;
+        let turn = api.say(&conv, r#"call ask_user {"question": "Which region?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let asked = model.requests().len();
+        let (status, first) = api.tool_result(&run, answer(&call)).await;
+        assert_eq!(status, 200, "{first}");
+        eventually("the continuation to reach the model", || async { (model.requests().len() > asked).then_some(()) })
+            .await;
+        (run, call, first)
+    });
+    let server = Serve::again(&server.kill());
+    let api = Api::new(&server);
+    rt.block_on(async {
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded");
+        assert_eq!(tool_messages(&model.requests(), "hang-once"), 1, "the model saw the result once");
+        let events = api.events(&run).await;
+        assert_eq!(events.iter().filter(|e| e["type"] == "resumed").count(), 1);
+        assert_eq!(events.iter().filter(|e| e["type"] == "tool_finished").count(), 1);
+        assert_eq!(events.iter().filter(|e| e["type"] == "done").count(), 1);
+        let (status, again) = api.tool_result(&run, answer(&call)).await;
+        assert_eq!((status, &again), (200, &first), "the first answer, after the crash");
+        let (status, other) = api
+            .tool_result(&run, json!({"callId": &call, "result": {"answer": "other"}, "idempotencyKey": "crash-2"}))
+            .await;
+        assert_eq!((status, other["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")));
     });
 }
