@@ -810,7 +810,11 @@ fn a_bad_tool_in_keel_toml_stops_serve_with_one_line() {
     let cases = [
         (
             tool("kind = \"grpc\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = { type = \"object\" }\n"),
-            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http",
+            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http, client",
+        ),
+        (
+            tool("kind = \"client\"\nargs_schema = { type = \"object\" }\n"),
+            "agent \"ops\": tools[0] (\"restart\"): method: not a field of a client tool (kind = \"client\")",
         ),
         (
             tool("kind = \"http\"\nargs_schema = { type = \"object\" }\n"),
