@@ -5,7 +5,8 @@
 //! applies a restart once per key.
 //!
 //! The mock model: a user message `call TOOL {json}` makes it call TOOL with those arguments (the
-//! call id always `call_0`, as some models number their calls); after a tool result it answers
+//! call id always `call_0`, as some models number their calls), `calls [[TOOL, {json}], …]` makes
+//! it call several at once; after a tool result it answers
 //! `tool said: <the result>` (a result holding `hang-once` is held the first time, for a crash
 //! test); anything else gets `hello`.
 
@@ -146,7 +147,19 @@ fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
         std::thread::sleep(std::time::Duration::from_secs(60));
         return;
     }
-    let chunks = if last["role"] == "tool" {
+    let several: Option<Vec<(String, Value)>> =
+        content.strip_prefix("calls ").and_then(|rest| serde_json::from_str(rest).ok());
+    let chunks = if let Some(calls) = several.filter(|_| last["role"] == "user") {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, (tool, args))| {
+                json!({"index": i, "id": format!("call_{i}"), "type": "function",
+                       "function": {"name": tool, "arguments": args.to_string()}})
+            })
+            .collect();
+        vec![chunk(json!({"tool_calls": calls}), Value::Null), chunk(json!({}), "tool_calls".into())]
+    } else if last["role"] == "tool" {
         vec![chunk(json!({"content": format!("tool said: {content}")}), Value::Null), chunk(json!({}), "stop".into())]
     } else if let Some((tool, args)) = content.strip_prefix("call ").and_then(|rest| rest.split_once(' ')) {
         vec![
@@ -1270,5 +1283,47 @@ fn a_crash_after_a_client_tools_answer_continues_the_run_once() {
             .tool_result(&run, json!({"callId": &call, "result": {"answer": "other"}, "idempotencyKey": "crash-2"}))
             .await;
         assert_eq!((status, other["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")));
+    });
+}
+
+/// One step with an `ask` client tool and an allowed one: the card first; once approved, the client
+/// is asked for each call in turn (one `tool_call` interrupt each), and the model gets both results.
+#[test]
+fn several_client_calls_of_one_step_are_asked_one_after_the_other() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let conv = api.conversation(Some("front")).await;
+        let turn = api
+            .say(&conv, r#"calls [["pick_file", {"pattern": "*.log"}], ["ask_user", {"question": "Which one?"}]]"#)
+            .await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        assert_eq!(turn["interrupt"]["kind"], "confirm_action", "{turn}");
+        let (status, resumed) =
+            api.resume(&run, turn["interrupt"]["id"].as_str().unwrap(), json!("approve"), None, "ok").await;
+        assert_eq!(status, 200, "{resumed}");
+        let mut answered = Vec::new();
+        for i in 0..2 {
+            let view = api.settled(&run).await;
+            let pending = &view["pendingInterrupt"];
+            assert_eq!(pending["kind"], "tool_call", "{view}");
+            let tool = pending["payload"]["tool"].as_str().unwrap().to_owned();
+            let call = pending["payload"]["callId"].as_str().unwrap().to_owned();
+            let result = if tool == "ask_user" { json!({"answer": "the second"}) } else { json!({"lines": 3}) };
+            let (status, body) = api
+                .tool_result(&run, json!({"callId": call, "result": result, "idempotencyKey": format!("step-{i}")}))
+                .await;
+            assert_eq!(status, 200, "{body}");
+            answered.push(tool);
+        }
+        answered.sort();
+        assert_eq!(answered, ["ask_user", "pick_file"]);
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        let told = model.requests().last().unwrap()["messages"].clone();
+        let results: Vec<&Value> = told.as_array().unwrap().iter().filter(|m| m["role"] == "tool").collect();
+        assert_eq!(results.len(), 2, "{told}");
     });
 }

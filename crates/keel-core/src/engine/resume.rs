@@ -211,6 +211,9 @@ impl Engine {
                 }
             }
         }
+        // The step's other open calls (asked about next, or client-side calls not asked yet) stay
+        // pending after the decided ones.
+        pending.extend(run.checkpoint.pending_call_ids.iter().filter(|id| !interrupt.call_ids.contains(id)).cloned());
         let mut checkpoint = run.checkpoint.clone();
         checkpoint.next_step = NextStep::ExecuteTools;
         checkpoint.pending_call_ids = pending;
