@@ -71,15 +71,7 @@ impl Engine {
             Some(i) if i.run_id == run.id => i,
             _ => return Err(EngineError::NotFound("interrupt")),
         };
-        if req.idempotency_key.is_empty() || req.idempotency_key.len() > 200 {
-            return Err(EngineError::Invalid("idempotencyKey: must be 1 to 200 characters".into()));
-        }
-        if looks_secret(&req.idempotency_key) {
-            // It would be stored and echoed in errors and logs: an id must not be a credential.
-            return Err(EngineError::Invalid(
-                "idempotencyKey: looks like a secret (a key, token or password); use an opaque id".into(),
-            ));
-        }
+        super::client::check_key(&req.idempotency_key)?;
         if let Some(note) = &req.note {
             if note.chars().count() > MAX_NOTE_CHARS || note.contains('\0') {
                 return Err(EngineError::Invalid(format!(
