@@ -184,6 +184,18 @@ impl EventKind {
         v
     }
 
+    /// [`EventKind::to_data`] as JSON text, written straight from the event: serde writes the `type`
+    /// tag first, and it is cut from the front (no intermediate `Value`).
+    pub fn to_data_text(&self) -> Result<String, serde_json::Error> {
+        let text = serde_json::to_string(self)?;
+        let tag = format!("{{\"type\":\"{}\"", self.type_name());
+        match text.strip_prefix(tag.as_str()) {
+            Some(rest) if rest.starts_with(',') => Ok(format!("{{{}", &rest[1..])),
+            Some("}") => Ok("{}".to_owned()),
+            _ => serde_json::to_string(&self.to_data()),
+        }
+    }
+
     /// Rebuilds an event from its stored type and data.
     pub fn from_parts(type_name: &str, data: &Value) -> Result<Self, serde_json::Error> {
         let mut obj = data.as_object().cloned().unwrap_or_default();

@@ -14,6 +14,8 @@
 //!
 //! It is a safety net, not a guarantee: a secret in plain words ("the password is hunter2") passes.
 
+use std::borrow::Cow;
+
 use serde_json::Value;
 
 const SECRET_KEYS: &[&str] = &[
@@ -57,47 +59,86 @@ const MASK: &str = "***";
 
 /// Whether a key (a JSON field, a `key=value` name) names a secret.
 pub fn is_secret_key(key: &str) -> bool {
-    let lower = key.to_ascii_lowercase().replace('-', "_");
-    SECRET_KEYS.iter().any(|s| lower.contains(s)) || names_a_token(key)
+    contains_secret_word(key) || names_a_token(key)
+}
+
+/// The first letters of [`SECRET_KEYS`]: where one of them can start.
+const SECRET_KEY_FIRSTS: [bool; 256] = {
+    let mut firsts = [false; 256];
+    let mut i = 0;
+    while i < SECRET_KEYS.len() {
+        firsts[SECRET_KEYS[i].as_bytes()[0] as usize] = true;
+        i += 1;
+    }
+    firsts
+};
+
+/// One of [`SECRET_KEYS`] in `key`, ignoring ASCII case and reading `-` as `_`. Byte by byte, with
+/// no copy of the key, and the words compared only where one can start: it runs for every word of
+/// every masked text.
+fn contains_secret_word(key: &str) -> bool {
+    let fold = |b: u8| if b == b'-' { b'_' } else { b.to_ascii_lowercase() };
+    let key = key.as_bytes();
+    (0..key.len()).any(|at| {
+        let first = fold(key[at]);
+        SECRET_KEY_FIRSTS[first as usize]
+            && SECRET_KEYS.iter().any(|word| {
+                let word = word.as_bytes();
+                word[0] == first
+                    && key.len() - at >= word.len()
+                    && key[at..at + word.len()].iter().zip(word).all(|(a, b)| fold(*a) == *b)
+            })
+    })
 }
 
 /// `token`, `access_token`, `refreshToken`, `csrftoken`: a word of the key ends in "token". Not
-/// `max_tokens` or `tokenizer`, which count or name tokens of text.
+/// `max_tokens` or `tokenizer`, which count or name tokens of text. Words break at any character
+/// that is not an ASCII letter or digit, and before the upper case letter of `camelCase`.
 fn names_a_token(key: &str) -> bool {
-    let mut words = Vec::new();
-    let mut word = String::new();
+    // the last five characters of the current word, lower case, and how many it has
+    let mut tail = [0u8; 5];
+    let mut len = 0usize;
+    let ends_in_token = |tail: &[u8; 5], len: usize| len >= 5 && tail == b"token";
     let mut after_lower = false;
     for c in key.chars() {
-        // a break at any separator, and at the upper case letter of `camelCase`
         if !c.is_ascii_alphanumeric() || (c.is_ascii_uppercase() && after_lower) {
-            words.push(std::mem::take(&mut word));
+            if ends_in_token(&tail, len) {
+                return true;
+            }
+            len = 0;
         }
         after_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
         if c.is_ascii_alphanumeric() {
-            word.push(c.to_ascii_lowercase());
+            tail.rotate_left(1);
+            tail[4] = c.to_ascii_lowercase() as u8;
+            len += 1;
         }
     }
-    words.push(word);
-    words.iter().any(|w| w.ends_with("token"))
+    ends_in_token(&tail, len)
 }
 
 /// Replaces the values of secret-looking keys and secret-looking strings with `"***"`.
 pub fn mask_value(value: &Value) -> Value {
+    let mut masked = value.clone();
+    mask_value_in_place(&mut masked);
+    masked
+}
+
+/// [`mask_value`] on the value itself: only the strings that change are replaced.
+fn mask_value_in_place(value: &mut Value) {
     match value {
-        Value::Object(obj) => Value::Object(
-            obj.iter()
-                .map(|(k, v)| {
-                    if is_secret_key(k) {
-                        (k.clone(), Value::String(MASK.into()))
-                    } else {
-                        (k.clone(), mask_value(v))
-                    }
-                })
-                .collect(),
-        ),
-        Value::Array(items) => Value::Array(items.iter().map(mask_value).collect()),
-        Value::String(s) => Value::String(mask_text(s)),
-        other => other.clone(),
+        Value::Object(obj) => {
+            for (k, v) in obj.iter_mut() {
+                if is_secret_key(k) {
+                    *v = Value::String(MASK.into());
+                } else {
+                    mask_value_in_place(v);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(mask_value_in_place),
+        Value::String(s) => *s = mask_text(s),
+        _ => {}
     }
 }
 
@@ -213,26 +254,36 @@ fn is_auth_scheme(word: &str) -> bool {
 }
 
 /// Masks one word; says whether the word after it is a secret too (`password:` ends the word).
-fn mask_word(word: &str) -> (String, bool) {
+/// A word with nothing to mask comes back borrowed, as most words do.
+fn mask_word(word: &str) -> (Cow<'_, str>, bool) {
     let word = mask_url_credentials(word);
+    if !word.contains([';', '&', '?', ',']) {
+        let (masked, next) = mask_segment(&word);
+        let changed = match masked {
+            Cow::Borrowed(_) => None,
+            Cow::Owned(masked) => Some(masked),
+        };
+        return (changed.map_or(word, Cow::Owned), next);
+    }
     // Connection strings and query strings: `Server=db;Password=x`, `?a=1&token=x`, compact JSON.
     let mut out = String::with_capacity(word.len());
-    let mut rest = word.as_str();
+    let mut rest = &word[..];
     loop {
         let end = rest.find([';', '&', '?', ',']).unwrap_or(rest.len());
         let (masked, next) = mask_segment(&rest[..end]);
         out.push_str(&masked);
         if end == rest.len() {
-            return (out, next);
+            return (Cow::Owned(out), next);
         }
         out.push_str(&rest[end..end + 1]);
         rest = &rest[end + 1..];
     }
 }
 
-fn mask_segment(segment: &str) -> (String, bool) {
+/// Borrowed: the segment as it is; owned: masked.
+fn mask_segment(segment: &str) -> (Cow<'_, str>, bool) {
     if segment.is_empty() {
-        return (String::new(), false);
+        return (Cow::Borrowed(segment), false);
     }
     // `key=value` or `key:value`, but not `scheme://`.
     let sep = segment.char_indices().find(|&(i, c)| c == '=' || (c == ':' && !segment[i + 1..].starts_with("//")));
@@ -242,24 +293,29 @@ fn mask_segment(segment: &str) -> (String, bool) {
         if !key.is_empty() && is_secret_key(key) {
             let inner = value.trim_matches(|c: char| "\"'}])".contains(c));
             if inner.is_empty() {
-                return (segment.to_owned(), true);
+                return (Cow::Borrowed(segment), true);
             }
             let lead_len = value.len() - value.trim_start_matches(|c: char| "\"'".contains(c)).len();
             let trail_len = value.len() - value.trim_end_matches(|c: char| "\"'}])".contains(c)).len();
             return (
-                format!("{}{}{MASK}{}", &segment[..=i], &value[..lead_len], &value[value.len() - trail_len..]),
+                Cow::Owned(format!(
+                    "{}{}{MASK}{}",
+                    &segment[..=i],
+                    &value[..lead_len],
+                    &value[value.len() - trail_len..]
+                )),
                 false,
             );
         }
         if is_secret_token(value.trim_matches(|c: char| "\"'}])".contains(c))) {
-            return (format!("{}{MASK}", &segment[..=i]), false);
+            return (Cow::Owned(format!("{}{MASK}", &segment[..=i])), false);
         }
-        return (segment.to_owned(), false);
+        return (Cow::Borrowed(segment), false);
     }
     if is_secret_token(segment) {
-        return (MASK.to_owned(), false);
+        return (Cow::Owned(MASK.to_owned()), false);
     }
-    (segment.to_owned(), false)
+    (Cow::Borrowed(segment), false)
 }
 
 /// A token recognisable by its shape.
@@ -290,17 +346,17 @@ fn is_secret_token(word: &str) -> bool {
 }
 
 /// `scheme://user:pw@host…` → `scheme://***@host…`.
-fn mask_url_credentials(word: &str) -> String {
+fn mask_url_credentials(word: &str) -> Cow<'_, str> {
     if let Some(scheme_end) = word.find("://") {
         let rest = &word[scheme_end + 3..];
         let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
         if let Some(at) = authority.rfind('@') {
             if authority[..at].contains(':') {
-                return format!("{}://{MASK}@{}", &word[..scheme_end], &rest[at + 1..]);
+                return Cow::Owned(format!("{}://{MASK}@{}", &word[..scheme_end], &rest[at + 1..]));
             }
         }
     }
-    word.to_owned()
+    Cow::Borrowed(word)
 }
 
 /// A value that went through the masker: the only form in which user- or tool-supplied text (a
@@ -327,8 +383,9 @@ impl Maskable for String {
 }
 
 impl Maskable for Value {
-    fn masked(self) -> Self {
-        mask_value(&self)
+    fn masked(mut self) -> Self {
+        mask_value_in_place(&mut self);
+        self
     }
 }
 
@@ -525,6 +582,46 @@ pub fn truncate(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    /// The key check as first written, with copies: the byte-wise one must agree with it.
+    fn is_secret_key_plainly(key: &str) -> bool {
+        let lower = key.to_ascii_lowercase().replace('-', "_");
+        let mut words = Vec::new();
+        let mut word = String::new();
+        let mut after_lower = false;
+        for c in key.chars() {
+            if !c.is_ascii_alphanumeric() || (c.is_ascii_uppercase() && after_lower) {
+                words.push(std::mem::take(&mut word));
+            }
+            after_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
+            if c.is_ascii_alphanumeric() {
+                word.push(c.to_ascii_lowercase());
+            }
+        }
+        words.push(word);
+        SECRET_KEYS.iter().any(|s| lower.contains(s)) || words.iter().any(|w| w.ends_with("token"))
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_key_check_agrees_with_its_plain_definition(
+            key in "([a-zA-Z0-9_\\- .:é]|Token|TOKEN|token|Api-Key|PASS-word|secret|Access_Key){0,8}"
+        ) {
+            proptest::prop_assert_eq!(is_secret_key(&key), is_secret_key_plainly(&key), "{:?}", key);
+        }
+
+        #[test]
+        fn masking_json_in_place_is_masking_its_text(
+            words in proptest::collection::vec("(password|token|sk-live-12345678|x=1|Bearer|abc|[a-z]{1,6}|https://u:p@h/x|: |=)", 0..12)
+        ) {
+            let text = words.join(" ");
+            let value = json!({"note": text, "list": [text], "n": 1});
+            let masked = Masked::new(value.clone()).into_inner();
+            proptest::prop_assert_eq!(&masked["note"], &json!(mask_text(&text)));
+            proptest::prop_assert_eq!(&masked["list"][0], &json!(mask_text(&text)));
+            proptest::prop_assert_eq!(masked, mask_value(&value));
+        }
+    }
 
     #[test]
     fn secrets_are_masked() {

@@ -31,6 +31,11 @@ fn every_event_example_parses_and_every_type_has_one() {
         let event: Event = serde_json::from_value(raw.clone()).unwrap_or_else(|e| panic!("{e}: {block}"));
         // Nothing in the example is unknown to the type (it round-trips to the same JSON).
         assert_eq!(serde_json::to_value(&event).unwrap(), raw, "example of {} round-trips", event.type_name());
+        // The stored form, written as text straight from the event, is the data without the tag.
+        let text = event.kind.to_data_text().expect("data text");
+        let data: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert_eq!(data, event.kind.to_data(), "stored data of {}", event.type_name());
+        assert_eq!(EventKind::from_parts(event.type_name(), &data).unwrap(), event.kind);
         seen.insert(event.type_name());
     }
     let all: BTreeSet<&str> = EventKind::TYPES.iter().copied().collect();

@@ -49,6 +49,7 @@ macro_rules! conformance_tests {
             a_fenced_out_commit_writes_nothing,
             concurrent_commits_each_get_their_own_answer,
             acquire_wins_exactly_once_under_contention,
+            concurrent_acquires_record_their_worker,
             run_changes_follow_the_state_machine,
             expired_interrupt_cannot_be_resolved,
             interrupt_is_resolved_once,
@@ -700,6 +701,41 @@ pub async fn acquire_wins_exactly_once_under_contention(store: SharedStore) {
     assert_eq!(resolved.resolved_by.as_ref(), Some(owner));
 }
 
+/// Many runs taken at once, each by an instance of its own (a store that writes concurrent commits
+/// together, as PostgreSQL's committers do, must keep each run's worker): every run names the
+/// instance that acquired it.
+pub async fn concurrent_acquires_record_their_worker(store: SharedStore) {
+    const RUNS: usize = 24;
+    let mut runs = Vec::new();
+    for _ in 0..RUNS {
+        runs.push(queued(&store).await.1);
+    }
+    let start = Arc::new(tokio::sync::Barrier::new(RUNS));
+    let tasks: Vec<_> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, run)| {
+            let (store, start, run_id) = (store.clone(), start.clone(), run.id.clone());
+            tokio::spawn(async move {
+                let owner = format!("instance-{}:{i}", i % 3);
+                let mut c = Commit::new(run_id, acquire(&owner, RunStatus::Queued, at(60)), at(2));
+                c.run = to(RunStatus::Running);
+                c.events.push(node("x"));
+                start.wait().await;
+                store.commit(c).await
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task").expect("commit");
+    }
+    for (i, run) in runs.iter().enumerate() {
+        let run = get_run(&store, &run.id).await;
+        let expected = format!("instance-{}", i % 3);
+        assert_eq!((run.status, run.worker.as_deref()), (RunStatus::Running, Some(expected.as_str())), "run {i}");
+    }
+}
+
 pub async fn run_changes_follow_the_state_machine(store: SharedStore) {
     // a refused move rolls back the lease its fence took
     let (_, queued_run) = queued(&store).await;
@@ -730,6 +766,7 @@ pub async fn run_changes_follow_the_state_machine(store: SharedStore) {
     commit_ok(&store, c).await;
     let resumed = get_run(&store, &run.id).await;
     assert_eq!((resumed.status, resumed.lease_owner.as_deref()), (RunStatus::Running, Some("w2")));
+    assert_eq!(resumed.worker.as_deref(), Some(keel_core::domain::lease_holder("w2")), "the acquiring worker");
 
     // finishing lets go of it too, and records the reason
     let mut c = Commit::new(run.id.clone(), lease("w2", at(90)), at(8));

@@ -26,8 +26,8 @@ use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, Fence, IdempotencyBegin, IdentityStore,
-    InterruptChange, NewRun, RunChange, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend,
-    ToolCallChange, ToolCallUpdate,
+    InterruptChange, NewRun, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
+    ToolCallUpdate,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -605,9 +605,8 @@ async fn insert_events(
     Ok(events)
 }
 
-/// What the fence read of the run row, before the commit changes it.
+/// What the fence read of the run row as the commit leaves it.
 struct Fenced {
-    status: RunStatus,
     conversation_id: ConversationId,
     /// The sequence of the commit's first event.
     first_sequence: i64,
@@ -615,58 +614,66 @@ struct Fenced {
 }
 
 /// The fence: one conditional update of the run row that checks the writer's right to write,
-/// renews or takes the lease and reserves the commit's event sequences. It locks the run row until
-/// the transaction ends: commits on one run are serialised, and a concurrent writer that waited
-/// for the lock re-checks the condition against the row as the winner left it.
+/// renews, takes or (when the run pauses or ends) releases the lease, reserves the commit's event
+/// sequences, and makes the commit's status change and checkpoint — one statement for what were
+/// up to three. It locks the run row until the transaction ends: commits on one run are
+/// serialised, and a concurrent writer that waited for the lock re-checks the condition against
+/// the row as the winner left it. A status change is part of the condition (the row's status must
+/// be one the new status may follow), so a refused one is told apart in [`fence_refusal`].
 async fn fence(conn: &mut PgConnection, c: &Commit) -> StoreResult<Fenced> {
     let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
-    const RETURNING: &str = "RETURNING status, conversation_id, next_sequence, cancel_requested";
-    let row = match &c.fence {
-        Fence::Lease { owner, lease_until } => {
-            let sql = format!(
-                "UPDATE runs SET lease_expires_at = $1, next_sequence = next_sequence + $2, updated_at = $3 \
-                 WHERE id = $4 AND lease_owner = $5 AND status IN {ACTIVE} {RETURNING}"
-            );
-            sqlx::query(&sql)
-                .bind(lease_until)
-                .bind(n)
-                .bind(c.now)
-                .bind(c.run_id.as_str())
-                .bind(owner)
-                .fetch_optional(&mut *conn)
-                .await
-        }
+    let change = c.run.as_ref();
+    // A paused or finished run has no worker.
+    let release = change.is_some_and(|ch| ch.to == RunStatus::Interrupted || ch.to.is_terminal());
+    let sources = change.map(|ch| statuses(&RunStatus::sources_of(ch.to)));
+    let checkpoint = c.checkpoint.as_ref().map(|cp| json("checkpoint", cp)).transpose()?;
+    // $1–$8 are the same for every fence; the lease's own parameters follow.
+    const COMMON: &str = "next_sequence = next_sequence + $1, updated_at = $2, \
+         status = COALESCE($4, status), reason = CASE WHEN $4::text IS NULL THEN reason ELSE $5 END, \
+         checkpoint = COALESCE($7, checkpoint)";
+    const TRANSITION: &str = "($4::text IS NULL OR status = ANY($6))";
+    const RETURNING: &str = "RETURNING conversation_id, next_sequence, cancel_requested";
+    let sql = match &c.fence {
+        Fence::Lease { .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $8 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN $8 THEN NULL ELSE $9 END \
+             WHERE id = $3 AND lease_owner = $10 AND status IN {ACTIVE} AND {TRANSITION} {RETURNING}"
+        ),
+        Fence::Acquire { .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $8 THEN NULL ELSE $10 END, \
+             lease_expires_at = CASE WHEN $8 THEN NULL ELSE $9 END, worker = $12 \
+             WHERE id = $3 AND status = ANY($11) AND {TRANSITION} {RETURNING}"
+        ),
+        Fence::Unowned { .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $8 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN $8 THEN NULL ELSE lease_expires_at END \
+             WHERE id = $3 AND status = ANY($9) AND {TRANSITION} {RETURNING}"
+        ),
+    };
+    let query = sqlx::query(&sql)
+        .bind(n)
+        .bind(c.now)
+        .bind(c.run_id.as_str())
+        .bind(change.map(|ch| ch.to.as_str()))
+        .bind(change.and_then(|ch| ch.reason.as_deref()))
+        .bind(sources)
+        .bind(checkpoint)
+        .bind(release);
+    let query = match &c.fence {
+        Fence::Lease { owner, lease_until } => query.bind(lease_until).bind(owner),
         Fence::Acquire { owner, from, lease_until } => {
-            let sql = format!(
-                "UPDATE runs SET lease_owner = $1, lease_expires_at = $2, next_sequence = next_sequence + $3, \
-                 updated_at = $4, worker = $7 WHERE id = $5 AND status = ANY($6) {RETURNING}"
-            );
-            sqlx::query(&sql)
-                .bind(owner)
-                .bind(lease_until)
-                .bind(n)
-                .bind(c.now)
-                .bind(c.run_id.as_str())
-                .bind(statuses(from))
-                .bind(lease_holder(owner))
-                .fetch_optional(&mut *conn)
-                .await
+            query.bind(lease_until).bind(owner).bind(statuses(from)).bind(lease_holder(owner))
         }
-        Fence::Unowned { from } => {
-            let sql = format!(
-                "UPDATE runs SET next_sequence = next_sequence + $1, updated_at = $2 \
-                 WHERE id = $3 AND status = ANY($4) {RETURNING}"
-            );
-            sqlx::query(&sql)
-                .bind(n)
-                .bind(c.now)
-                .bind(c.run_id.as_str())
-                .bind(statuses(from))
-                .fetch_optional(&mut *conn)
-                .await
+        Fence::Unowned { from } => query.bind(statuses(from)),
+    };
+    let row = query.fetch_optional(&mut *conn).await.map_err(|e| {
+        if is_active_run_violation(&e) {
+            // only a move back to an active status can collide with another active run
+            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
+        } else {
+            db("fence the run")(e)
         }
-    }
-    .map_err(db("fence the run"))?;
+    })?;
 
     let Some(row) = row else {
         return Err(fence_refusal(conn, c).await);
@@ -674,59 +681,39 @@ async fn fence(conn: &mut PgConnection, c: &Commit) -> StoreResult<Fenced> {
     let cols = Cols::new(&row, "runs");
     let next_sequence: i64 = cols.get("next_sequence")?;
     Ok(Fenced {
-        status: cols.parse("status", RunStatus::parse)?,
         conversation_id: cols.id("conversation_id")?,
         first_sequence: next_sequence - n,
         cancel_requested: cols.get("cancel_requested")?,
     })
 }
 
-/// Why the fence matched nothing: the run is missing, or it is not in the state the writer expects.
+/// Why the fence matched nothing: the run is missing, not in the state the writer expects, or in
+/// a state the commit's new status may not follow.
 async fn fence_refusal(conn: &mut PgConnection, c: &Commit) -> StoreError {
-    let status = sqlx::query_scalar::<_, String>("SELECT status FROM runs WHERE id = $1")
+    let row = sqlx::query_as::<_, (String, Option<String>)>("SELECT status, lease_owner FROM runs WHERE id = $1")
         .bind(c.run_id.as_str())
         .fetch_optional(&mut *conn)
         .await;
-    let status = match status {
-        Ok(Some(status)) => status,
+    let (status, owner) = match row {
+        Ok(Some(row)) => row,
         Ok(None) => return StoreError::NotFound("run"),
         Err(e) => return db("fence the run")(e),
     };
+    let current = RunStatus::parse(&status);
+    let fenced = match (&c.fence, current) {
+        (Fence::Lease { owner: mine, .. }, Some(s)) => s.is_active() && owner.as_deref() == Some(mine.as_str()),
+        (Fence::Acquire { from, .. } | Fence::Unowned { from }, Some(s)) => from.contains(&s),
+        (_, None) => false,
+    };
+    if let (true, Some(from), Some(change)) = (fenced, current, &c.run) {
+        return StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to));
+    }
     StoreError::Conflict(match &c.fence {
         Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
         Fence::Acquire { from, .. } | Fence::Unowned { from } => {
             format!("run {} is {status}, not {}", c.run_id, status_list(from))
         }
     })
-}
-
-async fn change_status(conn: &mut PgConnection, c: &Commit, from: RunStatus, change: &RunChange) -> StoreResult<()> {
-    if !from.can_transition_to(change.to) {
-        return Err(StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to)));
-    }
-    // A paused or finished run has no worker.
-    let release = change.to == RunStatus::Interrupted || change.to.is_terminal();
-    sqlx::query(
-        "UPDATE runs SET status = $1, reason = $2, \
-         lease_owner = CASE WHEN $3 THEN NULL ELSE lease_owner END, \
-         lease_expires_at = CASE WHEN $3 THEN NULL ELSE lease_expires_at END \
-         WHERE id = $4",
-    )
-    .bind(change.to.as_str())
-    .bind(&change.reason)
-    .bind(release)
-    .bind(c.run_id.as_str())
-    .execute(&mut *conn)
-    .await
-    .map_err(|e| {
-        if is_active_run_violation(&e) {
-            // only a move back to an active status can collide with another active run
-            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
-        } else {
-            db("change the run status")(e)
-        }
-    })?;
-    Ok(())
 }
 
 async fn append_text(
@@ -964,17 +951,6 @@ async fn upsert_summary(conn: &mut PgConnection, conversation_id: &ConversationI
 async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Committed> {
     let now = micros(c.now);
     let run = fence(conn, c).await?;
-    if let Some(change) = &c.run {
-        change_status(conn, c, run.status, change).await?;
-    }
-    if let Some(checkpoint) = &c.checkpoint {
-        sqlx::query("UPDATE runs SET checkpoint = $1 WHERE id = $2")
-            .bind(json("checkpoint", checkpoint)?)
-            .bind(c.run_id.as_str())
-            .execute(&mut *conn)
-            .await
-            .map_err(db("write the checkpoint"))?;
-    }
     for t in &c.text {
         append_text(conn, c, &run.conversation_id, t, now).await?;
     }

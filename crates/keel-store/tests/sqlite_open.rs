@@ -108,6 +108,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0005_interrupt_notes.sql"),
         include_str!("../migrations/sqlite/0006_agents.sql"),
         include_str!("../migrations/sqlite/0007_run_worker.sql"),
+        include_str!("../migrations/sqlite/0008_checks_without_in_lists.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {
@@ -221,4 +222,68 @@ async fn after_close_the_database_file_alone_holds_every_write() {
             st.query_map([], |r| r.get(0)).expect("ids").collect::<Result<_, _>>().expect("ids");
         assert!(expected.iter().all(|id| ids.contains(id.as_str())), "round {round}: a run is missing");
     }
+}
+
+/// The constraints on statuses, roles, states and kinds still refuse what they refused, but checking
+/// them builds no temporary b-tree: SQLite evaluates an `IN` list of three or more values through
+/// one, built and freed at each write (migration 8 rewrote them as `=` terms joined by `OR`).
+#[tokio::test]
+async fn the_constraints_refuse_bad_values_without_temporary_btrees() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    SqliteStore::migrate_only(&path).await.expect("migrate");
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    raw.execute_batch("PRAGMA foreign_keys = ON").expect("foreign keys");
+    let writes = [
+        "UPDATE runs SET status = ?1 WHERE id = ?1",
+        "UPDATE tool_calls SET state = ?1 WHERE id = ?1",
+        "UPDATE interrupts SET status = ?1 WHERE id = ?1",
+        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+         VALUES (?1, ?1, NULL, ?1, ?1, NULL, ?1)",
+        "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at) \
+         VALUES (?1, ?1, ?1, ?1, '{}', '[]', ?1, ?1)",
+        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at) \
+         VALUES (?1, ?1, ?1, ?1, ?1, '{}', ?1, ?1)",
+    ];
+    for sql in writes {
+        let mut explain = raw.prepare(&format!("EXPLAIN {sql}")).expect("explain");
+        let ops: Vec<String> =
+            explain.query_map(["x"], |r| r.get(1)).expect("ops").collect::<Result<_, _>>().expect("ops");
+        assert!(!ops.iter().any(|op| op == "OpenEphemeral"), "{sql} builds a temporary b-tree: {ops:?}");
+    }
+
+    raw.execute_batch(
+        "INSERT INTO conversations (id, user_id, title, version, created_at) VALUES ('c', 'u', 't', 1, 'now');
+         INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at)
+             VALUES ('r', 'c', 'm', 'u', 'running', '{}', 'now', 'now');",
+    )
+    .expect("a valid run");
+    let refused = [
+        "UPDATE runs SET status = 'paused' WHERE id = 'r'",
+        "INSERT INTO messages (id, conversation_id, run_id, role, content, created_at) VALUES ('m', 'c', 'r', 'system', '', 'now')",
+        "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state) VALUES ('t', 'r', 'c', 'n', '{}', 'done')",
+        "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at) \
+         VALUES ('i', 'r', 'confirm', 'pending', '{}', '[]', 'now', 'now')",
+        "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at) \
+         VALUES ('i', 'r', 'tool_call', 'open', '{}', '[]', 'now', 'now')",
+        // a second active run of the conversation
+        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at) \
+         VALUES ('r2', 'c', 'm2', 'u', 'queued', '{}', 'now', 'now')",
+        // a run of a conversation that does not exist
+        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at) \
+         VALUES ('r3', 'nope', 'm3', 'u', 'completed', '{}', 'now', 'now')",
+    ];
+    for sql in refused {
+        assert!(raw.execute_batch(sql).is_err(), "accepted: {sql}");
+    }
+    // what they allow, they still allow
+    raw.execute_batch(
+        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at)
+             VALUES ('r4', 'c', 'm4', 'u', 'cancelled', '{}', 'now', 'now');
+         INSERT INTO messages (id, conversation_id, run_id, role, content, created_at) VALUES ('m', 'c', 'r', 'tool', '', 'now');
+         INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state) VALUES ('t', 'r', 'c', 'n', '{}', 'suspended');
+         INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at)
+             VALUES ('i', 'r', 'outcome_unknown', 'expired', '{}', '[]', 'now', 'now');",
+    )
+    .expect("valid rows");
 }

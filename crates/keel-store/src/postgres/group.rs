@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use keel_core::domain::{InterruptStatus, RunStatus};
+use keel_core::domain::{lease_holder, InterruptStatus, RunStatus};
 use keel_core::event::Event;
 use keel_core::ids::ConversationId;
 use keel_core::store::{Commit, Committed, Fence, StoreError, StoreResult, ToolCallChange, ToolCallUpdate};
@@ -377,6 +377,8 @@ struct RunUpdates {
     next_sequence: Vec<i64>,
     updated_at: Vec<DateTime<Utc>>,
     checkpoint: Vec<Option<Value>>,
+    /// The instance that takes the run (an acquiring fence); `None` keeps the row's.
+    worker: Vec<Option<String>>,
 }
 
 #[derive(Default)]
@@ -528,11 +530,13 @@ impl Batch {
         // the run row: fence, status move, checkpoint in one row of one UPDATE
         let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
         let (mut lease_owner, mut lease_expires_at) = (run.lease_owner.clone(), run.lease_expires_at);
+        let mut worker = None;
         match &c.fence {
             Fence::Lease { lease_until, .. } => lease_expires_at = Some(*lease_until),
             Fence::Acquire { owner, lease_until, .. } => {
                 lease_owner = Some(owner.clone());
                 lease_expires_at = Some(*lease_until);
+                worker = Some(lease_holder(owner).to_owned());
             }
             Fence::Unowned { .. } => {}
         }
@@ -555,6 +559,7 @@ impl Batch {
         r.next_sequence.push(run.next_sequence + n);
         r.updated_at.push(c.now);
         r.checkpoint.push(c.checkpoint.as_ref().map(|cp| json("checkpoint", cp)).transpose()?);
+        r.worker.push(worker);
 
         for t in &c.text {
             // one row per message in one statement: appends to one message are joined first
@@ -691,10 +696,11 @@ impl Batch {
         sqlx::query(
             "UPDATE runs SET status = u.status, reason = u.reason, lease_owner = u.lease_owner, \
              lease_expires_at = u.lease_expires_at, next_sequence = u.next_sequence, updated_at = u.updated_at, \
-             checkpoint = COALESCE(u.checkpoint, runs.checkpoint) \
+             checkpoint = COALESCE(u.checkpoint, runs.checkpoint), worker = COALESCE(u.worker, runs.worker) \
              FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::bigint[], \
-                         $7::timestamptz[], $8::jsonb[]) \
-                  AS u (id, status, reason, lease_owner, lease_expires_at, next_sequence, updated_at, checkpoint) \
+                         $7::timestamptz[], $8::jsonb[], $9::text[]) \
+                  AS u (id, status, reason, lease_owner, lease_expires_at, next_sequence, updated_at, checkpoint, \
+                        worker) \
              WHERE runs.id = u.id",
         )
         .bind(&r.ids)
@@ -705,6 +711,7 @@ impl Batch {
         .bind(&r.next_sequence)
         .bind(&r.updated_at)
         .bind(&r.checkpoint)
+        .bind(&r.worker)
         .execute(&mut *conn)
         .await
         .map_err(regroup)?;

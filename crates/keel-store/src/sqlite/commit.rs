@@ -7,8 +7,7 @@ use keel_core::domain::{lease_holder, Fact, Interrupt, InterruptStatus, Message,
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
 use keel_core::store::{
-    Commit, Committed, Fence, InterruptChange, RunChange, StoreError, StoreResult, TextAppend, ToolCallChange,
-    ToolCallUpdate,
+    Commit, Committed, Fence, InterruptChange, StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use rusqlite::{params, Connection, ToSql};
 use serde::Serialize;
@@ -16,8 +15,13 @@ use serde::Serialize;
 use super::db::{db, insert, is_unique_violation};
 use super::rows::{exec, exec_or, one, Cols};
 
-/// The statuses of a run that holds its conversation (`RunStatus::is_active`).
-pub const ACTIVE: &str = "('queued', 'running', 'interrupted')";
+/// The statuses of a run that holds its conversation (`RunStatus::is_active`), as a condition.
+///
+/// Written as `=` terms joined by `OR`, never as `status IN (…)`: SQLite evaluates an `IN` list of
+/// three or more values through a temporary b-tree it builds and frees at each execution (a page
+/// allocated and zeroed), which was ~14% of the server's instructions per run when every fence
+/// and status change did it (docs/benchmarks.md, "Where SQLite's instructions went").
+pub const ACTIVE: &str = "(status = 'queued' OR status = 'running' OR status = 'interrupted')";
 
 /// Fixed width, UTC, nanoseconds: sorts as text, round-trips exactly.
 pub fn ts(t: &Timestamp) -> String {
@@ -36,9 +40,14 @@ pub fn opt_json<T: Serialize>(what: &'static str, value: &Option<T>) -> StoreRes
     value.as_ref().map(|v| json(what, v)).transpose()
 }
 
-fn in_list(statuses: &[RunStatus]) -> String {
-    let marks = vec!["?"; statuses.len()].join(", ");
-    format!("({marks})")
+/// `(status = ? OR status = ? …)`, one term per status (see [`ACTIVE`] for why not `IN`).
+fn status_is_one_of(statuses: &[RunStatus]) -> String {
+    let terms = vec!["status = ?"; statuses.len()].join(" OR ");
+    if terms.is_empty() {
+        "0".into()
+    } else {
+        format!("({terms})")
+    }
 }
 
 fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
@@ -53,7 +62,7 @@ pub fn active_run_id(conn: &Connection, conversation_id: &ConversationId) -> Sto
     one(
         conn,
         "find the active run",
-        &format!("SELECT id FROM runs WHERE conversation_id = ? AND status IN {ACTIVE} LIMIT 1"),
+        &format!("SELECT id FROM runs WHERE conversation_id = ? AND {ACTIVE} LIMIT 1"),
         [conversation_id.as_str()],
         |r| Cols::new(r, "runs").id("id"),
     )
@@ -98,7 +107,7 @@ pub fn insert_events(
         let chunk: Vec<EventKind> = kinds.by_ref().take(EVENTS_PER_INSERT).collect();
         let mut data = Vec::with_capacity(chunk.len());
         for kind in &chunk {
-            data.push(json("event data", &kind.to_data())?);
+            data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
         }
         let sequences: Vec<i64> = (sequence..).take(chunk.len()).collect();
         let types: Vec<&str> = chunk.iter().map(EventKind::type_name).collect();
@@ -119,9 +128,8 @@ pub fn insert_events(
     Ok(events)
 }
 
-/// What the fence read of the run row, before the commit changes it.
+/// What the fence read of the run row as the commit leaves it.
 struct Fenced {
-    status: RunStatus,
     conversation_id: ConversationId,
     /// The sequence of the commit's first event.
     first_sequence: i64,
@@ -129,100 +137,143 @@ struct Fenced {
 }
 
 /// The fence: one conditional update of the run row that checks the writer's right to write,
-/// renews or takes the lease and reserves the commit's event sequences.
+/// renews, takes or (when the run pauses or ends) releases the lease, reserves the commit's event
+/// sequences, and makes the commit's status change and checkpoint — one statement for what were
+/// up to three. A status change is part of the condition (the row's status must be one the new
+/// status may follow), so a refused one is told apart in [`fence_refusal`]. The row is read back
+/// by a second statement rather than `RETURNING`, which SQLite serves through a temporary b-tree.
 fn fence(conn: &Connection, c: &Commit) -> StoreResult<Fenced> {
     let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    if let Fence::Acquire { from, .. } | Fence::Unowned { from } = &c.fence {
+        if from.is_empty() {
+            // a fence no status satisfies (and the statement's last parameter would be missing)
+            return Err(fence_refusal(conn, c));
+        }
+    }
     let now = ts(&c.now);
-    const RETURNING: &str = "RETURNING status, conversation_id, next_sequence, cancel_requested";
+    let change = c.run.as_ref();
+    // A paused or finished run has no worker.
+    let release = change.is_some_and(|ch| ch.to == RunStatus::Interrupted || ch.to.is_terminal());
+    let to = change.map(|ch| ch.to.as_str());
+    let reason = change.and_then(|ch| ch.reason.as_deref());
+    let sources = change.map(|ch| RunStatus::sources_of(ch.to)).unwrap_or_default();
+    let checkpoint = c.checkpoint.as_ref().map(|cp| json("checkpoint", cp)).transpose()?;
+    // Without a change, `?4 IS NULL` holds and the source terms are never looked at.
+    let transition = format!("(?4 IS NULL OR {})", status_is_one_of(&sources).replace('?', "?{}"));
+    let transition = number_marks(&transition, 9);
+    const COMMON: &str = "next_sequence = next_sequence + ?1, updated_at = ?2, \
+         status = COALESCE(?4, status), reason = CASE WHEN ?4 IS NULL THEN reason ELSE ?5 END, \
+         checkpoint = COALESCE(?6, checkpoint)";
+    let after = 9 + sources.len();
+    let (lease_until, owner) = match &c.fence {
+        Fence::Lease { owner, lease_until } | Fence::Acquire { owner, lease_until, .. } => {
+            (Some(ts(lease_until)), Some(owner.as_str()))
+        }
+        Fence::Unowned { .. } => (None, None),
+    };
+    let sql = match &c.fence {
+        Fence::Lease { .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN ?7 THEN NULL ELSE ?8 END \
+             WHERE id = ?3 AND lease_owner = ?{after} AND {ACTIVE} AND {transition}"
+        ),
+        Fence::Acquire { from, .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE ?{after} END, \
+             lease_expires_at = CASE WHEN ?7 THEN NULL ELSE ?8 END, worker = ?{} \
+             WHERE id = ?3 AND {} AND {transition}",
+            after + 1,
+            number_marks(&status_is_one_of(from).replace('?', "?{}"), after + 2)
+        ),
+        Fence::Unowned { from } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN ?7 THEN NULL ELSE lease_expires_at END \
+             WHERE id = ?3 AND {} AND {transition}",
+            number_marks(&status_is_one_of(from).replace('?', "?{}"), after)
+        ),
+    };
+    let (run, sources) = (c.run_id.as_str(), statuses(&sources));
+    let mut values: Vec<&dyn ToSql> = vec![&n, &now, &run, &to, &reason, &checkpoint, &release, &lease_until];
+    values.extend(sources.iter().map(|s| s as &dyn ToSql));
+    let worker = owner.map(lease_holder);
+    let from = match &c.fence {
+        Fence::Lease { .. } => {
+            values.push(&owner);
+            vec![]
+        }
+        Fence::Acquire { from, .. } => {
+            values.push(&owner);
+            values.push(&worker);
+            statuses(from)
+        }
+        Fence::Unowned { from } => statuses(from),
+    };
+    values.extend(from.iter().map(|s| s as &dyn ToSql));
+    let changed = exec_or(conn, &sql, values.as_slice(), |e| {
+        if is_unique_violation(&e) {
+            // only a move back to an active status can collide with another active run
+            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
+        } else {
+            db("fence the run")(e)
+        }
+    })?;
+    if changed == 0 {
+        return Err(fence_refusal(conn, c));
+    }
     let read = |r: &rusqlite::Row<'_>| {
         let cols = Cols::new(r, "runs");
         let next_sequence: i64 = cols.get("next_sequence")?;
         Ok(Fenced {
-            status: cols.parse("status", RunStatus::parse)?,
             conversation_id: cols.id("conversation_id")?,
             first_sequence: next_sequence - n,
             cancel_requested: cols.get("cancel_requested")?,
         })
     };
-    let row = match &c.fence {
-        Fence::Lease { owner, lease_until } => {
-            let sql = format!(
-                "UPDATE runs SET lease_expires_at = ?, next_sequence = next_sequence + ?, updated_at = ? \
-                 WHERE id = ? AND lease_owner = ? AND status IN {ACTIVE} {RETURNING}"
-            );
-            one(conn, "fence the run", &sql, params![ts(lease_until), n, now, c.run_id.as_str(), owner], read)?
-        }
-        Fence::Acquire { owner, from, lease_until } => {
-            let sql = format!(
-                "UPDATE runs SET lease_owner = ?, lease_expires_at = ?, next_sequence = next_sequence + ?, \
-                 updated_at = ?, worker = ? WHERE id = ? AND status IN {} {RETURNING}",
-                in_list(from)
-            );
-            let (lease_until, run, from) = (ts(lease_until), c.run_id.as_str(), statuses(from));
-            let worker = lease_holder(owner);
-            let mut values: Vec<&dyn ToSql> = vec![owner, &lease_until, &n, &now, &worker, &run];
-            values.extend(from.iter().map(|s| s as &dyn ToSql));
-            one(conn, "fence the run", &sql, values.as_slice(), read)?
-        }
-        Fence::Unowned { from } => {
-            let sql = format!(
-                "UPDATE runs SET next_sequence = next_sequence + ?, updated_at = ? WHERE id = ? AND status IN {} \
-                 {RETURNING}",
-                in_list(from)
-            );
-            let (run, from) = (c.run_id.as_str(), statuses(from));
-            let mut values: Vec<&dyn ToSql> = vec![&n, &now, &run];
-            values.extend(from.iter().map(|s| s as &dyn ToSql));
-            one(conn, "fence the run", &sql, values.as_slice(), read)?
-        }
-    };
-    match row {
-        Some(fenced) => Ok(fenced),
-        None => Err(fence_refusal(conn, c)),
-    }
+    let sql = "SELECT conversation_id, next_sequence, cancel_requested FROM runs WHERE id = ?";
+    one(conn, "fence the run", sql, [run], read)?.ok_or(StoreError::NotFound("run"))
 }
 
-/// Why the fence matched nothing: the run is missing, or it is not in the state the writer expects.
+/// Replaces each `?{}` of `sql` with `?first`, `?first+1`, …: numbered parameters, so one value can
+/// serve several places and the lists that vary in length can come last.
+fn number_marks(sql: &str, first: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut parts = sql.split("?{}");
+    out.push_str(parts.next().unwrap_or_default());
+    for (i, part) in parts.enumerate() {
+        out.push('?');
+        out.push_str(&(first + i).to_string());
+        out.push_str(part);
+    }
+    out
+}
+
+/// Why the fence matched nothing: the run is missing, not in the state the writer expects, or in
+/// a state the commit's new status may not follow.
 fn fence_refusal(conn: &Connection, c: &Commit) -> StoreError {
-    let status = one(conn, "fence the run", "SELECT status FROM runs WHERE id = ?", [c.run_id.as_str()], |r| {
-        Cols::new(r, "runs").get::<String>("status")
-    });
-    let status = match status {
-        Ok(Some(status)) => status,
+    let row =
+        one(conn, "fence the run", "SELECT status, lease_owner FROM runs WHERE id = ?", [c.run_id.as_str()], |r| {
+            let cols = Cols::new(r, "runs");
+            Ok((cols.get::<String>("status")?, cols.get::<Option<String>>("lease_owner")?))
+        });
+    let (status, owner) = match row {
+        Ok(Some(row)) => row,
         Ok(None) => return StoreError::NotFound("run"),
         Err(e) => return e,
     };
+    let current = RunStatus::parse(&status);
+    let fenced = match (&c.fence, current) {
+        (Fence::Lease { owner: mine, .. }, Some(s)) => s.is_active() && owner.as_deref() == Some(mine.as_str()),
+        (Fence::Acquire { from, .. } | Fence::Unowned { from }, Some(s)) => from.contains(&s),
+        (_, None) => false,
+    };
+    if let (true, Some(from), Some(change)) = (fenced, current, &c.run) {
+        return StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to));
+    }
     StoreError::Conflict(match &c.fence {
         Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
         Fence::Acquire { from, .. } | Fence::Unowned { from } => {
             format!("run {} is {status}, not {}", c.run_id, status_list(from))
         }
     })
-}
-
-fn change_status(conn: &Connection, c: &Commit, from: RunStatus, change: &RunChange) -> StoreResult<()> {
-    if !from.can_transition_to(change.to) {
-        return Err(StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to)));
-    }
-    // A paused or finished run has no worker.
-    let release = change.to == RunStatus::Interrupted || change.to.is_terminal();
-    exec_or(
-        conn,
-        "UPDATE runs SET status = ?, reason = ?, \
-         lease_owner = CASE WHEN ? THEN NULL ELSE lease_owner END, \
-         lease_expires_at = CASE WHEN ? THEN NULL ELSE lease_expires_at END \
-         WHERE id = ?",
-        params![change.to.as_str(), change.reason, release, release, c.run_id.as_str()],
-        |e| {
-            if is_unique_violation(&e) {
-                // only a move back to an active status can collide with another active run
-                StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
-            } else {
-                db("change the run status")(e)
-            }
-        },
-    )?;
-    Ok(())
 }
 
 fn append_text(conn: &Connection, c: &Commit, conversation_id: &ConversationId, t: &TextAppend) -> StoreResult<()> {
@@ -451,17 +502,6 @@ fn upsert_summary(conn: &Connection, conversation_id: &ConversationId, s: &Summa
 /// transaction.
 pub fn apply_commit(conn: &Connection, c: &Commit) -> StoreResult<Committed> {
     let run = fence(conn, c)?;
-    if let Some(change) = &c.run {
-        change_status(conn, c, run.status, change)?;
-    }
-    if let Some(checkpoint) = &c.checkpoint {
-        exec(
-            conn,
-            "write the checkpoint",
-            "UPDATE runs SET checkpoint = ? WHERE id = ?",
-            [json("checkpoint", checkpoint)?, c.run_id.to_string()],
-        )?;
-    }
     for t in &c.text {
         append_text(conn, c, &run.conversation_id, t)?;
     }

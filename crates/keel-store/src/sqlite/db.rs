@@ -18,7 +18,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use keel_core::store::{StoreError, StoreResult};
-use rusqlite::{Connection, OpenFlags};
+use rusqlite::{Connection, OpenFlags, OptionalExtension};
 use sha2::{Digest, Sha384};
 use tokio::sync::{oneshot, watch};
 
@@ -565,6 +565,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (5, "interrupt notes", include_str!("../../migrations/sqlite/0005_interrupt_notes.sql")),
     (6, "agents", include_str!("../../migrations/sqlite/0006_agents.sql")),
     (7, "run worker", include_str!("../../migrations/sqlite/0007_run_worker.sql")),
+    (8, "checks without in lists", include_str!("../../migrations/sqlite/0008_checks_without_in_lists.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:
@@ -615,13 +616,36 @@ fn migrate(conn: &mut Connection) -> StoreResult<()> {
             return refuse(format!("migration {version} differs from the one applied to this database"));
         }
     }
-    for (version, description, sql) in MIGRATIONS {
-        if applied.iter().any(|(v, _, _)| v == version) {
-            continue;
-        }
+    let pending: Vec<_> =
+        MIGRATIONS.iter().filter(|(version, _, _)| !applied.iter().any(|(v, _, _)| v == version)).collect();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    // A migration that rebuilds a table (SQLite cannot change a constraint in place) drops a
+    // table other tables refer to: foreign keys are off while migrations run, as SQLite's ALTER
+    // TABLE procedure has it, and each migration is checked against them before it commits.
+    // (The pragma is a no-op inside a transaction, so it is set between them.)
+    conn.execute_batch("PRAGMA foreign_keys = OFF").map_err(fail)?;
+    let migrated = apply_migrations(conn, &pending);
+    conn.execute_batch("PRAGMA foreign_keys = ON").map_err(fail)?;
+    migrated
+}
+
+fn apply_migrations(conn: &mut Connection, pending: &[&(i64, &str, &str)]) -> StoreResult<()> {
+    let fail = |e: rusqlite::Error| StoreError::Backend(format!("migrate the database: {e}"));
+    for (version, description, sql) in pending {
         let started = Instant::now();
         let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate).map_err(fail)?;
         tx.execute_batch(sql).map_err(fail)?;
+        let broken: Option<String> = tx
+            .query_row("SELECT \"table\" FROM pragma_foreign_key_check LIMIT 1", [], |r| r.get(0))
+            .optional()
+            .map_err(fail)?;
+        if let Some(table) = broken {
+            return Err(StoreError::Backend(format!(
+                "migrate the database: migration {version} would leave rows of {table} referring to rows that do not exist"
+            )));
+        }
         let elapsed = i64::try_from(started.elapsed().as_nanos()).unwrap_or(i64::MAX);
         tx.execute(
             "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \

@@ -226,7 +226,7 @@ impl RunStore for SqliteStore {
                 one(
                     c,
                     "get the active run",
-                    &format!("SELECT * FROM runs WHERE conversation_id = ? AND status IN {ACTIVE} LIMIT 1"),
+                    &format!("SELECT * FROM runs WHERE conversation_id = ? AND {ACTIVE} LIMIT 1"),
                     [conversation_id.as_str()],
                     run_from,
                 )
@@ -274,9 +274,7 @@ impl RunStore for SqliteStore {
                 exec(
                     c,
                     "renew a lease",
-                    &format!(
-                        "UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ? AND status IN {ACTIVE}"
-                    ),
+                    &format!("UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ? AND {ACTIVE}"),
                     [ts(&lease_until).as_str(), run_id.as_str(), owner.as_str()],
                 )
             })
@@ -307,7 +305,7 @@ impl RunStore for SqliteStore {
                     c,
                     "request a cancel",
                     &format!(
-                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? AND status IN {ACTIVE} \
+                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? AND {ACTIVE} \
                          RETURNING *"
                     ),
                     [ts(&now).as_str(), run_id.as_str()],
