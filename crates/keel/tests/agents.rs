@@ -1327,3 +1327,38 @@ fn several_client_calls_of_one_step_are_asked_one_after_the_other() {
         assert_eq!(results.len(), 2, "{told}");
     });
 }
+
+/// An `ask` frontend tool over AG-UI: the first run ends with the approval interrupt; the resume
+/// ends with the call waiting for the client (success, the call in the snapshot without a result);
+/// a `tool` message answers it and the run completes.
+#[test]
+fn an_ask_frontend_tool_over_ag_ui_is_approved_then_answered() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let thread = format!("thread-ask-{}", std::process::id());
+        let question = json!({"id": "u1", "role": "user", "content": r#"call pick_file {"pattern": "*.log"}"#});
+        let first = ag_ui(&api, json!({"threadId": thread, "runId": "r1", "messages": [question]})).await;
+        let finished = first.last().unwrap();
+        assert_eq!(finished["outcome"]["type"], "interrupt", "{finished}");
+        let interrupt = &finished["outcome"]["interrupts"][0];
+        let call = interrupt["toolCallId"].as_str().unwrap().to_owned();
+        let snapshot = first.iter().rev().find(|e| e["type"] == "MESSAGES_SNAPSHOT").unwrap()["messages"].clone();
+        let resume = json!({"threadId": thread, "runId": "r2", "messages": snapshot,
+            "resume": [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": true}}]});
+        let second = ag_ui(&api, resume).await;
+        let types: Vec<&str> = second.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(second.last().unwrap()["outcome"]["type"], "success", "{types:?}");
+        assert!(!types.contains(&"TOOL_CALL_RESULT") && !types.contains(&"TOOL_CALL_START"), "{types:?}");
+        let snapshot = second.iter().rev().find(|e| e["type"] == "MESSAGES_SNAPSHOT").unwrap()["messages"].clone();
+        assert!(snapshot.to_string().contains(&call), "the waiting call is in the snapshot");
+        let mut messages = snapshot.as_array().unwrap().clone();
+        messages.push(json!({"id": "t1", "role": "tool", "toolCallId": call, "content": r#"{"lines": 3}"#}));
+        let third = ag_ui(&api, json!({"threadId": thread, "runId": "r3", "messages": messages})).await;
+        let types: Vec<&str> = third.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert!(types.contains(&"TOOL_CALL_RESULT"), "{types:?}");
+        assert_eq!(third.last().unwrap()["outcome"]["type"], "success", "{types:?}");
+    });
+}
