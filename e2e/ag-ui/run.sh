@@ -2,7 +2,10 @@
 # AG-UI conformance in CI, against a real `keel demo` on a free port:
 #   1. ag-ui-validate (PyPI, pinned) on /v1/ag-ui for a plain question (its own default input),
 #   2. the same validator for the human-in-the-loop flow (interrupt, then resume): validate_hitl.py,
-#   3. the real @ag-ui/client HttpAgent running the OpsPilot restart flow: http-agent.mjs.
+#   3. the real @ag-ui/client HttpAgent running the OpsPilot restart flow: http-agent.mjs,
+#   4. a frontend tool (a `kind = "client"` tool the client declares and answers with a `tool`
+#      message), with the HttpAgent and the validator, against a `keel serve` of its own:
+#      frontend-tool.mjs (and validate_frontend_tool.py).
 # Zero errors and zero warnings are required (docs/ag-ui.md explains the info-level findings).
 # Needs python3 >= 3.11, node >= 20 and npm. The validator goes into a virtualenv under /var/tmp
 # (a cache; KEEL_AGUI_VENV overrides), the npm packages into e2e/ag-ui/node_modules (gitignored).
@@ -54,6 +57,8 @@ echo "== ag-ui-validate, human in the loop: interrupt, then resume"
 "$VENV/bin/python" e2e/ag-ui/validate_hitl.py "$URL/v1/ag-ui" || status=1
 echo "== @ag-ui/client HttpAgent: the OpsPilot restart flow"
 (cd e2e/ag-ui && KEEL_URL="$URL" node http-agent.mjs) || status=1
+echo "== a frontend tool: @ag-ui/client HttpAgent and ag-ui-validate against keel serve with a client tool"
+(cd e2e/ag-ui && KEEL_BIN="$BIN" AGUI_PYTHON="$VENV/bin/python" node frontend-tool.mjs) || status=1
 if [ "$status" != 0 ]; then
   echo "== the server's log (last 80 lines)"
   tail -n 80 "$LOG"

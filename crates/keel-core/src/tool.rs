@@ -272,6 +272,21 @@ pub trait Tool: Send + Sync + 'static {
     }
 
     async fn execute(&self, ctx: &ToolContext, args: &Value) -> Result<ToolOutput, ToolError>;
+
+    /// `Some` for a tool the client runs (a browser action, a question only the user can answer):
+    /// the engine never calls [`Tool::execute`] for it; a call pauses the run on a `tool_call`
+    /// interrupt until the client answers `POST /v1/runs/{id}/tool-results`.
+    fn client_side(&self) -> Option<ClientSide> {
+        None
+    }
+}
+
+/// How the engine treats a client-side tool's calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ClientSide {
+    /// How long a call waits for the client's answer; `None`: the server's interrupt TTL. Past it
+    /// the interrupt expires and the run is cancelled, as any interrupt's.
+    pub answer_within: Option<Duration>,
 }
 
 /// A JSON Schema, compiled once (the `jsonschema` crate, no remote references).

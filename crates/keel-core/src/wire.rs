@@ -64,6 +64,28 @@ pub struct ResumeBody {
     pub note: Option<String>,
 }
 
+/// `POST /v1/runs/{id}/tool-results`: a client-side call's result, or the error the client got
+/// running it (exactly one). Loosely typed on purpose, like [`ResumeBody`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ToolResultBody {
+    /// The call (`callId` of the `tool_call` interrupt's payload).
+    #[cfg_attr(feature = "openapi", schema(pattern = "^call_[A-Za-z0-9_-]{1,64}$"))]
+    pub call_id: String,
+    /// The call's result (any JSON but `null`), checked against the tool's `result_schema`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<Value>,
+    /// What went wrong on the client (1 to 2,000 characters); the model is told.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 2000))]
+    pub error: Option<String>,
+    /// May come from an `Idempotency-Key` header instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 200))]
+    pub idempotency_key: Option<String>,
+}
+
 /// A decision is a string or an object; `null` or a missing one is refused (422).
 #[cfg(feature = "openapi")]
 fn decision_schema() -> utoipa::openapi::schema::Object {

@@ -523,7 +523,8 @@ const SENT = {
 const isOutcomeUnknown = (ev) => ev.kind === 'outcome_unknown';
 const expiredText = (card) => (card.kind === 'outcome_unknown'
   ? 'This question expired and the run was cancelled; the outcome of the action is still unknown.'
-  : 'This confirmation expired; nothing was done.');
+  : card.kind === 'tool_call' ? 'This request expired and the run was cancelled.'
+    : 'This confirmation expired; nothing was done.');
 
 /** A note for the decision (`note`, kept with it and shown to everyone): open, or behind "Add a note". */
 function noteField(card, open) {
@@ -554,6 +555,7 @@ function actionItem(card, a, extra) {
 
 function showCard(run, ev) {
   if (run.cards.has(ev.interruptId)) return;
+  if (ev.kind === 'tool_call') { showToolCallCard(run, ev); return; }
   const p = ev.payload || {};
   const actions = p.actions || [];
   const kind = isOutcomeUnknown(ev) ? 'outcome_unknown' : ev.kind || 'confirm_action';
@@ -622,6 +624,120 @@ function showCard(run, ev) {
   run.cards.set(card.id, card);
   run.el.insertBefore(card.el, run.typing);
   tick();
+}
+
+// ------------------------------------------------------------------ client-side tool calls
+
+// A `tool_call` interrupt: a client-side tool waits for its result. The page answers the ones it
+// can: a form built from the tool's result schema (one field per scalar property), or a JSON text
+// area for any other schema; "Can't answer" sends an error the model is told.
+const SCALARS = ['string', 'number', 'integer', 'boolean'];
+
+function resultForm(card, schema) {
+  const props = schema?.type === 'object' && schema.properties && typeof schema.properties === 'object' ? schema.properties : null;
+  const simple = props && Object.values(props).every((p) => SCALARS.includes(p?.type));
+  if (!simple) {
+    const area = h('textarea', { class: 'args-editor result-json', rows: 4, spellcheck: 'false', 'aria-label': 'Result (JSON)' });
+    area.value = props ? JSON.stringify(Object.fromEntries(Object.keys(props).map((k) => [k, null])), null, 2) : '{}';
+    card.read = () => {
+      try { return { result: JSON.parse(area.value) }; } catch { return { problem: 'The result is not valid JSON.' }; }
+    };
+    card.inputs = [area];
+    return h('div', { class: 'result-form' }, h('label', {}, 'Result (JSON)'), area);
+  }
+  const required = new Set(Array.isArray(schema.required) ? schema.required : []);
+  const fields = Object.entries(props).map(([name, p]) => {
+    const id = `${card.id}-${name}`;
+    let input;
+    if (p.type === 'boolean') input = h('input', { id, type: 'checkbox', name });
+    else if (Array.isArray(p.enum)) input = h('select', { id, name }, h('option', { value: '' }, '—'), p.enum.map((v) => h('option', { value: String(v) }, String(v))));
+    else input = h('input', { id, name, type: p.type === 'string' ? 'text' : 'number', step: p.type === 'integer' ? '1' : 'any',
+      maxlength: p.maxLength, autocomplete: 'off' });
+    return { name, p, input, el: h('div', { class: 'field' },
+      h('label', { for: id }, name, required.has(name) ? '' : h('span', { class: 'muted' }, ' (optional)')),
+      p.description && h('p', { class: 'muted' }, p.description), input) };
+  });
+  card.read = () => {
+    const result = {};
+    for (const f of fields) {
+      if (f.p.type === 'boolean') { result[f.name] = f.input.checked; continue; }
+      const raw = f.input.value;
+      if (raw === '') {
+        if (required.has(f.name)) return { problem: `${f.name} is required.` };
+        continue;
+      }
+      if (f.p.type === 'string') result[f.name] = raw;
+      else {
+        const n = Number(raw);
+        if (!Number.isFinite(n) || (f.p.type === 'integer' && !Number.isInteger(n))) return { problem: `${f.name} must be a number.` };
+        result[f.name] = n;
+      }
+    }
+    return { result };
+  };
+  card.inputs = fields.map((f) => f.input);
+  return h('div', { class: 'result-form' }, fields.map((f) => f.el));
+}
+
+function showToolCallCard(run, ev) {
+  const p = ev.payload || {};
+  const a = (p.actions || [])[0] || { callId: p.callId, tool: p.tool, args: p.args };
+  const card = { id: ev.interruptId, run, kind: 'tool_call', state: 'pending', expiresAt: Date.parse(ev.expiresAt), keys: new Map(),
+    actions: [], multi: false, note: null, callId: a.callId };
+  const form = resultForm(card, a.resultSchema);
+  card.countdown = h('span', { class: 'countdown', 'aria-live': 'off' });
+  card.badge = h('span', { class: 'badge' }, 'Your answer is needed');
+  card.message = h('p', { class: 'card-message', role: 'status' });
+  card.noteShown = h('p', { class: 'card-note', hidden: true });
+  card.buttons = [
+    h('button', { type: 'button', class: 'btn primary', onclick: () => answerCall(card, 'result') }, 'Send answer'),
+    h('button', { type: 'button', class: 'btn', onclick: () => answerCall(card, 'error') }, 'Can\u2019t answer'),
+  ];
+  card.el = h('section', { class: 'card', 'data-interrupt': card.id, 'data-kind': 'tool_call', 'data-state': 'pending',
+    'aria-label': 'Answer needed' },
+    h('header', {}, card.badge, card.countdown),
+    h('h3', {}, p.title || `Waiting for ${a.tool}`),
+    h('ul', { class: 'actions' }, actionItem(card, a)),
+    form, h('footer', {}, card.buttons), card.message, card.noteShown);
+  run.cards.set(card.id, card);
+  run.el.insertBefore(card.el, run.typing);
+  tick();
+}
+
+async function answerCall(card, how) {
+  if (card.state !== 'pending' || card.busy) return;
+  const read = how === 'error' ? { error: 'The user could not answer.' } : card.read();
+  if (read.problem) { cardError(card, read.problem); return; }
+  const sig = JSON.stringify(read);
+  // One key per answer: the same answer again (a double click, a retry) gets the first answer.
+  if (!card.keys.has(sig)) card.keys.set(sig, `result_${card.id}_${randomId()}`);
+  const body = { callId: card.callId, ...read, idempotencyKey: card.keys.get(sig) };
+  setCardBusy(card, true);
+  card.inputs.forEach((i) => { i.disabled = true; });
+  card.message.classList.remove('error');
+  card.message.textContent = 'Sending your answer…';
+  for (let attempt = 0; ; attempt++) {
+    try {
+      await api('POST', `/v1/runs/${card.run.id}/tool-results`, body);
+      if (card.state === 'pending') card.message.textContent = 'Answer sent; continuing…';
+      follow(card.run);
+      break;
+    } catch (e) {
+      if (e.code === 'IDEMPOTENCY_KEY_IN_FLIGHT' && attempt < 20) { await sleep(300); continue; }
+      if (e.code === 'INTERRUPT_EXPIRED') resolveCard(card.run, card.id, 'expired', expiredText(card));
+      else if (e.code === 'TOOL_CALL_ALREADY_ANSWERED' || e.code === 'RUN_NOT_INTERRUPTED') {
+        if (card.state === 'pending') resolveCard(card.run, card.id, 'resolved', 'This request was already answered elsewhere.');
+      } else {
+        const refused = e.status >= 400 && e.status < 500;
+        cardError(card, refused ? `The answer was refused: ${e.message}` : `Not sent: ${e.message}. You can try again.`, e.code);
+        setCardBusy(card, false);
+        card.inputs.forEach((i) => { i.disabled = false; });
+        return;
+      }
+      break;
+    }
+  }
+  card.busy = false;
 }
 
 /** The decision a press of `verdict` means on this card, or a string saying what is missing. */
@@ -710,7 +826,7 @@ const DECIDED = {
 function describeDecision(ev) {
   const d = ev.decision;
   const what = typeof d === 'string' ? DECIDED[d] || `Answered ${d}` : d?.edit ? 'Approved with edited arguments'
-    : d?.calls ? 'Decided per action' : 'Answered';
+    : d?.calls ? 'Decided per action' : d?.toolResult ? (d.toolResult.status === 'error' ? 'Declined' : 'Answered') : 'Answered';
   return `${what}${ev.resolvedBy ? ` by ${ev.resolvedBy}` : ''} after ${ms(ev.humanWaitMs ?? 0)}.`;
 }
 
@@ -720,7 +836,7 @@ function resolveCard(run, id, newState, text, note) {
   card.state = newState;
   card.el.dataset.state = newState;
   card.buttons.forEach((b) => { b.disabled = true; });
-  card.el.querySelectorAll('textarea, input, .action-tools button').forEach((c) => { c.disabled = true; });
+  card.el.querySelectorAll('textarea, input, select, .action-tools button').forEach((c) => { c.disabled = true; });
   card.countdown.textContent = '';
   card.badge.textContent = { resolved: 'Decision recorded', expired: 'Expired', closed: 'Closed' }[newState];
   card.message.classList.remove('error');

@@ -70,7 +70,7 @@ impl From<EngineError> for ApiError {
         let status = match &e {
             EngineError::NotFound(_) => StatusCode::NOT_FOUND,
             EngineError::RunActive(_) => StatusCode::CONFLICT,
-            EngineError::InterruptAlreadyResolved => StatusCode::CONFLICT,
+            EngineError::InterruptAlreadyResolved | EngineError::ToolCallAlreadyAnswered => StatusCode::CONFLICT,
             EngineError::InterruptExpired => StatusCode::GONE,
             EngineError::RunNotInterrupted => StatusCode::CONFLICT,
             EngineError::IdempotencyKeyInFlight => StatusCode::CONFLICT,
@@ -79,6 +79,8 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidDecision(_)
             | EngineError::InvalidArgs(_)
             | EngineError::Invalid(_)
+            | EngineError::UnknownCall(_)
+            | EngineError::InvalidResult(_)
             | EngineError::UnknownAgent => StatusCode::UNPROCESSABLE_ENTITY,
             EngineError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             // nothing was written; the queue drains in milliseconds

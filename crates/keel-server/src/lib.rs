@@ -112,6 +112,7 @@ pub fn api_routes() -> (OpenApiRouter<AppState>, OpenApiRouter<AppState>) {
         .routes(routes!(runs::get))
         .routes(routes!(runs::events))
         .routes(routes!(runs::resume))
+        .routes(routes!(runs::tool_result))
         .routes(routes!(runs::cancel))
         .routes(routes!(runs::stream_ticket))
         .routes(routes!(ag_ui::run))

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 /// The kinds of tool a `[[agents.tools]]` table can declare.
-pub const SUPPORTED_KINDS: &[&str] = &["http", "mcp"];
+pub const SUPPORTED_KINDS: &[&str] = &["http", "mcp", "client"];
 
 /// A problem in a tool's configuration: the field (`url`, `headers.Authorization`, `policy.viewer`)
 /// and what is wrong with it. It never holds a secret: header values and environment values are not
@@ -38,6 +38,7 @@ pub enum ToolConfig {
     Http(HttpToolConfig),
     /// An MCP server: one table, as many tools as the server lists.
     Mcp(McpToolConfig),
+    Client(ClientToolConfig),
 }
 
 impl ToolConfig {
@@ -47,6 +48,7 @@ impl ToolConfig {
         match self {
             ToolConfig::Http(c) => Some(&c.common),
             ToolConfig::Mcp(_) => None,
+            ToolConfig::Client(c) => Some(&c.common),
         }
     }
 
@@ -55,6 +57,7 @@ impl ToolConfig {
         match self {
             ToolConfig::Http(c) => &c.common.name,
             ToolConfig::Mcp(c) => &c.name,
+            ToolConfig::Client(c) => &c.common.name,
         }
     }
 
@@ -62,6 +65,7 @@ impl ToolConfig {
         match self {
             ToolConfig::Http(_) => "http",
             ToolConfig::Mcp(_) => "mcp",
+            ToolConfig::Client(_) => "client",
         }
     }
 }
@@ -229,6 +233,19 @@ impl std::fmt::Debug for McpToolConfig {
     }
 }
 
+/// A tool the client runs: Keel records the call, pauses the run and takes the client's answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClientToolConfig {
+    pub common: CommonConfig,
+    /// The arguments' JSON Schema (a TOML table); its top level must be `type = "object"`.
+    pub args_schema: Value,
+    /// A JSON Schema the client's result must match (422 `INVALID_RESULT` otherwise).
+    pub result_schema: Option<Value>,
+    /// How long a call waits for the client's answer, such as `10m`; default: the server's
+    /// interrupt TTL.
+    pub timeout: Option<String>,
+}
+
 /// Every field of every kind, flat, so that the TOML deserializer reads the table directly (its
 /// errors keep their line and column) and an unknown field is refused; which fields a kind takes is
 /// checked when it is converted.
@@ -363,6 +380,42 @@ impl TryFrom<RawToolConfig> for ToolConfig {
                     allow: raw.allow.unwrap_or_default(),
                     ask: raw.ask.unwrap_or_default(),
                     deny: raw.deny.unwrap_or_default(),
+                }))
+            }
+            "client" => {
+                // The fields only an HTTP tool or an MCP server takes: a client tool sends nothing itself.
+                for (field, given) in [
+                    ("method", raw.method.is_some()),
+                    ("url", raw.url.is_some()),
+                    ("headers", raw.headers.is_some()),
+                    ("max_response_bytes", raw.max_response_bytes.is_some()),
+                    ("command", raw.command.is_some()),
+                    ("args", raw.args.is_some()),
+                    ("env", raw.env.is_some()),
+                    ("allow", raw.allow.is_some()),
+                    ("ask", raw.ask.is_some()),
+                    ("deny", raw.deny.is_some()),
+                ] {
+                    if given {
+                        return Err(ToolConfigError::new(field, "not a field of a client tool (kind = \"client\")"));
+                    }
+                }
+                let required = |field: &str| {
+                    ToolConfigError::new(field, "missing; a tool of kind client needs description and args_schema")
+                };
+                let common = CommonConfig {
+                    name: raw.name,
+                    description: raw.description.ok_or_else(|| required("description"))?,
+                    policy: raw.policy,
+                    idempotent: raw.idempotent,
+                    side_effect: raw.side_effect,
+                    confirm: raw.confirm.unwrap_or_default(),
+                };
+                Ok(ToolConfig::Client(ClientToolConfig {
+                    common,
+                    args_schema: raw.args_schema.ok_or_else(|| required("args_schema"))?,
+                    result_schema: raw.result_schema,
+                    timeout: raw.timeout,
                 }))
             }
             other => Err(ToolConfigError::new(

@@ -1,8 +1,9 @@
 //! Tools declared in keel.toml (`[[agents.tools]]`), built into [`keel_core::tool::Tool`]s.
 //!
-//! Two kinds: `http`, where a call is one HTTP request carrying the call's idempotency key, and
-//! `mcp`, where one table is an MCP server and yields the tools it lists ([`build_all`]). See
-//! docs/tools.md for the fields, the headers sent and what each failure leads to.
+//! Three kinds: `http`, where a call is one HTTP request carrying the call's idempotency key;
+//! `mcp`, where one table is an MCP server and yields the tools it lists ([`build_all`]); and
+//! `client`, a call the client runs and answers (Keel pauses the run for it). See docs/tools.md for
+//! the fields, the headers sent and what each failure leads to.
 //!
 //! ```
 //! let config: keel_tools::ToolConfig = toml::from_str(r#"
@@ -23,15 +24,17 @@ use std::sync::Arc;
 
 use keel_core::tool::Tool;
 
+mod client;
 mod common;
 mod config;
 mod http;
 mod mcp;
 mod template;
 
+pub use client::ClientTool;
 pub use config::{
-    CommonConfig, ConfirmConfig, HttpToolConfig, McpToolConfig, McpTransportConfig, PolicyConfig, ToolConfig,
-    ToolConfigError, SUPPORTED_KINDS,
+    ClientToolConfig, CommonConfig, ConfirmConfig, HttpToolConfig, McpToolConfig, McpTransportConfig, PolicyConfig,
+    ToolConfig, ToolConfigError, SUPPORTED_KINDS,
 };
 pub use http::{HttpTool, DEFAULT_MAX_RESPONSE_BYTES};
 pub use mcp::{McpServer, McpServerConfig, McpTool, IDEMPOTENCY_META_KEY, NAME_SEPARATOR};
@@ -46,6 +49,7 @@ pub use mcp::{McpServer, McpServerConfig, McpTool, IDEMPOTENCY_META_KEY, NAME_SE
 pub fn build(config: &ToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Arc<dyn Tool>, ToolConfigError> {
     match config {
         ToolConfig::Http(http) => Ok(Arc::new(HttpTool::new(http, env)?)),
+        ToolConfig::Client(client) => Ok(Arc::new(ClientTool::new(client)?)),
         ToolConfig::Mcp(_) => Err(ToolConfigError::new(
             "kind",
             "an mcp table is as many tools as its server lists; build it with keel_tools::build_all",
@@ -58,19 +62,21 @@ pub fn build(config: &ToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Resul
 pub fn check(config: &ToolConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ToolConfigError> {
     match config {
         ToolConfig::Http(http) => HttpTool::new(http, env).map(drop),
+        ToolConfig::Client(client) => ClientTool::new(client).map(drop),
         ToolConfig::Mcp(mcp) => McpServerConfig::new(mcp, env).map(drop),
     }
 }
 
-/// The tools a table declares: one for `http`; for `mcp`, the tools its server lists (the server is
-/// started here, and kept running by a task of its own — call this inside a Tokio runtime). A
-/// server that cannot be started or does not list its tools is an error naming `command` or `url`.
+/// The tools a table declares: one for `http` and `client`; for `mcp`, the tools its server lists
+/// (the server is started here, and kept running by a task of its own — call this inside a Tokio
+/// runtime). A server that cannot be started or does not list its tools is an error naming
+/// `command` or `url`.
 pub async fn build_all(
     config: &ToolConfig,
     env: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Vec<Arc<dyn Tool>>, ToolConfigError> {
     match config {
-        ToolConfig::Http(_) => Ok(vec![build(config, env)?]),
+        ToolConfig::Http(_) | ToolConfig::Client(_) => Ok(vec![build(config, env)?]),
         ToolConfig::Mcp(mcp) => {
             let server = McpServerConfig::new(mcp, env)?;
             McpServer::start(server).await

@@ -5,8 +5,10 @@
 //! applies a restart once per key.
 //!
 //! The mock model: a user message `call TOOL {json}` makes it call TOOL with those arguments (the
-//! call id always `call_0`, as some models number their calls); after a tool result it answers
-//! `tool said: <the result>`; anything else gets `hello`.
+//! call id always `call_0`, as some models number their calls), `calls [[TOOL, {json}], …]` makes
+//! it call several at once; after a tool result it answers
+//! `tool said: <the result>` (a result holding `hang-once` is held the first time, for a crash
+//! test); anything else gets `hello`.
 
 mod support;
 
@@ -579,7 +581,11 @@ fn a_bad_tool_in_keel_toml_stops_serve_with_one_line() {
     let cases = [
         (
             tool("kind = \"grpc\"\nurl = \"http://127.0.0.1:9/r\"\nargs_schema = { type = \"object\" }\n"),
-            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http, mcp",
+            "agent \"ops\": tools[0] (\"restart\"): kind: unknown tool kind \"grpc\"; supported kinds: http, mcp, client",
+        ),
+        (
+            tool("kind = \"client\"\nargs_schema = { type = \"object\" }\n"),
+            "agent \"ops\": tools[0] (\"restart\"): method: not a field of a client tool (kind = \"client\")",
         ),
         (
             tool("kind = \"http\"\nargs_schema = { type = \"object\" }\n"),
@@ -713,4 +719,404 @@ fn serve_without_agents_runs_a_plain_assistant_and_seeds_nothing() {
     assert!(tables(dir.path()).contains(&"opspilot_instances".to_owned()));
     let server = Serve::again(dir.path());
     check(&server);
+}
+
+// ------------------------------------------------------------------------------ client-side tools
+
+/// The agent `front`: `ask_user` (a question only the user can answer, with a result schema),
+/// `pick_file` (asks for approval first) and `ask_quick` (the client has one second to answer).
+fn client_toml(model: &str) -> String {
+    format!(
+        r#"
+[[agents]]
+id = "front"
+name = "Front"
+system_prompt = "You ask the user when you must."
+[agents.model]
+kind = "openai"
+base_url = "{model}"
+name = "mock"
+max_retries = 0
+
+[[agents.tools]]
+kind = "client"
+name = "ask_user"
+description = "Ask the user a question and get their answer"
+args_schema = {{ type = "object", properties = {{ question = {{ type = "string" }} }}, required = ["question"] }}
+result_schema = {{ type = "object", properties = {{ answer = {{ type = "string", maxLength = 50 }} }}, required = ["answer"], additionalProperties = false }}
+
+[[agents.tools]]
+kind = "client"
+name = "pick_file"
+description = "Let the user pick a local file and read it"
+policy = "ask"
+args_schema = {{ type = "object", properties = {{ pattern = {{ type = "string" }} }} }}
+[agents.tools.confirm]
+title = "Read a local file ({{pattern}})?"
+
+[[agents.tools]]
+kind = "client"
+name = "ask_quick"
+description = "Ask, but only for a second"
+timeout = "1s"
+args_schema = {{ type = "object" }}
+"#
+    )
+}
+
+impl Api {
+    async fn tool_result(&self, run: &str, body: Value) -> (u16, Value) {
+        self.post(&format!("/v1/runs/{run}/tool-results"), body).await
+    }
+}
+
+/// A client-side tool over the REST API: the call pauses the run on a `tool_call` interrupt with
+/// the call's id, name and arguments; a wrong call id, a body without a result, a result that
+/// breaks the schema are refused (422) and decide nothing; the answer continues the run once — the
+/// same request again gets the first answer, another answer 409, concurrent answers one winner —
+/// and the model sees exactly one result; an error from the client is the call's error; an `ask`
+/// tool shows its card first; cancel and expiry end the call as unanswered.
+#[test]
+fn a_client_tool_waits_for_the_clients_answer_and_continues_once() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let conv = api.conversation(Some("front")).await;
+        let turn = api.say(&conv, r#"call ask_user {"question": "Which region?"}"#).await;
+        assert_eq!(turn["run"]["status"], "interrupted", "{turn}");
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let interrupt = &turn["interrupt"];
+        assert_eq!(interrupt["kind"], "tool_call", "{interrupt}");
+        let payload = &interrupt["payload"];
+        let call = payload["callId"].as_str().unwrap().to_owned();
+        assert_eq!(payload["tool"], "ask_user");
+        assert_eq!(payload["args"], json!({"question": "Which region?"}));
+        assert_eq!(payload["actions"][0]["resultSchema"]["required"], json!(["answer"]));
+        assert_eq!(api.run(&run).await["toolCalls"][0]["state"], "suspended");
+
+        // Refused, and nothing decided: an unknown call, a malformed one, no result, a bad result.
+        for (body, code, said) in [
+            (json!({"callId": "call_00000000000000000000000000", "result": {"answer": "eu"}, "idempotencyKey": "a"}),
+             "UNKNOWN_CALL", "callId"),
+            (json!({"callId": "nope", "result": {"answer": "eu"}, "idempotencyKey": "a"}), "UNKNOWN_CALL", "callId"),
+            (json!({"callId": &call, "idempotencyKey": "a"}), "VALIDATION_FAILED", "exactly one"),
+            (json!({"callId": &call, "result": {"answer": "eu"}, "error": "x", "idempotencyKey": "a"}),
+             "VALIDATION_FAILED", "exactly one"),
+            (json!({"callId": &call, "result": {"answer": "eu"}}), "VALIDATION_FAILED", "idempotencyKey"),
+            (json!({"callId": &call, "result": {"answer": 7}, "idempotencyKey": "a"}), "INVALID_RESULT", "$.answer"),
+            (json!({"callId": &call, "result": {"answer": "eu", "extra": "s3cr3t-value"}, "idempotencyKey": "a"}),
+             "INVALID_RESULT", "$"),
+        ] {
+            let (status, answer) = api.tool_result(&run, body.clone()).await;
+            assert_eq!(status, 422, "{body}: {answer}");
+            assert_eq!(answer["error"]["code"], code, "{body}: {answer}");
+            let message = answer["error"]["message"].as_str().unwrap();
+            assert!(message.contains(said), "{message}");
+            assert!(!message.contains("s3cr3t-value"), "never the value: {message}");
+        }
+        assert_eq!(api.run(&run).await["status"], "interrupted");
+        let (status, body) = api
+            .post(
+                &format!("/v1/runs/{run}/resume"),
+                json!({"interruptId": interrupt["id"], "decision": "approve", "idempotencyKey": "r"}),
+            )
+            .await;
+        assert_eq!((status, body["error"]["code"].as_str()), (422, Some("INVALID_DECISION")), "{body}");
+
+        // The answer, twice with its key (the first answer again), then with another key (409).
+        let answer = json!({"callId": &call, "result": {"answer": "eu-west"}, "idempotencyKey": "answer-1"});
+        let (status, first) = api.tool_result(&run, answer.clone()).await;
+        assert_eq!(status, 200, "{first}");
+        assert_eq!(first["callId"], call.as_str());
+        assert_eq!(first["outcome"], "success");
+        let (status, again) = api.tool_result(&run, answer).await;
+        assert_eq!((status, &again), (200, &first));
+        let (status, late) = api
+            .tool_result(&run, json!({"callId": &call, "result": {"answer": "us"}, "idempotencyKey": "answer-2"}))
+            .await;
+        assert_eq!((status, late["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")), "{late}");
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded");
+        assert_eq!(tool_messages(&model.requests(), "eu-west"), 1, "the model saw the result once");
+        let told = model.requests().last().unwrap()["messages"].as_array().unwrap().last().unwrap().clone();
+        assert_eq!(told["content"], r#"{"answer":"eu-west"}"#);
+        let events = api.events(&run).await;
+        let finished: Vec<_> = events.iter().filter(|e| e["type"] == "tool_finished").collect();
+        assert_eq!(finished.len(), 1);
+        assert_eq!(finished[0]["status"], "success");
+        assert_eq!(events.iter().filter(|e| e["type"] == "resumed").count(), 1);
+        // The model repeats it (`text_delta`); Keel's own events never carry it.
+        let own: Vec<_> = events.iter().filter(|e| e["type"] != "text_delta").cloned().collect();
+        assert!(!Value::from(own).to_string().contains("eu-west"), "the result is never in events");
+
+        // Concurrent answers with distinct keys (two tabs): one wins, the run continues once.
+        let turn = api.say(&conv, r#"call ask_user {"question": "Again?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let answers = futures::future::join_all((0..6).map(|i| {
+            api.tool_result(&run, json!({"callId": &call, "result": {"answer": format!("tab {i}")}, "idempotencyKey": format!("tab-{i}")}))
+        }))
+        .await;
+        let won = answers.iter().filter(|(s, _)| *s == 200).count();
+        let lost = answers.iter().filter(|(s, b)| *s == 409 && b["error"]["code"] == "TOOL_CALL_ALREADY_ANSWERED").count();
+        assert_eq!((won, lost), (1, 5), "{answers:?}");
+        assert_eq!(api.settled(&run).await["status"], "completed");
+        assert_eq!(api.events(&run).await.iter().filter(|e| e["type"] == "resumed").count(), 1);
+        assert_eq!(tool_messages(&model.requests(), "tab "), 1, "the model saw one result");
+
+        // The client's error is the call's error; the model is told and answers.
+        let turn = api.say(&conv, r#"call ask_user {"question": "Still there?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let (status, body) = api
+            .tool_result(&run, json!({"callId": &call, "error": "the user closed the dialog", "idempotencyKey": "e"}))
+            .await;
+        assert_eq!((status, body["outcome"].as_str()), (200, Some("error")), "{body}");
+        assert_eq!(api.settled(&run).await["status"], "completed");
+        let finished = api.tool_finished(&run).await;
+        assert_eq!((finished[0]["status"].as_str(), finished[0]["errorCode"].as_str()), (Some("error"), Some("client_error")));
+
+        // An `ask` client tool: the card first, then the client is asked.
+        let turn = api.say(&conv, r#"call pick_file {"pattern": "*.log"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        assert_eq!(turn["interrupt"]["kind"], "confirm_action", "{turn}");
+        assert_eq!(turn["interrupt"]["payload"]["title"], "Read a local file (*.log)?");
+        let (status, resumed) =
+            api.resume(&run, turn["interrupt"]["id"].as_str().unwrap(), json!("approve"), None, "ok-file").await;
+        assert_eq!(status, 200, "{resumed}");
+        assert_eq!(resumed["interrupt"]["kind"], "tool_call", "{resumed}");
+        let call = resumed["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let (status, _) = api
+            .tool_result(&run, json!({"callId": &call, "result": {"lines": 3}, "idempotencyKey": "file-1"}))
+            .await;
+        assert_eq!(status, 200);
+        assert_eq!(api.settled(&run).await["status"], "completed");
+
+        // Cancel: the call ends unanswered; an answer after it is refused.
+        let turn = api.say(&conv, r#"call ask_user {"question": "Cancel me?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let (status, _) = api.post(&format!("/v1/runs/{run}/cancel"), json!({})).await;
+        assert_eq!(status, 200);
+        let view = api.run(&run).await;
+        assert_eq!((view["status"].as_str(), view["toolCalls"][0]["state"].as_str()), (Some("cancelled"), Some("failed")));
+        let (status, body) =
+            api.tool_result(&run, json!({"callId": &call, "result": {"answer": "late"}, "idempotencyKey": "c"})).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")), "{body}");
+
+        // Expiry: the tool's own timeout (1s); a late answer is 410 and the run is cancelled.
+        let turn = api.say(&conv, r#"call ask_quick {}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+        let (status, body) =
+            api.tool_result(&run, json!({"callId": &call, "result": {}, "idempotencyKey": "slow"})).await;
+        assert_eq!((status, body["error"]["code"].as_str()), (410, Some("INTERRUPT_EXPIRED")), "{body}");
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "cancelled", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "failed");
+        assert_eq!(api.tool_finished(&run).await[0]["errorCode"], "unanswered");
+    });
+}
+
+/// How many tool messages holding `needle` the model's last request carried.
+fn tool_messages(requests: &[Value], needle: &str) -> usize {
+    let last = requests.last().unwrap();
+    last["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool" && m["content"].as_str().is_some_and(|c| c.contains(needle)))
+        .count()
+}
+
+/// The AG-UI events of one `RunAgentInput` posted to `/v1/ag-ui/front`.
+async fn ag_ui(api: &Api, input: Value) -> Vec<Value> {
+    let response = api.http.post(format!("{}/v1/ag-ui/front", api.base)).json(&input).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let body = response.text().await.unwrap();
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// A frontend tool over AG-UI: the client declares `ask_user` (a client tool of the agent), the
+/// model calls it, the run ends after `TOOL_CALL_END` (`RUN_FINISHED`, success), the client sends
+/// the result as a `tool` message in the next input, and the run continues to its answer — once,
+/// however often the same input is sent.
+#[test]
+fn a_frontend_tool_over_ag_ui_is_answered_with_a_tool_message() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let thread = format!("thread-{}", std::process::id());
+        let tools = json!([{"name": "ask_user", "description": "Ask the user", "parameters": {"type": "object"}}]);
+        let question = json!({"id": "u1", "role": "user", "content": r#"call ask_user {"question": "Which region?"}"#});
+        let first =
+            ag_ui(&api, json!({"threadId": thread, "runId": "r1", "messages": [question], "tools": tools})).await;
+        let types: Vec<&str> = first.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        let start = first.iter().find(|e| e["type"] == "TOOL_CALL_START").expect("the call is announced");
+        assert_eq!(start["toolCallName"], "ask_user");
+        let call = start["toolCallId"].as_str().unwrap().to_owned();
+        assert!(!types.contains(&"TOOL_CALL_RESULT"), "{types:?}");
+        assert_eq!(first.last().unwrap()["type"], "RUN_FINISHED");
+        assert_eq!(first.last().unwrap()["outcome"]["type"], "success");
+        let snapshot = first.iter().rev().find(|e| e["type"] == "MESSAGES_SNAPSHOT").unwrap()["messages"].clone();
+
+        let mut messages = snapshot.as_array().unwrap().clone();
+        messages.push(json!({"id": "t1", "role": "tool", "toolCallId": call, "content": r#"{"answer": "eu-west"}"#}));
+        let answer = json!({"threadId": thread, "runId": "r2", "messages": messages, "tools": tools});
+        let second = ag_ui(&api, answer.clone()).await;
+        let types: Vec<&str> = second.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert!(types.contains(&"TOOL_CALL_RESULT"), "{types:?}");
+        assert!(!types.contains(&"TOOL_CALL_START"), "the call is not started again: {types:?}");
+        assert_eq!(second.last().unwrap()["outcome"]["type"], "success", "{types:?}");
+        let text: String =
+            second.iter().filter(|e| e["type"] == "TEXT_MESSAGE_CONTENT").filter_map(|e| e["delta"].as_str()).collect();
+        assert_eq!(text, r#"tool said: {"answer":"eu-west"}"#);
+        let asked = model.requests().len();
+
+        // The same input again: the first answer, nothing continues twice.
+        let third = ag_ui(&api, answer).await;
+        assert_eq!(third.last().unwrap()["outcome"]["type"], "success");
+        assert_eq!(model.requests().len(), asked, "the model was not asked again");
+        // A different answer to the answered call is refused before the stream starts.
+        messages.pop();
+        messages.push(json!({"id": "t2", "role": "tool", "toolCallId": call, "content": r#"{"answer": "us"}"#}));
+        let response = api
+            .http
+            .post(format!("{}/v1/ag-ui/front", api.base))
+            .json(&json!({"threadId": thread, "runId": "r3", "messages": messages}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 409);
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"]["code"], "TOOL_CALL_ALREADY_ANSWERED");
+    });
+}
+
+/// A crash after the answer: the client's result is committed, and Keel is SIGKILLed while the
+/// continuation's model call is in flight. The restarted server continues the run from its
+/// checkpoint, once: the model sees the result once, there is one `resumed` and one
+/// `tool_finished`, and the same answer again gets the first answer (the stored response survived
+/// the crash) while another is refused.
+#[test]
+fn a_crash_after_a_client_tools_answer_continues_the_run_once() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    let rt = runtime();
+    let answer = |call: &str| json!({"callId": call, "result": {"answer": "hang-once"}, "idempotencyKey": "crash-1"});
+    let (run, call, first) = rt.block_on(async {
+        let conv = api.conversation(Some("front")).await;
+        let turn = api.say(&conv, r#"call ask_user {"question": "Which region?"}"#).await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        let call = turn["interrupt"]["payload"]["callId"].as_str().unwrap().to_owned();
+        let asked = model.requests().len();
+        let (status, first) = api.tool_result(&run, answer(&call)).await;
+        assert_eq!(status, 200, "{first}");
+        eventually("the continuation to reach the model", || async { (model.requests().len() > asked).then_some(()) })
+            .await;
+        (run, call, first)
+    });
+    let server = Serve::again(&server.kill());
+    let api = Api::new(&server);
+    rt.block_on(async {
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded");
+        assert_eq!(tool_messages(&model.requests(), "hang-once"), 1, "the model saw the result once");
+        let events = api.events(&run).await;
+        assert_eq!(events.iter().filter(|e| e["type"] == "resumed").count(), 1);
+        assert_eq!(events.iter().filter(|e| e["type"] == "tool_finished").count(), 1);
+        assert_eq!(events.iter().filter(|e| e["type"] == "done").count(), 1);
+        let (status, again) = api.tool_result(&run, answer(&call)).await;
+        assert_eq!((status, &again), (200, &first), "the first answer, after the crash");
+        let (status, other) = api
+            .tool_result(&run, json!({"callId": &call, "result": {"answer": "other"}, "idempotencyKey": "crash-2"}))
+            .await;
+        assert_eq!((status, other["error"]["code"].as_str()), (409, Some("TOOL_CALL_ALREADY_ANSWERED")));
+    });
+}
+
+/// One step with an `ask` client tool and an allowed one: the card first; once approved, the client
+/// is asked for each call in turn (one `tool_call` interrupt each), and the model gets both results.
+#[test]
+fn several_client_calls_of_one_step_are_asked_one_after_the_other() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let conv = api.conversation(Some("front")).await;
+        let turn = api
+            .say(&conv, r#"calls [["pick_file", {"pattern": "*.log"}], ["ask_user", {"question": "Which one?"}]]"#)
+            .await;
+        let run = turn["run"]["id"].as_str().unwrap().to_owned();
+        assert_eq!(turn["interrupt"]["kind"], "confirm_action", "{turn}");
+        let (status, resumed) =
+            api.resume(&run, turn["interrupt"]["id"].as_str().unwrap(), json!("approve"), None, "ok").await;
+        assert_eq!(status, 200, "{resumed}");
+        let mut answered = Vec::new();
+        for i in 0..2 {
+            let view = api.settled(&run).await;
+            let pending = &view["pendingInterrupt"];
+            assert_eq!(pending["kind"], "tool_call", "{view}");
+            let tool = pending["payload"]["tool"].as_str().unwrap().to_owned();
+            let call = pending["payload"]["callId"].as_str().unwrap().to_owned();
+            let result = if tool == "ask_user" { json!({"answer": "the second"}) } else { json!({"lines": 3}) };
+            let (status, body) = api
+                .tool_result(&run, json!({"callId": call, "result": result, "idempotencyKey": format!("step-{i}")}))
+                .await;
+            assert_eq!(status, 200, "{body}");
+            answered.push(tool);
+        }
+        answered.sort();
+        assert_eq!(answered, ["ask_user", "pick_file"]);
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        let told = model.requests().last().unwrap()["messages"].clone();
+        let results: Vec<&Value> = told.as_array().unwrap().iter().filter(|m| m["role"] == "tool").collect();
+        assert_eq!(results.len(), 2, "{told}");
+    });
+}
+
+/// An `ask` frontend tool over AG-UI: the first run ends with the approval interrupt; the resume
+/// ends with the call waiting for the client (success, the call in the snapshot without a result);
+/// a `tool` message answers it and the run completes.
+#[test]
+fn an_ask_frontend_tool_over_ag_ui_is_approved_then_answered() {
+    let dir = tempdir();
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &client_toml(&model.url));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let thread = format!("thread-ask-{}", std::process::id());
+        let question = json!({"id": "u1", "role": "user", "content": r#"call pick_file {"pattern": "*.log"}"#});
+        let first = ag_ui(&api, json!({"threadId": thread, "runId": "r1", "messages": [question]})).await;
+        let finished = first.last().unwrap();
+        assert_eq!(finished["outcome"]["type"], "interrupt", "{finished}");
+        let interrupt = &finished["outcome"]["interrupts"][0];
+        let call = interrupt["toolCallId"].as_str().unwrap().to_owned();
+        let snapshot = first.iter().rev().find(|e| e["type"] == "MESSAGES_SNAPSHOT").unwrap()["messages"].clone();
+        let resume = json!({"threadId": thread, "runId": "r2", "messages": snapshot,
+            "resume": [{"interruptId": interrupt["id"], "status": "resolved", "payload": {"approved": true}}]});
+        let second = ag_ui(&api, resume).await;
+        let types: Vec<&str> = second.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert_eq!(second.last().unwrap()["outcome"]["type"], "success", "{types:?}");
+        assert!(!types.contains(&"TOOL_CALL_RESULT") && !types.contains(&"TOOL_CALL_START"), "{types:?}");
+        let snapshot = second.iter().rev().find(|e| e["type"] == "MESSAGES_SNAPSHOT").unwrap()["messages"].clone();
+        assert!(snapshot.to_string().contains(&call), "the waiting call is in the snapshot");
+        let mut messages = snapshot.as_array().unwrap().clone();
+        messages.push(json!({"id": "t1", "role": "tool", "toolCallId": call, "content": r#"{"lines": 3}"#}));
+        let third = ag_ui(&api, json!({"threadId": thread, "runId": "r3", "messages": messages})).await;
+        let types: Vec<&str> = third.iter().map(|e| e["type"].as_str().unwrap()).collect();
+        assert!(types.contains(&"TOOL_CALL_RESULT"), "{types:?}");
+        assert_eq!(third.last().unwrap()["outcome"]["type"], "success", "{types:?}");
+    });
 }

@@ -149,6 +149,9 @@ fn expected_for(kind: InterruptKind) -> &'static str {
     match kind {
         InterruptKind::ConfirmAction => "\"approve\", \"reject\", {\"edit\": …} or {\"calls\": …}",
         InterruptKind::OutcomeUnknown => "\"retry\", \"mark_done\", \"mark_failed\" or {\"calls\": …}",
+        InterruptKind::ToolCall => {
+            "none: the client answers a tool_call interrupt with POST /v1/runs/{id}/tool-results"
+        }
         _ => "no decision this server's tools support",
     }
 }

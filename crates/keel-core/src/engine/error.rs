@@ -27,6 +27,14 @@ pub enum EngineError {
     InvalidArgs(String),
     #[error("{0}")]
     Invalid(String),
+    /// A tool result for a call that is not a client-side call of the run, or was not asked for.
+    #[error("{0}")]
+    UnknownCall(String),
+    /// A client-side call's result that breaks the tool's result schema (names the JSON path).
+    #[error("{0}")]
+    InvalidResult(String),
+    #[error("the tool call was already answered")]
+    ToolCallAlreadyAnswered,
     #[error("agentId: this server runs no such agent (GET /v1/agents lists them)")]
     UnknownAgent,
     #[error("the server is shutting down")]
@@ -64,6 +72,9 @@ impl EngineError {
         "INVALID_DECISION",
         "INVALID_ARGS",
         "VALIDATION_FAILED",
+        "UNKNOWN_CALL",
+        "INVALID_RESULT",
+        "TOOL_CALL_ALREADY_ANSWERED",
         "UNKNOWN_AGENT",
         "SHUTTING_DOWN",
         "OVERLOADED",
@@ -86,6 +97,9 @@ impl EngineError {
             EngineError::InvalidDecision(_) => "INVALID_DECISION",
             EngineError::InvalidArgs(_) => "INVALID_ARGS",
             EngineError::Invalid(_) => "VALIDATION_FAILED",
+            EngineError::UnknownCall(_) => "UNKNOWN_CALL",
+            EngineError::InvalidResult(_) => "INVALID_RESULT",
+            EngineError::ToolCallAlreadyAnswered => "TOOL_CALL_ALREADY_ANSWERED",
             EngineError::UnknownAgent => "UNKNOWN_AGENT",
             EngineError::ShuttingDown => "SHUTTING_DOWN",
             EngineError::Overloaded => "OVERLOADED",
@@ -117,6 +131,9 @@ mod tests {
             EngineError::InvalidDecision(String::new()),
             EngineError::InvalidArgs(String::new()),
             EngineError::Invalid(String::new()),
+            EngineError::UnknownCall(String::new()),
+            EngineError::InvalidResult(String::new()),
+            EngineError::ToolCallAlreadyAnswered,
             EngineError::UnknownAgent,
             EngineError::ShuttingDown,
             EngineError::Overloaded,

@@ -38,6 +38,7 @@ use crate::store::{
 use crate::stream::{run_events, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
 
+mod client;
 mod config;
 mod decision;
 mod error;
@@ -46,6 +47,7 @@ mod supervisor;
 mod tools;
 mod worker;
 
+pub use client::{ClientOutcome, ToolResultAccepted, ToolResultRequest};
 pub use config::{default_max_concurrent_runs, EngineConfig};
 use decision::per_call;
 pub use decision::{CallDecision, Decision};

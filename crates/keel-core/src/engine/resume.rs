@@ -32,7 +32,7 @@ pub struct ResumeAccepted {
 
 /// Whether a resume's answer is the stored answer of an earlier request with the same key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct Replayed(bool);
+pub(super) struct Replayed(pub(super) bool);
 
 impl Engine {
     /// A human's decision on a pending interrupt, in the order that makes it safe: authorize the
@@ -71,15 +71,7 @@ impl Engine {
             Some(i) if i.run_id == run.id => i,
             _ => return Err(EngineError::NotFound("interrupt")),
         };
-        if req.idempotency_key.is_empty() || req.idempotency_key.len() > 200 {
-            return Err(EngineError::Invalid("idempotencyKey: must be 1 to 200 characters".into()));
-        }
-        if looks_secret(&req.idempotency_key) {
-            // It would be stored and echoed in errors and logs: an id must not be a credential.
-            return Err(EngineError::Invalid(
-                "idempotencyKey: looks like a secret (a key, token or password); use an opaque id".into(),
-            ));
-        }
+        super::client::check_key(&req.idempotency_key)?;
         if let Some(note) = &req.note {
             if note.chars().count() > MAX_NOTE_CHARS || note.contains('\0') {
                 return Err(EngineError::Invalid(format!(
@@ -211,6 +203,9 @@ impl Engine {
                 }
             }
         }
+        // The step's other open calls (asked about next, or client-side calls not asked yet) stay
+        // pending after the decided ones.
+        pending.extend(run.checkpoint.pending_call_ids.iter().filter(|id| !interrupt.call_ids.contains(id)).cloned());
         let mut checkpoint = run.checkpoint.clone();
         checkpoint.next_step = NextStep::ExecuteTools;
         checkpoint.pending_call_ids = pending;
@@ -232,6 +227,29 @@ impl Engine {
             expires_at: now + chrono::Duration::hours(24),
         });
 
+        let resumed_sequence = self.commit_claim(run, interrupt, commit, owner).await?;
+        if resumed_sequence != accepted.resumed_sequence {
+            // Can't happen under the fence; if it ever does, the stored answer is corrected.
+            tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
+            let accepted = ResumeAccepted { resumed_sequence, ..accepted };
+            let body = serde_json::to_value(&accepted).unwrap_or(Value::Null);
+            inner.store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
+            return Ok(accepted);
+        }
+        Ok(accepted)
+    }
+
+    /// Commits a claim of `interrupt` (a commit fenced on the run being `interrupted`, which
+    /// resolves the interrupt), then continues the run in a worker. Of concurrent claims exactly
+    /// one commits; the others get the error that says why. Answers the `resumed` event's sequence.
+    pub(super) async fn commit_claim(
+        &self,
+        run: &Run,
+        interrupt: &Interrupt,
+        commit: Commit,
+        owner: String,
+    ) -> EngineResult<i64> {
+        let inner = &self.inner;
         // A slot for the worker that continues the run, taken before the claim so that a run this
         // instance has no room for is not left leased to it.
         let slot = inner.capacity.try_take();
@@ -272,15 +290,7 @@ impl Engine {
                 }
             }
         }
-        if resumed_sequence != accepted.resumed_sequence {
-            // Can't happen under the fence; if it ever does, the stored answer is corrected.
-            tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
-            let accepted = ResumeAccepted { resumed_sequence, ..accepted };
-            let body = serde_json::to_value(&accepted).unwrap_or(Value::Null);
-            inner.store.idempotency_complete(user_id, &req.idempotency_key, 200, &body).await?;
-            return Ok(accepted);
-        }
-        Ok(accepted)
+        Ok(resumed_sequence)
     }
 }
 

@@ -315,6 +315,9 @@ impl Inner {
         for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Asking) {
             deny_call(&mut commit, &run, call, "the approval request expired; it did not run", now);
         }
+        for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Suspended) {
+            fail_unanswered(&mut commit, &run, call, "the client did not answer before the request expired", now);
+        }
         commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt_expired".into()) });
         commit.events.push(EventKind::Cancelled { reason: "interrupt_expired".into() });
         match self.store.commit(commit).await {
@@ -353,6 +356,11 @@ impl Inner {
             for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Asking)
             {
                 deny_call(&mut commit, &run, call, "the run was cancelled; it did not run", now);
+            }
+            for call in
+                calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Suspended)
+            {
+                fail_unanswered(&mut commit, &run, call, "the run was cancelled before the client answered", now);
             }
         }
         commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()) });

@@ -12,6 +12,8 @@ pub(super) enum Ask {
     Approval,
     /// It may or may not have happened: retry with the same key, mark done, mark failed.
     OutcomeUnknown,
+    /// A client-side tool's call, allowed: the client runs it and answers with its result.
+    ClientTool,
 }
 
 /// One attempt's end, before it is recorded.
@@ -70,10 +72,21 @@ impl Worker {
                             let mut c = self.new_commit();
                             c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Allowed));
                             self.commit(c).await?;
-                            to_run.push(ToolCall { state: ToolCallState::Allowed, ..call });
+                            let call = ToolCall { state: ToolCallState::Allowed, ..call };
+                            if tool.client_side().is_some() {
+                                to_ask.push((call, Ask::ClientTool));
+                            } else {
+                                to_run.push(call);
+                            }
                         }
                         Policy::Ask => to_ask.push((call, Ask::Approval)),
                     }
+                }
+                // Allowed (by policy or a human), or asked and not answered: the client is asked.
+                ToolCallState::Allowed | ToolCallState::Suspended
+                    if tool.as_ref().is_some_and(|t| t.client_side().is_some()) =>
+                {
+                    to_ask.push((call, Ask::ClientTool))
                 }
                 ToolCallState::Allowed => to_run.push(call),
                 ToolCallState::Executing => {
@@ -116,11 +129,17 @@ impl Worker {
 
         if !to_ask.is_empty() {
             // One interrupt asks one kind of question: calls whose outcome is unknown first; calls
-            // waiting for an approval are asked about once those are decided.
-            let kind =
-                if to_ask.iter().any(|(_, a)| *a == Ask::OutcomeUnknown) { Ask::OutcomeUnknown } else { Ask::Approval };
-            let (asked, later): (Vec<_>, Vec<_>) = to_ask.into_iter().partition(|(_, a)| *a == kind);
-            let later: Vec<ToolCall> = later.into_iter().map(|(c, _)| c).collect();
+            // waiting for an approval are asked about once those are decided; then client-side
+            // calls, one per interrupt (each is answered on its own, by its call id).
+            let kind = [Ask::OutcomeUnknown, Ask::Approval, Ask::ClientTool]
+                .into_iter()
+                .find(|k| to_ask.iter().any(|(_, a)| a == k))
+                .unwrap_or(Ask::Approval);
+            let (mut asked, later): (Vec<_>, Vec<_>) = to_ask.into_iter().partition(|(_, a)| *a == kind);
+            let mut later: Vec<ToolCall> = later.into_iter().map(|(c, _)| c).collect();
+            if kind == Ask::ClientTool {
+                later.extend(asked.split_off(1).into_iter().map(|(c, _)| c));
+            }
             self.pause_for(asked.into_iter().map(|(c, _)| c).collect(), kind, later, started).await?;
             return Ok(false);
         }
@@ -384,6 +403,9 @@ impl Worker {
         later: Vec<ToolCall>,
         tools_started: Instant,
     ) -> Result<(), StoreError> {
+        if ask == Ask::ClientTool {
+            return self.pause_for_client(calls, later, tools_started).await;
+        }
         let now = self.now();
         let expires_at = now + chrono_dur(self.inner.config.interrupt_ttl);
         let mut c = self.new_commit();
@@ -466,6 +488,122 @@ impl Worker {
         c.checkpoint = Some(cp);
         self.commit(c).await.map(|_| ())
     }
+
+    /// Hands a client-side call to the client: the call starts (`executing`, its one attempt,
+    /// `tool_started`) and is `suspended` until the client's answer, under a `tool_call` interrupt
+    /// whose payload carries its id, name and arguments — one transaction, like any pause.
+    async fn pause_for_client(
+        &mut self,
+        calls: Vec<ToolCall>,
+        later: Vec<ToolCall>,
+        tools_started: Instant,
+    ) -> Result<(), StoreError> {
+        let now = self.now();
+        let mut c = self.new_commit();
+        let mut actions = Vec::new();
+        let mut answer_within = self.inner.config.interrupt_ttl;
+        for call in &calls {
+            let tool = self.agent.tools.get(&call.name);
+            if let Some(within) = tool.and_then(|t| t.client_side()).and_then(|s| s.answer_within) {
+                answer_within = answer_within.min(within);
+            }
+            if call.state == ToolCallState::Allowed {
+                c.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+                    started_at: Some(now),
+                    attempts: Some(call.attempts + 1),
+                    ..ToolCallUpdate::new(&call.id, call.state, ToolCallState::Executing)
+                }));
+                c.tool_calls.push(ToolCallChange::transition(
+                    &call.id,
+                    ToolCallState::Executing,
+                    ToolCallState::Suspended,
+                ));
+                c.events.push(EventKind::ToolStarted {
+                    call_id: call.id.clone(),
+                    tool: call.name.clone(),
+                    args_summary: args_summary(&call.args),
+                });
+            }
+            let spec = tool.map(|t| t.spec());
+            actions.push(json!({
+                "callId": call.id,
+                "tool": call.name,
+                "args": call.args,
+                "description": spec.map(|s| s.description.clone()),
+                "argsSchema": spec.map(|s| s.parameters.clone()),
+                "resultSchema": spec.and_then(|s| s.result_schema.clone()),
+            }));
+        }
+        for call in &later {
+            if call.state == ToolCallState::Requested {
+                c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Asking));
+            }
+        }
+        let expires_at = now + chrono_dur(answer_within);
+        let first = calls.first();
+        let payload = Masked::new(json!({
+            "title": format!("Waiting for {}", first.map(|c| c.name.as_str()).unwrap_or("the client")),
+            "callId": first.map(|c| c.id.clone()),
+            "tool": first.map(|c| c.name.clone()),
+            "args": first.map(|c| c.args.clone()),
+            "actions": actions,
+            "outcomeUnknown": false,
+            "decisions": [],
+        }));
+        let interrupt = Interrupt {
+            id: InterruptId::new(),
+            run_id: self.run.id.clone(),
+            kind: InterruptKind::ToolCall,
+            status: InterruptStatus::Pending,
+            payload: payload.clone(),
+            call_ids: calls.iter().map(|c| c.id.clone()).collect(),
+            created_at: now,
+            expires_at,
+            decision: None,
+            note: None,
+            resolved_by: None,
+            resolved_at: None,
+        };
+        c.events.push(EventKind::NodeFinished {
+            node: nodes::TOOLS.into(),
+            duration_ms: tools_started.elapsed().as_millis() as u64,
+        });
+        c.events.push(EventKind::NodeStarted { node: nodes::APPROVAL.into() });
+        c.events.push(EventKind::Interrupt {
+            interrupt_id: interrupt.id.clone(),
+            kind: interrupt.kind,
+            payload,
+            expires_at,
+        });
+        c.new_interrupts.push(interrupt.clone());
+        c.run = Some(RunChange { to: RunStatus::Interrupted, reason: None });
+        let mut cp = self.run.checkpoint.clone();
+        cp.next_step = NextStep::AwaitInterrupt;
+        cp.pending_call_ids = interrupt.call_ids.iter().cloned().chain(later.iter().map(|c| c.id.clone())).collect();
+        c.checkpoint = Some(cp);
+        self.commit(c).await.map(|_| ())
+    }
+}
+
+/// A client-side call that will get no answer (its interrupt expired, or the run was cancelled):
+/// it failed, and the model would be told why.
+pub(super) fn fail_unanswered(commit: &mut Commit, run: &Run, call: &ToolCall, reason: &str, now: Timestamp) {
+    let reason = Masked::from(reason);
+    let result = Masked::new(json!({"status": "error", "code": "unanswered", "error": reason}));
+    commit.tool_calls.push(ToolCallChange::Update(ToolCallUpdate {
+        result: Some(result.clone()),
+        summary: Some(reason.clone()),
+        finished_at: Some(now),
+        ..ToolCallUpdate::new(&call.id, call.state, ToolCallState::Failed)
+    }));
+    commit.messages.push(tool_message(run, &call.id, &result, now));
+    commit.events.push(EventKind::ToolFinished {
+        call_id: call.id.clone(),
+        tool: call.name.clone(),
+        status: ToolOutcomeStatus::Error,
+        summary: reason,
+        error_code: Some("unanswered".to_owned()),
+    });
 }
 
 /// A denied call: the synthetic result the model sees, and the events the client sees.

@@ -32,12 +32,19 @@ pub struct RunAgentInput {
 }
 
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
 pub struct InputMessage {
     #[schema(min_length = 1, max_length = 200)]
     pub id: String,
     pub role: String,
     #[serde(default)]
     pub content: Option<Value>,
+    /// A `tool` message's call: the answer to a client-side tool's call.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message's error: the client could not run the call.
+    #[serde(default)]
+    pub error: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, utoipa::ToSchema)]
@@ -86,6 +93,38 @@ impl RunAgentInput {
         })?;
         Ok(Some((m.id.as_str(), text)))
     }
+}
+
+impl RunAgentInput {
+    /// The `tool` messages the input ends with, newest first: what a client appends after running
+    /// a frontend tool.
+    pub fn trailing_tool_messages(&self) -> impl Iterator<Item = &InputMessage> {
+        self.messages.iter().rev().take_while(|m| m.role == "tool")
+    }
+}
+
+impl InputMessage {
+    /// A `tool` message as a client-side call's result: its `error` if it has one, else its
+    /// content — JSON when it parses as JSON (AG-UI carries results as strings), else the string.
+    pub fn tool_outcome(&self) -> Result<(Option<Value>, Option<String>), String> {
+        if let Some(error) = &self.error {
+            return Ok((None, Some(error.clone())));
+        }
+        match &self.content {
+            Some(Value::String(text)) => {
+                Ok((Some(serde_json::from_str(text).unwrap_or_else(|_| Value::String(text.clone()))), None))
+            }
+            _ => Err("a tool message's content: must be a string".into()),
+        }
+    }
+}
+
+/// The idempotency key of a `tool` message's answer: the same answer to the same call is the same
+/// request, whichever input carries it.
+pub fn tool_answer_key(call: &CallId, result: &Option<Value>, error: &Option<String>) -> String {
+    let digest = Sha256::digest(json!({"result": result, "error": error}).to_string().as_bytes());
+    let hex: String = digest.iter().take(12).map(|b| format!("{b:02x}")).collect();
+    format!("ag-ui:{call}:{hex}")
 }
 
 /// A client's id is stored (thread and message bindings) and echoed (`RUN_STARTED`): one that looks

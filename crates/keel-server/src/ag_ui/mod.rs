@@ -15,7 +15,7 @@ pub mod input;
 use std::collections::HashSet;
 
 use keel_core::mask::mask_value;
-use keel_core::{fact_map, CallId, Event, EventKind, Fact, Message, Role, ToolCall};
+use keel_core::{fact_map, CallId, Event, EventKind, Fact, InterruptKind, Message, Role, ToolCall};
 use serde_json::{json, Map, Value};
 
 /// The id of the AG-UI tool message that carries a call's result. Keel's tool messages hold the
@@ -252,6 +252,21 @@ impl Mapper {
             }
             EventKind::FactsUpdated { facts } => {
                 out.push(json!({"type": "STATE_SNAPSHOT", "snapshot": state(facts), "timestamp": ts}));
+            }
+            EventKind::Interrupt { kind: InterruptKind::ToolCall, payload, .. } => {
+                // A frontend tool's call: announced, and the run ends as AG-UI has it — the client
+                // runs the tool and sends its result as a `tool` message in the next input.
+                self.close_text(&mut out, ts);
+                for action in payload.get("actions").and_then(Value::as_array).into_iter().flatten() {
+                    if let (Some(call_id), Some(tool)) =
+                        (action.get("callId").and_then(Value::as_str), action.get("tool").and_then(Value::as_str))
+                    {
+                        self.announce(&mut out, call_id, tool, action.get("args"), ts);
+                    }
+                }
+                self.close_all(&mut out, ts);
+                self.snapshots(&mut out, lookup.snapshot, true, ts);
+                out.push(self.run_finished(json!({"type": "success"}), ts));
             }
             EventKind::Interrupt { interrupt_id, payload, expires_at, .. } => {
                 self.close_text(&mut out, ts);

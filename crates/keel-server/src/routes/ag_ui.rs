@@ -1,9 +1,10 @@
 //! `POST /v1/ag-ui` (and `/v1/ag-ui/{agent}`): AG-UI 1.0 over SSE, a view of a Keel run.
 //!
-//! A `RunAgentInput` either starts a turn (its last user message is new to Keel) or answers the
-//! interrupt a previous AG-UI run ended with (`resume`), through the same engine calls as the REST
-//! routes. The response maps the run's stored-then-live events (`Engine::events`, the source of the
-//! native SSE stream) through [`crate::ag_ui::Mapper`]. docs/ag-ui.md has the details.
+//! A `RunAgentInput` either starts a turn (its last user message is new to Keel), answers the
+//! interrupt a previous AG-UI run ended with (`resume`), or answers a frontend tool's call (a `tool`
+//! message at its end), through the same engine calls as the REST routes. The response maps the
+//! run's stored-then-live events (`Engine::events`, the source of the native SSE stream) through
+//! [`crate::ag_ui::Mapper`]. docs/ag-ui.md has the details.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -13,7 +14,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::response::Response;
 use futures::StreamExt;
-use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage};
+use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage, ToolResultAccepted, ToolResultRequest};
 use keel_core::stream::Until;
 use keel_core::{CallId, Conversation, ConversationId, Event, EventKind, MessageId, RunId};
 use serde_json::{json, Value};
@@ -49,9 +50,9 @@ pub const MESSAGES: &str = "ag_ui.message";
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
         (status = 404, description = "`NOT_FOUND`: the thread is another user's; an unknown interrupt", body = ErrorBody),
-        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`, `TOOL_CALL_ALREADY_ANSWERED`", body = ErrorBody),
         (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `INVALID_DECISION`, `INVALID_ARGS`, `INVALID_RESULT` (a frontend tool's result)", body = ErrorBody),
         (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
     )
 )]
@@ -78,9 +79,9 @@ pub async fn run(
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
         (status = 404, description = "`NOT_FOUND`: no such agent; the thread is another user's; an unknown interrupt", body = ErrorBody),
-        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`, `RUN_NOT_INTERRUPTED`, `INTERRUPT_ALREADY_RESOLVED`, `TOOL_CALL_ALREADY_ANSWERED`", body = ErrorBody),
         (status = 410, description = "`INTERRUPT_EXPIRED`", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED` (also: the thread's conversation talks to another agent), `INVALID_DECISION`, `INVALID_ARGS`", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED` (also: the thread's conversation talks to another agent), `INVALID_DECISION`, `INVALID_ARGS`, `INVALID_RESULT` (a frontend tool's result)", body = ErrorBody),
         (status = 403, description = "`FORBIDDEN`: the caller's role may not decide this", body = ErrorBody),
     )
 )]
@@ -150,6 +151,13 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput, agent: Opt
         return Ok(stream(&state, permit, &input, conversation.id, run.id, after, Some(snapshot)));
     }
 
+    if let Some(answered) = tool_answer(&state, &caller, &input, agent.as_deref()).await? {
+        let (conversation, run_id, accepted) = answered;
+        let snapshot = snapshot(&state, &conversation).await?;
+        let after = (accepted.resumed_sequence - 1).max(0);
+        return Ok(stream(&state, permit, &input, conversation, run_id, after, Some(snapshot)));
+    }
+
     let conversation =
         thread_conversation(&state, &caller, &input, agent.as_deref(), true).await?.ok_or_else(ApiError::not_found)?;
     let (client_id, content) = input
@@ -164,6 +172,39 @@ async fn start(state: AppState, caller: Caller, input: RunAgentInput, agent: Opt
         engine.send_message(&caller.0, &conversation.id, SendMessage { content, cancel_on_disconnect: false }).await?;
     store.bind(MESSAGES, conversation.id.as_str(), client_id, started.message.id.as_str(), engine.now()).await?;
     Ok(stream(&state, permit, &input, conversation.id, started.run.id, 0, None))
+}
+
+/// A frontend tool's answer: the input ends with `tool` messages, and one of them (the newest)
+/// answers a client-side call of the thread's conversation. It goes through
+/// `Engine::submit_tool_result` with a key derived from the call and the answer, so the same
+/// input again gets the first answer and continues nothing twice.
+async fn tool_answer(
+    state: &AppState,
+    caller: &Caller,
+    input: &RunAgentInput,
+    agent: Option<&str>,
+) -> ApiResult<Option<(ConversationId, RunId, ToolResultAccepted)>> {
+    if input.trailing_tool_messages().next().is_none() {
+        return Ok(None);
+    }
+    let Some(conversation) = thread_conversation(state, caller, input, agent, false).await? else { return Ok(None) };
+    let engine = &state.engine;
+    let Some(agent) = engine.agent_of(&conversation) else { return Ok(None) };
+    let calls = engine.store().list_conversation_tool_calls(&conversation.id).await?;
+    for message in input.trailing_tool_messages() {
+        let Some(tool_call_id) = &message.tool_call_id else { continue };
+        let Some(call) = calls.iter().find(|c| c.id.as_str() == tool_call_id) else { continue };
+        if agent.tools.get(&call.name).and_then(|t| t.client_side()).is_none() {
+            continue;
+        }
+        let (result, error) = message.tool_outcome().map_err(ApiError::validation)?;
+        let idempotency_key = input::tool_answer_key(&call.id, &result, &error);
+        let outcome = super::runs::client_outcome(result, error)?;
+        let request = ToolResultRequest { call_id: call.id.to_string(), outcome, idempotency_key };
+        let accepted = engine.submit_tool_result(&caller.0, &call.run_id, request).await?;
+        return Ok(Some((conversation.id.clone(), call.run_id.clone(), accepted)));
+    }
+    Ok(None)
 }
 
 /// The conversation of `threadId`: a Keel conversation id as it is; any other thread id through its

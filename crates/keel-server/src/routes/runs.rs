@@ -4,10 +4,13 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::engine::{Decision, EngineError, ResumeAccepted, ResumeRequest};
+use keel_core::engine::{
+    ClientOutcome, Decision, EngineError, ResumeAccepted, ResumeRequest, ToolResultAccepted, ToolResultRequest,
+};
 use keel_core::stream::Until;
-use keel_core::wire::{ResumeBody, RunList, RunSummary};
+use keel_core::wire::{ResumeBody, RunList, RunSummary, ToolResultBody};
 use keel_core::{InterruptId, RunId, RunStatus, TicketScope};
+use serde_json::Value;
 
 use crate::auth::ticket_created;
 use crate::error::{ApiError, ApiResult};
@@ -204,19 +207,7 @@ pub async fn resume(
         Some(d) if !d.is_null() => d,
         _ => return Err(ApiError::validation("decision: required")),
     };
-    let header_key = match headers.get("idempotency-key") {
-        Some(v) => Some(v.to_str().map_err(|_| ApiError::validation("Idempotency-Key: must be visible ASCII"))?),
-        None => None,
-    };
-    let idempotency_key = match (body.idempotency_key.as_deref(), header_key) {
-        (Some(body), Some(header)) if body != header => {
-            return Err(ApiError::validation("idempotencyKey and the Idempotency-Key header differ"))
-        }
-        (Some(key), _) | (None, Some(key)) => key.to_owned(),
-        (None, None) => {
-            return Err(ApiError::validation("idempotencyKey: required (in the body or an Idempotency-Key header)"))
-        }
-    };
+    let idempotency_key = idempotency_key(body.idempotency_key.as_deref(), &headers)?;
     let decision = Decision::parse(&decision).map_err(|e| ApiError::from(EngineError::InvalidDecision(e)))?;
     let request = ResumeRequest { interrupt_id, decision, idempotency_key, note: body.note };
     // A stream's slot is taken before the resume, so a refused stream resumes nothing.
@@ -231,6 +222,108 @@ pub async fn resume(
         return Ok(Json(ResumeOrTurn::Turn(Box::new(ResumedTurn { turn, resume: accepted }))).into_response());
     }
     Ok((StatusCode::OK, Json(ResumeOrTurn::Accepted(accepted))).into_response())
+}
+
+/// The key of a resume or a tool result: in the body or an `Idempotency-Key` header (both: equal).
+fn idempotency_key(in_body: Option<&str>, headers: &HeaderMap) -> Result<String, ApiError> {
+    let header_key = match headers.get("idempotency-key") {
+        Some(v) => Some(v.to_str().map_err(|_| ApiError::validation("Idempotency-Key: must be visible ASCII"))?),
+        None => None,
+    };
+    match (in_body, header_key) {
+        (Some(body), Some(header)) if body != header => {
+            Err(ApiError::validation("idempotencyKey and the Idempotency-Key header differ"))
+        }
+        (Some(key), _) | (None, Some(key)) => Ok(key.to_owned()),
+        (None, None) => {
+            Err(ApiError::validation("idempotencyKey: required (in the body or an Idempotency-Key header)"))
+        }
+    }
+}
+
+/// The result of a client-side tool's call (a `tool_call` interrupt), or the error the client got
+/// running it; the run continues once, whoever sends it how often. Same negotiation as a resume.
+#[utoipa::path(
+    post,
+    path = "/v1/runs/{id}/tool-results",
+    operation_id = "submitToolResult",
+    tag = "runs",
+    params(
+        ("id" = RunId, Path, description = "The run"),
+        ("wait" = Option<bool>, Query, description = "Answer with the turn once the run pauses or ends"),
+        ("Idempotency-Key" = Option<String>, Header, description = "Instead of `idempotencyKey` in the body"),
+    ),
+    request_body = ToolResultBody,
+    responses(
+        (status = 200, description = "The answer; `?wait=true`: the turn with it; \
+            `Accept: text/event-stream`: the run's events from `resumed` until it pauses or ends",
+            content(
+                (ToolResultOrTurn = "application/json"),
+                (RunEventFrame = "text/event-stream"),
+            )),
+        (status = 400, description = "`MALFORMED_JSON`, `JSON_TOO_DEEP`, `INVALID_BODY`, `INVALID_QUERY`", body = ErrorBody),
+        (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
+        (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
+        (status = 403, description = "`FORBIDDEN`: the caller's role may not use this tool", body = ErrorBody),
+        (status = 404, description = "`RUN_NOT_FOUND`", body = ErrorBody),
+        (status = 409, description = "`TOOL_CALL_ALREADY_ANSWERED` (another answer, or a cancel, came first), `RUN_NOT_INTERRUPTED`, `IDEMPOTENCY_KEY_IN_FLIGHT`", body = ErrorBody),
+        (status = 410, description = "`INTERRUPT_EXPIRED`: the client answered too late; the run was cancelled", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED`, `UNKNOWN_CALL`, `INVALID_RESULT` (names the JSON path), `IDEMPOTENCY_KEY_REUSED`", body = ErrorBody),
+    )
+)]
+pub async fn tool_result(
+    State(state): State<AppState>,
+    caller: Caller,
+    RunPath(id): RunPath,
+    params: Params,
+    headers: HeaderMap,
+    ApiJson(body): ApiJson<ToolResultBody>,
+) -> ApiResult<Response> {
+    let wait = params.flag("wait")?;
+    let outcome = client_outcome(body.result, body.error)?;
+    let idempotency_key = idempotency_key(body.idempotency_key.as_deref(), &headers)?;
+    let request = ToolResultRequest { call_id: body.call_id, outcome, idempotency_key };
+    // A stream's slot is taken before the answer, so a refused stream answers nothing.
+    let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
+    let accepted = state.engine.submit_tool_result(&caller.0, &id, request).await?;
+    let after = (accepted.resumed_sequence - 1).max(0);
+    if let Some(permit) = permit {
+        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal));
+    }
+    if wait {
+        let turn = super::settle_turn(&state, &caller, &id, after).await?;
+        return Ok(
+            Json(ToolResultOrTurn::Turn(Box::new(ToolResultTurn { turn, tool_result: accepted }))).into_response()
+        );
+    }
+    Ok((StatusCode::OK, Json(ToolResultOrTurn::Accepted(accepted))).into_response())
+}
+
+/// A tool result's `result` or `error`: exactly one (the WebSocket's `tool_result` too).
+pub(crate) fn client_outcome(result: Option<Value>, error: Option<String>) -> Result<ClientOutcome, ApiError> {
+    match (result, error) {
+        (Some(result), None) if !result.is_null() => Ok(ClientOutcome::Result(result)),
+        (None, Some(error)) if (1..=2000).contains(&error.chars().count()) => Ok(ClientOutcome::Error(error)),
+        (None, Some(_)) => Err(ApiError::validation("error: must be 1 to 2000 characters")),
+        _ => Err(ApiError::validation("result or error: exactly one is required (a result is not null)")),
+    }
+}
+
+/// What `POST /v1/runs/{id}/tool-results` answers with as JSON.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[serde(untagged)]
+enum ToolResultOrTurn {
+    Accepted(ToolResultAccepted),
+    Turn(Box<ToolResultTurn>),
+}
+
+/// `?wait=true`: the turn once the run pauses or ends, and the tool result's answer.
+#[derive(serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+struct ToolResultTurn {
+    #[serde(flatten)]
+    turn: keel_core::wire::TurnBody,
+    tool_result: ToolResultAccepted,
 }
 
 /// Durable cancel; answers with the run as it is now.

@@ -1,5 +1,5 @@
 //! `GET /v1/ws`: one WebSocket for many runs — subscribe to runs' events, send messages, resume,
-//! cancel — through the same engine calls as the REST routes.
+//! answer client-side tool calls, cancel — through the same engine calls as the REST routes.
 //!
 //! Client messages are JSON text frames with a `type` and an optional `requestId`; the server sends
 //! the runs' native events (the JSON of the SSE `data:` lines) and one `reply` per request, with its
@@ -19,7 +19,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
-use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage};
+use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage, ToolResultRequest};
 use keel_core::stream::Until;
 use keel_core::{ConversationId, InterruptId, RunId};
 use serde::Deserialize;
@@ -115,6 +115,18 @@ enum Request {
         idempotency_key: String,
         #[serde(default)]
         note: Option<String>,
+        #[serde(default)]
+        request_id: Option<Value>,
+    },
+    /// A client-side call's result or error, as `POST /v1/runs/{id}/tool-results`.
+    ToolResult {
+        run_id: String,
+        call_id: String,
+        #[serde(default)]
+        result: Option<Value>,
+        #[serde(default)]
+        error: Option<String>,
+        idempotency_key: String,
         #[serde(default)]
         request_id: Option<Value>,
     },
@@ -411,6 +423,17 @@ async fn handle(
                     Decision::parse(&decision).map_err(|e| ApiError::from(EngineError::InvalidDecision(e)))?;
                 let request = ResumeRequest { interrupt_id, decision, idempotency_key, note };
                 let accepted = engine.resume(&caller.0, &run_id, request).await?;
+                serde_json::to_value(accepted).map_err(|e| ApiError::internal(&e))
+            }
+            .await;
+            outbox.reply(&request_id, outcome).await;
+        }
+        Request::ToolResult { run_id, call_id, result, error, idempotency_key, request_id } => {
+            let outcome = async {
+                let run_id = parse_run(&run_id)?;
+                let outcome = super::runs::client_outcome(result, error)?;
+                let request = ToolResultRequest { call_id, outcome, idempotency_key };
+                let accepted = engine.submit_tool_result(&caller.0, &run_id, request).await?;
                 serde_json::to_value(accepted).map_err(|e| ApiError::internal(&e))
             }
             .await;

@@ -229,6 +229,14 @@ async fn bad_requests_get_error_replies() {
             json!({"type": "resume", "requestId": "b8", "runId": run, "interruptId": "int_nope", "decision": "approve", "idempotencyKey": "k"}),
             "INTERRUPT_NOT_FOUND",
         ),
+        (
+            json!({"type": "tool_result", "requestId": "b9", "runId": run, "callId": "call_nope", "result": {}, "idempotencyKey": "k"}),
+            "UNKNOWN_CALL",
+        ),
+        (
+            json!({"type": "tool_result", "requestId": "b10", "runId": run, "callId": "call_nope", "idempotencyKey": "k"}),
+            "VALIDATION_FAILED",
+        ),
     ];
     for (request, code) in cases {
         let id = request["requestId"].as_str().unwrap().to_owned();

@@ -3,13 +3,15 @@
 //! user of a keyless server.
 //!
 //! The mock model: a user message `call TOOL {json}` makes it call TOOL with those arguments (the
-//! call id always `call_0`, as some models number their calls); after a tool result it answers
-//! `tool said: <the result>`; anything else gets `hello`.
+//! call id always `call_0`, as some models number their calls), `calls [[TOOL, {json}], …]` makes
+//! it call several at once; after a tool result it answers `tool said: <the result>` (a result
+//! holding `hang-once` is held the first time, for a crash test); anything else gets `hello`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
@@ -65,6 +67,9 @@ pub fn read_request(socket: &mut TcpStream) -> Option<Vec<u8>> {
     Some(body)
 }
 
+/// Whether the model already held a `hang-once` continuation (see [`answer`]).
+static HUNG_ONCE: AtomicBool = AtomicBool::new(false);
+
 pub fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
     let Some(body) = read_request(&mut socket) else { return };
     let request: Value = serde_json::from_slice(&body).unwrap_or_default();
@@ -75,7 +80,25 @@ pub fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
     };
     let content = last["content"].as_str().unwrap_or("");
-    let chunks = if last["role"] == "tool" {
+    if last["role"] == "tool" && content.contains("hang-once") && !HUNG_ONCE.swap(true, Ordering::SeqCst) {
+        // Holds the first continuation after a result that asks for it, so a test can kill Keel
+        // while the run continues; every later request is answered.
+        std::thread::sleep(std::time::Duration::from_secs(60));
+        return;
+    }
+    let several: Option<Vec<(String, Value)>> =
+        content.strip_prefix("calls ").and_then(|rest| serde_json::from_str(rest).ok());
+    let chunks = if let Some(calls) = several.filter(|_| last["role"] == "user") {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(i, (tool, args))| {
+                json!({"index": i, "id": format!("call_{i}"), "type": "function",
+                       "function": {"name": tool, "arguments": args.to_string()}})
+            })
+            .collect();
+        vec![chunk(json!({"tool_calls": calls}), Value::Null), chunk(json!({}), "tool_calls".into())]
+    } else if last["role"] == "tool" {
         vec![chunk(json!({"content": format!("tool said: {content}")}), Value::Null), chunk(json!({}), "stop".into())]
     } else if let Some((tool, args)) = content.strip_prefix("call ").and_then(|rest| rest.split_once(' ')) {
         vec![
