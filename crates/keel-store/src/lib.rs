@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod conformance;
+mod fence;
 mod postgres;
 mod sqlite;
 

@@ -699,21 +699,7 @@ async fn fence_refusal(conn: &mut PgConnection, c: &Commit) -> StoreError {
         Ok(None) => return StoreError::NotFound("run"),
         Err(e) => return db("fence the run")(e),
     };
-    let current = RunStatus::parse(&status);
-    let fenced = match (&c.fence, current) {
-        (Fence::Lease { owner: mine, .. }, Some(s)) => s.is_active() && owner.as_deref() == Some(mine.as_str()),
-        (Fence::Acquire { from, .. } | Fence::Unowned { from }, Some(s)) => from.contains(&s),
-        (_, None) => false,
-    };
-    if let (true, Some(from), Some(change)) = (fenced, current, &c.run) {
-        return StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to));
-    }
-    StoreError::Conflict(match &c.fence {
-        Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
-        Fence::Acquire { from, .. } | Fence::Unowned { from } => {
-            format!("run {} is {status}, not {}", c.run_id, status_list(from))
-        }
-    })
+    crate::fence::refusal(c, &status, owner.as_deref())
 }
 
 async fn append_text(

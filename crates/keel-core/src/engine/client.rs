@@ -51,18 +51,7 @@ impl Engine {
         req: ToolResultRequest,
     ) -> EngineResult<ToolResultAccepted> {
         let outcome = self.submit_tool_result_once(user_id, run_id, req).await;
-        let metrics = &self.inner.config.metrics;
-        match &outcome {
-            Ok((_, Replayed(true))) => metrics.resume("REPLAYED"),
-            Ok(_) => metrics.resume("OK"),
-            Err(e) => {
-                if let EngineError::Store(StoreError::Backend(_)) = e {
-                    metrics.store_error("tool_result");
-                }
-                metrics.resume(e.code())
-            }
-        }
-        outcome.map(|(accepted, _)| accepted)
+        self.count_answer("tool_result", outcome)
     }
 
     async fn submit_tool_result_once(

@@ -41,13 +41,19 @@ impl Engine {
     /// happen in the worker, after a precheck and a conditional claim of each call.
     pub async fn resume(&self, user_id: &str, run_id: &RunId, req: ResumeRequest) -> EngineResult<ResumeAccepted> {
         let outcome = self.resume_once(user_id, run_id, req).await;
+        self.count_answer("resume", outcome)
+    }
+
+    /// Counts an answer to an interrupt (a decision, a client tool's result) in the metrics: a
+    /// replay, a success, or its error code; a store failure under `op` too.
+    pub(super) fn count_answer<T>(&self, op: &'static str, outcome: EngineResult<(T, Replayed)>) -> EngineResult<T> {
         let metrics = &self.inner.config.metrics;
         match &outcome {
             Ok((_, Replayed(true))) => metrics.resume("REPLAYED"),
             Ok(_) => metrics.resume("OK"),
             Err(e) => {
                 if let EngineError::Store(StoreError::Backend(_)) = e {
-                    metrics.store_error("resume");
+                    metrics.store_error(op);
                 }
                 metrics.resume(e.code())
             }

@@ -406,9 +406,10 @@ impl Worker {
         if ask == Ask::ClientTool {
             return self.pause_for_client(calls, later, tools_started).await;
         }
-        let now = self.now();
-        let expires_at = now + chrono_dur(self.inner.config.interrupt_ttl);
         let mut c = self.new_commit();
+        // the interrupt is made at the commit's time (see `commit_pause`)
+        let now = c.now;
+        let expires_at = now + chrono_dur(self.inner.config.interrupt_ttl);
         let mut actions = Vec::new();
         let unknown = ask == Ask::OutcomeUnknown;
         for call in calls.iter().chain(later.iter()) {
@@ -454,39 +455,8 @@ impl Worker {
         let payload = Masked::new(json!({
             "title": title, "risk": risk, "actions": actions, "outcomeUnknown": unknown, "decisions": decisions,
         }));
-        let interrupt = Interrupt {
-            id: InterruptId::new(),
-            run_id: self.run.id.clone(),
-            kind: if unknown { InterruptKind::OutcomeUnknown } else { InterruptKind::ConfirmAction },
-            status: InterruptStatus::Pending,
-            payload: payload.clone(),
-            call_ids: calls.iter().map(|c| c.id.clone()).collect(),
-            created_at: now,
-            expires_at,
-            decision: None,
-            note: None,
-            resolved_by: None,
-            resolved_at: None,
-        };
-        c.events.push(EventKind::NodeFinished {
-            node: nodes::TOOLS.into(),
-            duration_ms: tools_started.elapsed().as_millis() as u64,
-        });
-        c.events.push(EventKind::NodeStarted { node: nodes::APPROVAL.into() });
-        c.events.push(EventKind::Interrupt {
-            interrupt_id: interrupt.id.clone(),
-            kind: interrupt.kind,
-            payload,
-            expires_at,
-        });
-        c.new_interrupts.push(interrupt.clone());
-        c.run = Some(RunChange { to: RunStatus::Interrupted, reason: None });
-        let mut cp = self.run.checkpoint.clone();
-        cp.next_step = NextStep::AwaitInterrupt;
-        // Every call of the step still open: the asked ones, and those asked about next.
-        cp.pending_call_ids = interrupt.call_ids.iter().cloned().chain(later.iter().map(|c| c.id.clone())).collect();
-        c.checkpoint = Some(cp);
-        self.commit(c).await.map(|_| ())
+        let kind = if unknown { InterruptKind::OutcomeUnknown } else { InterruptKind::ConfirmAction };
+        self.commit_pause(c, kind, payload, &calls, &later, expires_at, tools_started).await
     }
 
     /// Hands a client-side call to the client: the call starts (`executing`, its one attempt,
@@ -498,8 +468,9 @@ impl Worker {
         later: Vec<ToolCall>,
         tools_started: Instant,
     ) -> Result<(), StoreError> {
-        let now = self.now();
         let mut c = self.new_commit();
+        // the interrupt is made at the commit's time (see `commit_pause`)
+        let now = c.now;
         let mut actions = Vec::new();
         let mut answer_within = self.inner.config.interrupt_ttl;
         for call in &calls {
@@ -550,14 +521,32 @@ impl Worker {
             "outcomeUnknown": false,
             "decisions": [],
         }));
+        self.commit_pause(c, InterruptKind::ToolCall, payload, &calls, &later, expires_at, tools_started).await
+    }
+
+    /// The pause itself, whatever asks: the interrupt for `calls` with its payload, the tools node's
+    /// end, the approval node's start, the `interrupt` event, the run `interrupted`, and a
+    /// checkpoint that waits for the interrupt with every call of the step still open (the asked
+    /// ones, and `later`, asked about next) — in the one commit `c`.
+    #[allow(clippy::too_many_arguments)]
+    async fn commit_pause(
+        &mut self,
+        mut c: Commit,
+        kind: InterruptKind,
+        payload: Masked<Value>,
+        calls: &[ToolCall],
+        later: &[ToolCall],
+        expires_at: Timestamp,
+        tools_started: Instant,
+    ) -> Result<(), StoreError> {
         let interrupt = Interrupt {
             id: InterruptId::new(),
             run_id: self.run.id.clone(),
-            kind: InterruptKind::ToolCall,
+            kind,
             status: InterruptStatus::Pending,
             payload: payload.clone(),
             call_ids: calls.iter().map(|c| c.id.clone()).collect(),
-            created_at: now,
+            created_at: c.now,
             expires_at,
             decision: None,
             note: None,

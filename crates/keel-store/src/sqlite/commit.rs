@@ -54,10 +54,6 @@ fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
     statuses.iter().map(|s| s.as_str()).collect()
 }
 
-fn status_list(statuses: &[RunStatus]) -> String {
-    statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" or ")
-}
-
 pub fn active_run_id(conn: &Connection, conversation_id: &ConversationId) -> StoreResult<Option<RunId>> {
     one(
         conn,
@@ -259,21 +255,7 @@ fn fence_refusal(conn: &Connection, c: &Commit) -> StoreError {
         Ok(None) => return StoreError::NotFound("run"),
         Err(e) => return e,
     };
-    let current = RunStatus::parse(&status);
-    let fenced = match (&c.fence, current) {
-        (Fence::Lease { owner: mine, .. }, Some(s)) => s.is_active() && owner.as_deref() == Some(mine.as_str()),
-        (Fence::Acquire { from, .. } | Fence::Unowned { from }, Some(s)) => from.contains(&s),
-        (_, None) => false,
-    };
-    if let (true, Some(from), Some(change)) = (fenced, current, &c.run) {
-        return StoreError::Conflict(format!("run {}: {from} -> {} is not allowed", c.run_id, change.to));
-    }
-    StoreError::Conflict(match &c.fence {
-        Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
-        Fence::Acquire { from, .. } | Fence::Unowned { from } => {
-            format!("run {} is {status}, not {}", c.run_id, status_list(from))
-        }
-    })
+    crate::fence::refusal(c, &status, owner.as_deref())
 }
 
 fn append_text(conn: &Connection, c: &Commit, conversation_id: &ConversationId, t: &TextAppend) -> StoreResult<()> {
