@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::{ConnectInfo, Request, State};
-use axum::http::StatusCode;
+use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use governor::clock::{Clock, DefaultClock};
@@ -118,11 +118,92 @@ fn bucket_of(address: IpAddr) -> IpAddr {
     }
 }
 
+/// Addresses, or blocks of them (`10.0.0.0/8`, `fd00::/8`), of the reverse proxies in front of the
+/// server: a request from one of them is counted under the client address its `X-Forwarded-For`
+/// names (see [`client_address`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrustedProxies(Vec<(IpAddr, u8)>);
+
+impl TrustedProxies {
+    /// Parses `203.0.113.7`, `10.0.0.0/8`, `::1`, `fd00::/8`; an error says what is wrong.
+    pub fn parse(list: &[String]) -> Result<Self, String> {
+        let mut blocks = Vec::with_capacity(list.len());
+        for text in list {
+            let (address, prefix) = match text.split_once('/') {
+                Some((address, prefix)) => (address, Some(prefix)),
+                None => (text.as_str(), None),
+            };
+            let address: IpAddr = address
+                .trim()
+                .parse()
+                .map_err(|_| format!("{text:?} is not an IP address or a block such as 10.0.0.0/8"))?;
+            let max = if address.is_ipv4() { 32 } else { 128 };
+            let prefix = match prefix {
+                None => max,
+                Some(p) => match p.trim().parse::<u8>() {
+                    Ok(p) if p <= max => p,
+                    _ => return Err(format!("{text:?}: the prefix length must be 0 to {max}")),
+                },
+            };
+            blocks.push((address, prefix));
+        }
+        Ok(Self(blocks))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn contains(&self, address: IpAddr) -> bool {
+        let address = canonical(address);
+        self.0.iter().any(|&(block, prefix)| match (canonical(block), address) {
+            (IpAddr::V4(b), IpAddr::V4(a)) => prefix_eq(&b.octets(), &a.octets(), prefix),
+            (IpAddr::V6(b), IpAddr::V6(a)) => prefix_eq(&b.octets(), &a.octets(), prefix),
+            _ => false,
+        })
+    }
+}
+
+/// An IPv4 address mapped into IPv6 as the IPv4 address.
+fn canonical(address: IpAddr) -> IpAddr {
+    match address {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(address, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+fn prefix_eq(a: &[u8], b: &[u8], prefix: u8) -> bool {
+    let (bytes, bits) = (usize::from(prefix / 8), prefix % 8);
+    a[..bytes] == b[..bytes] && (bits == 0 || (a[bytes] ^ b[bytes]) >> (8 - bits) == 0)
+}
+
+/// The address a request is counted under: its peer's, unless the peer is a trusted proxy — then
+/// the right-most address of `X-Forwarded-For` that is not itself a trusted proxy (each proxy
+/// appends the address it got the request from, so the ones left of it are the client's to make
+/// up). A missing or unreadable header, or one of trusted proxies only, leaves the peer's.
+pub fn client_address(peer: IpAddr, forwarded_for: Option<&HeaderValue>, trusted: &TrustedProxies) -> IpAddr {
+    if trusted.is_empty() || !trusted.contains(peer) {
+        return peer;
+    }
+    let Some(list) = forwarded_for.and_then(|v| v.to_str().ok()) else { return peer };
+    for hop in list.rsplit(',') {
+        match hop.trim().parse::<IpAddr>() {
+            Ok(address) if trusted.contains(address) => continue,
+            Ok(address) => return address,
+            // not an address: whatever is left of it can't be told from what a client wrote
+            Err(_) => return peer,
+        }
+    }
+    peer
+}
+
 /// The middleware of the per-address limit, outside routing and authentication. A request that
 /// came in without a peer address (built in-process, as tests do) is not limited.
 pub async fn limit_address(State(state): State<AppState>, request: Request, next: Next) -> Response {
     if let Some(ConnectInfo(peer)) = request.extensions().get::<ConnectInfo<SocketAddr>>() {
-        if let Err(wait) = state.limits.address.check(peer.ip()) {
+        let forwarded = request.headers().get("x-forwarded-for");
+        let client = client_address(peer.ip(), forwarded, &state.config.trusted_proxies);
+        if let Err(wait) = state.limits.address.check(client) {
             state.metrics.rate_limited("address");
             let seconds = wait.as_secs_f64().ceil().max(1.0) as u64;
             return ApiError::new(
@@ -263,6 +344,55 @@ pub fn json_depth(body: &[u8]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn proxies(list: &[&str]) -> TrustedProxies {
+        TrustedProxies::parse(&list.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn trusted_proxies_parse_addresses_and_blocks_and_refuse_the_rest() {
+        let p = proxies(&["10.0.0.0/8", "192.168.1.7", "fd00::/8", "::1"]);
+        for inside in ["10.1.2.3", "192.168.1.7", "fd12::1", "::1", "::ffff:10.9.9.9"] {
+            assert!(p.contains(ip(inside)), "{inside}");
+        }
+        for outside in ["11.0.0.1", "192.168.1.8", "fe80::1", "127.0.0.1"] {
+            assert!(!p.contains(ip(outside)), "{outside}");
+        }
+        assert!(proxies(&["172.16.0.0/12"]).contains(ip("172.31.255.255")));
+        assert!(!proxies(&["172.16.0.0/12"]).contains(ip("172.32.0.0")));
+        assert!(proxies(&["0.0.0.0/0"]).contains(ip("8.8.8.8")));
+        for bad in ["proxy.example", "10.0.0.0/33", "::/129", "10.0.0.0/x", ""] {
+            let err = TrustedProxies::parse(&[bad.to_string()]).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
+
+    #[test]
+    fn the_client_address_comes_from_x_forwarded_for_only_through_a_trusted_proxy() {
+        let trusted = proxies(&["10.0.0.0/8"]);
+        let header = |v: &str| HeaderValue::from_str(v).unwrap();
+        // a trusted proxy: the right-most hop that is not a proxy
+        assert_eq!(client_address(ip("10.0.0.1"), Some(&header("203.0.113.9")), &trusted), ip("203.0.113.9"));
+        assert_eq!(
+            client_address(ip("10.0.0.1"), Some(&header("6.6.6.6, 203.0.113.9, 10.0.0.2")), &trusted),
+            ip("203.0.113.9"),
+            "what the client wrote left of the first proxy's entry is not believed"
+        );
+        // no header, garbage, only proxies: the peer
+        assert_eq!(client_address(ip("10.0.0.1"), None, &trusted), ip("10.0.0.1"));
+        assert_eq!(client_address(ip("10.0.0.1"), Some(&header("not-an-ip")), &trusted), ip("10.0.0.1"));
+        assert_eq!(client_address(ip("10.0.0.1"), Some(&header("10.0.0.3, 10.0.0.2")), &trusted), ip("10.0.0.1"));
+        // an untrusted peer's header is ignored (anyone can send one)
+        assert_eq!(client_address(ip("198.51.100.4"), Some(&header("203.0.113.9")), &trusted), ip("198.51.100.4"));
+        assert_eq!(
+            client_address(ip("10.0.0.1"), Some(&header("203.0.113.9")), &TrustedProxies::default()),
+            ip("10.0.0.1")
+        );
+    }
 
     #[test]
     fn a_bucket_allows_its_burst_then_refills() {

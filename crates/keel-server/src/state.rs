@@ -53,6 +53,9 @@ pub struct ServerConfig {
     /// When set, only requests whose `Host` is one of these names are served; others get 403
     /// `HOST_NOT_ALLOWED` ([`crate::host`]). Set for a server without keys on loopback.
     pub allowed_hosts: Option<AllowedHosts>,
+    /// The reverse proxies in front of the server: a request from one is counted, by the
+    /// per-address limit, under the client address its `X-Forwarded-For` names.
+    pub trusted_proxies: crate::limits::TrustedProxies,
 }
 
 impl Default for ServerConfig {
@@ -75,6 +78,7 @@ impl Default for ServerConfig {
             ws_send_timeout: Duration::from_secs(5),
             ws_buffer: 64,
             allowed_hosts: None,
+            trusted_proxies: crate::limits::TrustedProxies::default(),
         }
     }
 }

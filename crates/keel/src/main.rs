@@ -366,6 +366,7 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             c.rate_limit_burst = settings.rate_burst;
             c.rate_limit_per_address = settings.rate_limit_per_address;
             c.rate_burst_per_address = settings.rate_burst_per_address;
+            c.trusted_proxies = settings.trusted_proxies.clone();
             c.max_streams_per_user = settings.max_streams_per_user;
             c.body_limit = settings.body_limit;
             c.json_max_depth = settings.json_max_depth;

@@ -346,6 +346,47 @@ async fn the_per_address_limit_is_checked_before_any_key_lookup() {
     assert_eq!(response.status(), StatusCode::OK);
 }
 
+/// Behind a trusted reverse proxy, each client is limited under the address the proxy names in
+/// `X-Forwarded-For`, not under the proxy's; a peer that is not a trusted proxy gains nothing by
+/// sending the header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_trusted_proxy_each_forwarded_client_has_its_own_bucket() {
+    let burst = 5;
+    let server = ServerConfig {
+        rate_limit_per_address: 0.001,
+        rate_burst_per_address: burst,
+        trusted_proxies: keel_server::limits::TrustedProxies::parse(&["127.0.0.1".to_owned()]).unwrap(),
+        ..Options::default().server
+    };
+    let app = TestApp::with(Options { server, ..Options::default() }).await;
+    let get = |client: &reqwest::Client, forwarded: Option<&str>| {
+        let mut request = client.get(app.url("/v1/conversations")).header(AUTHORIZATION, app.bearer("demo"));
+        if let Some(f) = forwarded {
+            request = request.header("x-forwarded-for", f);
+        }
+        async move { request.send().await.unwrap().status() }
+    };
+    // From the trusted proxy (127.0.0.1): one client uses its burst up, another still has its own.
+    for _ in 0..burst {
+        assert_eq!(get(&app.client, Some("203.0.113.1")).await, StatusCode::OK);
+    }
+    assert_eq!(get(&app.client, Some("203.0.113.1")).await, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        get(&app.client, Some("6.6.6.6, 203.0.113.1")).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "what a client prepends is not believed"
+    );
+    assert_eq!(get(&app.client, Some("203.0.113.2")).await, StatusCode::OK);
+
+    // Not a trusted proxy (127.0.0.2): the header is ignored, the peer's own bucket counts.
+    let other =
+        reqwest::Client::builder().local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap()).build().unwrap();
+    for i in 0..burst {
+        assert_eq!(get(&other, Some(&format!("198.51.100.{i}"))).await, StatusCode::OK);
+    }
+    assert_eq!(get(&other, Some("198.51.100.99")).await, StatusCode::TOO_MANY_REQUESTS);
+}
+
 /// A key shaped like an API key that nobody was issued (different for each `i`).
 fn rand_key(i: usize) -> u128 {
     use std::hash::{BuildHasher, RandomState};

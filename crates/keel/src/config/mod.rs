@@ -148,6 +148,18 @@ pub struct Options {
     /// Requests one client address may send at once before its rate applies.
     #[arg(long, global = true, env = "KEEL_RATE_BURST_PER_ADDRESS", value_name = "N", default_value_t = 400)]
     pub rate_burst_per_address: u32,
+    /// A reverse proxy in front of the server (an address, or a block such as 10.0.0.0/8); repeat
+    /// it or separate them with commas. A request from one is counted, by the limit per client
+    /// address, under the address its `X-Forwarded-For` names.
+    #[arg(
+        long = "trusted-proxy",
+        global = true,
+        env = "KEEL_TRUSTED_PROXIES",
+        value_delimiter = ',',
+        value_name = "ADDRESS"
+    )]
+    #[serde(default)]
+    pub trusted_proxies: Vec<String>,
     /// Open streams (SSE, WebSocket) per user; 0 turns the cap off.
     #[arg(long, global = true, env = "KEEL_MAX_STREAMS_PER_USER", value_name = "N", default_value_t = 64)]
     pub max_streams_per_user: usize,
@@ -267,6 +279,7 @@ pub struct Settings {
     pub rate_burst: u32,
     pub rate_limit_per_address: f64,
     pub rate_burst_per_address: u32,
+    pub trusted_proxies: keel_server::limits::TrustedProxies,
     pub max_streams_per_user: usize,
     pub stream_ticket_ttl: Duration,
     pub body_limit: usize,
@@ -436,6 +449,10 @@ impl Settings {
             rate_burst: o.rate_burst.max(1),
             rate_limit_per_address: o.rate_limit_per_address,
             rate_burst_per_address: o.rate_burst_per_address.max(1),
+            trusted_proxies: keel_server::limits::TrustedProxies::parse(
+                &o.trusted_proxies.iter().filter(|p| !p.trim().is_empty()).cloned().collect::<Vec<_>>(),
+            )
+            .map_err(|problem| bad("trusted_proxies", problem))?,
             max_streams_per_user: o.max_streams_per_user,
             stream_ticket_ttl: duration("stream_ticket_ttl", &o.stream_ticket_ttl)?,
             body_limit: at_least_one("body_limit", o.body_limit)?,

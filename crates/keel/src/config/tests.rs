@@ -233,6 +233,15 @@ fn limits_have_defaults_and_are_checked() {
     let s = ok(&["--rate-limit-per-address", "0"], Some("rate_burst_per_address = 10\nmax_concurrent_runs = 4"));
     assert_eq!((s.rate_limit_per_address, s.rate_burst_per_address, s.max_concurrent_runs), (0.0, 10, 4));
     assert!(err(&["--rate-limit-per-address=-1"], None).starts_with("--rate-limit-per-address: -1 must be"));
+    assert!(ok(&[], None).trusted_proxies.is_empty());
+    let s = ok(&["--trusted-proxy", "10.0.0.0/8, 192.168.1.7"], None);
+    assert_eq!(
+        s.trusted_proxies,
+        keel_server::limits::TrustedProxies::parse(&["10.0.0.0/8".into(), "192.168.1.7".into()]).unwrap()
+    );
+    assert!(!ok(&[], Some("trusted_proxies = [\"::1\"]")).trusted_proxies.is_empty());
+    assert!(err(&["--trusted-proxy", "proxy.example"], None)
+        .starts_with("--trusted-proxy: \"proxy.example\" is not an IP address"));
     assert_eq!(err(&["--max-concurrent-runs", "0"], None), "--max-concurrent-runs: must be at least 1");
     assert!(ok(&["--insecure-no-auth"], None).insecure_no_auth);
     assert!(ok(&[], Some("insecure_no_auth = true")).insecure_no_auth);
