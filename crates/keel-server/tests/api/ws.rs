@@ -298,3 +298,121 @@ async fn a_ticket_opens_one_socket_once() {
     let (_, body) = app.post(&format!("/v1/runs/{run}/stream-ticket"), &json!({})).await;
     assert_eq!(refused(open(format!("?ticket={}", body["ticket"].as_str().unwrap())).await), 401);
 }
+
+/// Asks the user with the client-side tool `ask_user` once, then says what it was told.
+struct AsksTheUser;
+
+#[async_trait::async_trait]
+impl keel_core::model::Model for AsksTheUser {
+    fn name(&self) -> &str {
+        "asks-the-user"
+    }
+
+    async fn stream(
+        &self,
+        request: keel_core::model::ModelRequest,
+    ) -> Result<keel_core::model::ModelStream, keel_core::model::ModelError> {
+        use keel_core::model::{ModelChunk, ModelToolCall};
+        // told the answer in this turn: the last message is the tool's
+        let told = matches!(request.messages.last(), Some(keel_core::model::ModelMessage::Tool { .. }));
+        let chunks = if told {
+            vec![Ok(ModelChunk::Text("Thanks, noted.".into()))]
+        } else {
+            vec![Ok(ModelChunk::ToolCall(ModelToolCall {
+                id: "call_1".into(),
+                name: "ask_user".into(),
+                arguments: json!({"question": "Which region?"}),
+            }))]
+        };
+        Ok(Box::pin(futures::stream::iter(chunks)))
+    }
+}
+
+/// A question only the user can answer: the engine never executes it.
+struct AskUser(keel_core::tool::ToolSpec);
+
+#[async_trait::async_trait]
+impl keel_core::tool::Tool for AskUser {
+    fn spec(&self) -> &keel_core::tool::ToolSpec {
+        &self.0
+    }
+
+    async fn execute(
+        &self,
+        _ctx: &keel_core::tool::ToolContext,
+        _args: &Value,
+    ) -> Result<keel_core::tool::ToolOutput, keel_core::tool::ToolError> {
+        panic!("a client-side tool is never executed by the server")
+    }
+
+    fn client_side(&self) -> Option<keel_core::tool::ClientSide> {
+        Some(keel_core::tool::ClientSide::default())
+    }
+}
+
+/// A client-side call answered over the socket: the `tool_result` message continues the run once
+/// (the same message again gets the first answer; another key is refused), and the socket tells
+/// the stored story.
+#[tokio::test]
+async fn a_client_tool_is_answered_over_the_socket_once() {
+    let spec = keel_core::tool::ToolSpec::new(
+        "ask_user",
+        "Ask the user a question",
+        json!({"type": "object", "properties": {"question": {"type": "string"}}, "required": ["question"]}),
+        false,
+    )
+    .result_schema(json!({"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}));
+    let app = TestApp::with(Options {
+        model: Some(std::sync::Arc::new(AsksTheUser)),
+        extra_tools: vec![std::sync::Arc::new(AskUser(spec))],
+        ..Options::default()
+    })
+    .await;
+    let conversation = app.create_conversation().await;
+    let mut ws = Ws::connect(&app, None, None).await;
+    ws.send(
+        json!({"type": "send", "requestId": "m1", "conversationId": conversation, "content": "Where should it run?"}),
+    )
+    .await;
+    let run = ws.reply("m1").await["result"]["runId"].as_str().expect("runId").to_owned();
+    ws.send(json!({"type": "subscribe", "requestId": "s1", "runId": run, "after": 0})).await;
+    ws.reply("s1").await;
+    ws.events_until(Event::is_pausing).await;
+    let keel_core::EventKind::Interrupt { kind, payload, .. } = &ws.events.last().unwrap().kind else {
+        panic!("paused without an interrupt: {:?}", ws.events.last())
+    };
+    assert_eq!(kind.as_str(), "tool_call");
+    let call = payload.inner()["callId"].as_str().expect("callId").to_owned();
+
+    // A result that breaks the schema is refused, and decides nothing.
+    ws.send(json!({"type": "tool_result", "requestId": "t0", "runId": run, "callId": call, "result": {"answer": 7}, "idempotencyKey": "k0"}))
+        .await;
+    assert_eq!(ws.reply("t0").await["error"]["code"], "INVALID_RESULT");
+
+    let answer = json!({"type": "tool_result", "requestId": "t1", "runId": run, "callId": call,
+                        "result": {"answer": "eu-west"}, "idempotencyKey": "ws-answer-1"});
+    ws.send(answer.clone()).await;
+    let accepted = ws.reply("t1").await;
+    assert_eq!(accepted["result"]["outcome"], "success", "{accepted}");
+    ws.events_until(Event::is_terminal).await;
+    let events = std::mem::take(&mut ws.events);
+    assert_contiguous(&events, 1);
+    assert_eq!(events.last().unwrap().type_name(), "done");
+    assert_eq!(events.iter().filter(|e| e.type_name() == "resumed").count(), 1);
+    assert_eq!(events, app.events_json(&run, 0).await, "the socket told exactly the stored story");
+
+    // The same answer again: the first reply; another key: already answered.
+    let mut again = answer;
+    again["requestId"] = json!("t2");
+    ws.send(again).await;
+    assert_eq!(ws.reply("t2").await["result"], accepted["result"]);
+    ws.send(json!({"type": "tool_result", "requestId": "t3", "runId": run, "callId": call,
+                   "result": {"answer": "us"}, "idempotencyKey": "ws-answer-2"}))
+        .await;
+    assert_eq!(ws.reply("t3").await["error"]["code"], "TOOL_CALL_ALREADY_ANSWERED");
+    let (_, view) = app.get(&format!("/v1/runs/{run}")).await;
+    assert_eq!(
+        (view["status"].as_str(), view["toolCalls"][0]["state"].as_str()),
+        (Some("completed"), Some("succeeded"))
+    );
+}
