@@ -321,10 +321,6 @@ fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
     statuses.iter().map(|s| s.as_str()).collect()
 }
 
-fn status_list(statuses: &[RunStatus]) -> String {
-    statuses.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(" or ")
-}
-
 /// What went wrong with a stored JSON value, without quoting it: serde's messages can carry the
 /// offending text, which may be anything a tool returned.
 fn json_error(e: &serde_json::Error) -> String {

@@ -118,32 +118,10 @@ impl Engine {
 
         // Expiry, then the key (the same request again gets the first answer), then the claim.
         let now = inner.clock.now();
-        if interrupt.status == InterruptStatus::Expired
-            || (interrupt.status == InterruptStatus::Pending && interrupt.expires_at <= now)
-        {
-            if interrupt.status == InterruptStatus::Pending {
-                inner.expire(&interrupt).await?;
-            }
-            return Err(EngineError::InterruptExpired);
-        }
+        self.refuse_if_expired(&interrupt, now).await?;
         let hash = result_hash(run_id, &call_id, &outcome);
-        let in_flight_until = now + chrono_dur(inner.config.idempotency_in_flight_ttl);
-        match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, in_flight_until).await? {
-            IdempotencyBegin::Done { response, .. } => {
-                return serde_json::from_value(response)
-                    .map(|accepted| (accepted, Replayed(true)))
-                    .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored tool-result answer: {e}"))));
-            }
-            IdempotencyBegin::InFlight => return Err(EngineError::IdempotencyKeyInFlight),
-            IdempotencyBegin::Mismatch => return Err(EngineError::IdempotencyKeyReused),
-            IdempotencyBegin::Started => {}
-        }
-        let claimed = self.claim_tool_result(&run, &interrupt, call, outcome, user_id, &req.idempotency_key, now).await;
-        if claimed.is_err() {
-            // Nothing happened under this key: let a retry be evaluated afresh.
-            store.idempotency_abandon(user_id, &req.idempotency_key).await?;
-        }
-        claimed.map(|accepted| (accepted, Replayed(false)))
+        let claim = self.claim_tool_result(&run, &interrupt, call, outcome, user_id, &req.idempotency_key, now);
+        self.under_key(user_id, &req.idempotency_key, &hash, now, "tool-result", claim).await
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -109,36 +109,57 @@ impl Engine {
 
         // 2. Expiry.
         let now = inner.clock.now();
+        self.refuse_if_expired(&interrupt, now).await?;
+
+        // 3. The idempotency key, then the claim; the answer is stored under the key in the
+        //    claim's own transaction.
+        let hash = request_hash(run_id, &req.interrupt_id, &req.decision.to_value(), req.note.as_deref());
+        let claim = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, now);
+        self.under_key(user_id, &req.idempotency_key, &hash, now, "resume", claim).await
+    }
+
+    /// An interrupt past its expiry is expired (if nobody did it yet) and refused.
+    pub(super) async fn refuse_if_expired(&self, interrupt: &Interrupt, now: Timestamp) -> EngineResult<()> {
         if interrupt.status == InterruptStatus::Expired
             || (interrupt.status == InterruptStatus::Pending && interrupt.expires_at <= now)
         {
             if interrupt.status == InterruptStatus::Pending {
-                inner.expire(&interrupt).await?;
+                self.inner.expire(interrupt).await?;
             }
             return Err(EngineError::InterruptExpired);
         }
+        Ok(())
+    }
 
-        // 3. The idempotency key: the same request again gets the first answer.
-        let hash = request_hash(run_id, &req.interrupt_id, &req.decision.to_value(), req.note.as_deref());
-        let in_flight_until = now + chrono_dur(inner.config.idempotency_in_flight_ttl);
-        match store.idempotency_begin(user_id, &req.idempotency_key, &hash, now, in_flight_until).await? {
+    /// An answer to an interrupt (a decision, a client's result) under its idempotency key: the
+    /// same request again gets the stored first answer, another under the same key is refused, and
+    /// a `claim` that fails leaves the key free for a retry to be evaluated afresh.
+    pub(super) async fn under_key<T: serde::de::DeserializeOwned>(
+        &self,
+        user_id: &str,
+        key: &str,
+        hash: &str,
+        now: Timestamp,
+        what: &str,
+        claim: impl std::future::Future<Output = EngineResult<T>>,
+    ) -> EngineResult<(T, Replayed)> {
+        let store = &self.inner.store;
+        let in_flight_until = now + chrono_dur(self.inner.config.idempotency_in_flight_ttl);
+        match store.idempotency_begin(user_id, key, hash, now, in_flight_until).await? {
             IdempotencyBegin::Done { response, .. } => {
                 return serde_json::from_value(response)
                     .map(|accepted| (accepted, Replayed(true)))
-                    .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored resume answer: {e}"))));
+                    .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored {what} answer: {e}"))));
             }
             IdempotencyBegin::InFlight => return Err(EngineError::IdempotencyKeyInFlight),
             IdempotencyBegin::Mismatch => return Err(EngineError::IdempotencyKeyReused),
             IdempotencyBegin::Started => {}
         }
-
-        // The answer is stored under the key in the claim's own transaction.
-        let outcome = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, now).await;
-        if outcome.is_err() {
-            // Nothing happened under this key: let a retry be evaluated afresh.
-            store.idempotency_abandon(user_id, &req.idempotency_key).await?;
+        let claimed = claim.await;
+        if claimed.is_err() {
+            store.idempotency_abandon(user_id, key).await?;
         }
-        outcome.map(|accepted| (accepted, Replayed(false)))
+        claimed.map(|accepted| (accepted, Replayed(false)))
     }
 
     #[allow(clippy::too_many_arguments)]

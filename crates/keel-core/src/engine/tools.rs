@@ -140,7 +140,12 @@ impl Worker {
             if kind == Ask::ClientTool {
                 later.extend(asked.split_off(1).into_iter().map(|(c, _)| c));
             }
-            self.pause_for(asked.into_iter().map(|(c, _)| c).collect(), kind, later, started).await?;
+            let asked = asked.into_iter().map(|(c, _)| c).collect();
+            if kind == Ask::ClientTool {
+                self.pause_for_client(asked, later, started).await?;
+            } else {
+                self.pause_for(asked, kind, later, started).await?;
+            }
             return Ok(false);
         }
         let mut c = self.new_commit();
@@ -403,9 +408,6 @@ impl Worker {
         later: Vec<ToolCall>,
         tools_started: Instant,
     ) -> Result<(), StoreError> {
-        if ask == Ask::ClientTool {
-            return self.pause_for_client(calls, later, tools_started).await;
-        }
         let mut c = self.new_commit();
         // the interrupt is made at the commit's time (see `commit_pause`)
         let now = c.now;

@@ -336,25 +336,7 @@ async fn apply(
 /// The fence and the status move of a lone commit's conditional `UPDATE` (and its refusal's
 /// wording), checked against the locked row.
 fn fence(c: &Commit, run: &RunRow) -> StoreResult<()> {
-    let status = run.status;
-    let passes = match &c.fence {
-        Fence::Lease { owner, .. } => status.is_active() && run.lease_owner.as_deref() == Some(owner.as_str()),
-        Fence::Acquire { from, .. } | Fence::Unowned { from } => from.contains(&status),
-    };
-    if !passes {
-        return Err(StoreError::Conflict(match &c.fence {
-            Fence::Lease { .. } => format!("run {} ({status}) is not leased by this worker", c.run_id),
-            Fence::Acquire { from, .. } | Fence::Unowned { from } => {
-                format!("run {} is {status}, not {}", c.run_id, super::status_list(from))
-            }
-        }));
-    }
-    if let Some(change) = &c.run {
-        if !status.can_transition_to(change.to) {
-            return Err(StoreError::Conflict(format!("run {}: {status} -> {} is not allowed", c.run_id, change.to)));
-        }
-    }
-    Ok(())
+    crate::fence::check(c, run.status, run.lease_owner.as_deref())
 }
 
 fn committed(c: &Commit, run: &RunRow) -> Committed {

@@ -40,18 +40,15 @@ pub fn opt_json<T: Serialize>(what: &'static str, value: &Option<T>) -> StoreRes
     value.as_ref().map(|v| json(what, v)).transpose()
 }
 
-/// `(status = ? OR status = ? …)`, one term per status (see [`ACTIVE`] for why not `IN`).
+/// `(status = 'queued' OR status = 'running')`: one term per status (see [`ACTIVE`] for why not
+/// `IN`). The names are Keel's own, written into the statement, so a fence's statement depends only
+/// on its kind and statuses: a handful, each prepared once.
 fn status_is_one_of(statuses: &[RunStatus]) -> String {
-    let terms = vec!["status = ?"; statuses.len()].join(" OR ");
-    if terms.is_empty() {
-        "0".into()
-    } else {
-        format!("({terms})")
+    if statuses.is_empty() {
+        return "0".into();
     }
-}
-
-fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
-    statuses.iter().map(|s| s.as_str()).collect()
+    let terms: Vec<String> = statuses.iter().map(|s| format!("status = '{}'", s.as_str())).collect();
+    format!("({})", terms.join(" OR "))
 }
 
 pub fn active_run_id(conn: &Connection, conversation_id: &ConversationId) -> StoreResult<Option<RunId>> {
@@ -140,70 +137,47 @@ struct Fenced {
 /// by a second statement rather than `RETURNING`, which SQLite serves through a temporary b-tree.
 fn fence(conn: &Connection, c: &Commit) -> StoreResult<Fenced> {
     let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
-    if let Fence::Acquire { from, .. } | Fence::Unowned { from } = &c.fence {
-        if from.is_empty() {
-            // a fence no status satisfies (and the statement's last parameter would be missing)
-            return Err(fence_refusal(conn, c));
-        }
-    }
     let now = ts(&c.now);
     let change = c.run.as_ref();
     // A paused or finished run has no worker.
     let release = change.is_some_and(|ch| ch.to == RunStatus::Interrupted || ch.to.is_terminal());
     let to = change.map(|ch| ch.to.as_str());
     let reason = change.and_then(|ch| ch.reason.as_deref());
-    let sources = change.map(|ch| RunStatus::sources_of(ch.to)).unwrap_or_default();
     let checkpoint = c.checkpoint.as_ref().map(|cp| json("checkpoint", cp)).transpose()?;
-    // Without a change, `?4 IS NULL` holds and the source terms are never looked at.
-    let transition = format!("(?4 IS NULL OR {})", status_is_one_of(&sources).replace('?', "?{}"));
-    let transition = number_marks(&transition, 9);
-    const COMMON: &str = "next_sequence = next_sequence + ?1, updated_at = ?2, \
-         status = COALESCE(?4, status), reason = CASE WHEN ?4 IS NULL THEN reason ELSE ?5 END, \
-         checkpoint = COALESCE(?6, checkpoint)";
-    let after = 9 + sources.len();
-    let (lease_until, owner) = match &c.fence {
-        Fence::Lease { owner, lease_until } | Fence::Acquire { owner, lease_until, .. } => {
-            (Some(ts(lease_until)), Some(owner.as_str()))
-        }
-        Fence::Unowned { .. } => (None, None),
-    };
+    // A status move is allowed only from the statuses it may follow.
+    let transition = change.map_or_else(|| "1".to_owned(), |ch| status_is_one_of(&RunStatus::sources_of(ch.to)));
+    const COMMON: &str = "next_sequence = next_sequence + ?1, updated_at = ?2, status = COALESCE(?4, status), \
+         reason = CASE WHEN ?4 IS NULL THEN reason ELSE ?5 END, checkpoint = COALESCE(?6, checkpoint)";
+    let run = c.run_id.as_str();
+    let mut values: Vec<&dyn ToSql> = vec![&n, &now, &run, &to, &reason, &checkpoint, &release];
+    let (lease_until, worker);
     let sql = match &c.fence {
-        Fence::Lease { .. } => format!(
-            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE lease_owner END, \
-             lease_expires_at = CASE WHEN ?7 THEN NULL ELSE ?8 END \
-             WHERE id = ?3 AND lease_owner = ?{after} AND {ACTIVE} AND {transition}"
-        ),
-        Fence::Acquire { from, .. } => format!(
-            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE ?{after} END, \
-             lease_expires_at = CASE WHEN ?7 THEN NULL ELSE ?8 END, worker = ?{} \
-             WHERE id = ?3 AND {} AND {transition}",
-            after + 1,
-            number_marks(&status_is_one_of(from).replace('?', "?{}"), after + 2)
-        ),
+        Fence::Lease { owner, lease_until: until } => {
+            lease_until = ts(until);
+            values.extend([&lease_until as &dyn ToSql, owner]);
+            format!(
+                "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE lease_owner END, \
+                 lease_expires_at = CASE WHEN ?7 THEN NULL ELSE ?8 END \
+                 WHERE id = ?3 AND lease_owner = ?9 AND {ACTIVE} AND {transition}"
+            )
+        }
+        Fence::Acquire { owner, from, lease_until: until } => {
+            (lease_until, worker) = (ts(until), lease_holder(owner));
+            values.extend([&lease_until as &dyn ToSql, owner, &worker]);
+            format!(
+                "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE ?9 END, \
+                 lease_expires_at = CASE WHEN ?7 THEN NULL ELSE ?8 END, worker = ?10 \
+                 WHERE id = ?3 AND {} AND {transition}",
+                status_is_one_of(from)
+            )
+        }
         Fence::Unowned { from } => format!(
             "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN ?7 THEN NULL ELSE lease_owner END, \
              lease_expires_at = CASE WHEN ?7 THEN NULL ELSE lease_expires_at END \
              WHERE id = ?3 AND {} AND {transition}",
-            number_marks(&status_is_one_of(from).replace('?', "?{}"), after)
+            status_is_one_of(from)
         ),
     };
-    let (run, sources) = (c.run_id.as_str(), statuses(&sources));
-    let mut values: Vec<&dyn ToSql> = vec![&n, &now, &run, &to, &reason, &checkpoint, &release, &lease_until];
-    values.extend(sources.iter().map(|s| s as &dyn ToSql));
-    let worker = owner.map(lease_holder);
-    let from = match &c.fence {
-        Fence::Lease { .. } => {
-            values.push(&owner);
-            vec![]
-        }
-        Fence::Acquire { from, .. } => {
-            values.push(&owner);
-            values.push(&worker);
-            statuses(from)
-        }
-        Fence::Unowned { from } => statuses(from),
-    };
-    values.extend(from.iter().map(|s| s as &dyn ToSql));
     let changed = exec_or(conn, &sql, values.as_slice(), |e| {
         if is_unique_violation(&e) {
             // only a move back to an active status can collide with another active run
@@ -226,20 +200,6 @@ fn fence(conn: &Connection, c: &Commit) -> StoreResult<Fenced> {
     };
     let sql = "SELECT conversation_id, next_sequence, cancel_requested FROM runs WHERE id = ?";
     one(conn, "fence the run", sql, [run], read)?.ok_or(StoreError::NotFound("run"))
-}
-
-/// Replaces each `?{}` of `sql` with `?first`, `?first+1`, …: numbered parameters, so one value can
-/// serve several places and the lists that vary in length can come last.
-fn number_marks(sql: &str, first: usize) -> String {
-    let mut out = String::with_capacity(sql.len() + 8);
-    let mut parts = sql.split("?{}");
-    out.push_str(parts.next().unwrap_or_default());
-    for (i, part) in parts.enumerate() {
-        out.push('?');
-        out.push_str(&(first + i).to_string());
-        out.push_str(part);
-    }
-    out
 }
 
 /// Why the fence matched nothing: the run is missing, not in the state the writer expects, or in
