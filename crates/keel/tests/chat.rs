@@ -11,6 +11,7 @@ use rexpect::process::WaitStatus;
 use rexpect::session::PtySession;
 use serde_json::Value;
 
+use support::serve::read_request;
 use support::{eventually, keel, Server, DEADLINE};
 
 /// rexpect hands bytes over one by one as `char`s; these match and read UTF-8 text through that.
@@ -344,28 +345,6 @@ fn the_api_key_comes_from_the_environment_as_a_bearer_token() {
 }
 
 // ------------------------------------------------------------------ an outcome unknown
-
-/// Reads one HTTP/1.1 request: its head (lower-cased) and its body.
-fn read_request(socket: &mut std::net::TcpStream) -> Option<(String, Vec<u8>)> {
-    use std::io::Read;
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if socket.read(&mut byte).ok()? == 0 {
-            return None;
-        }
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
-    let length = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .and_then(|n| n.trim().parse::<usize>().ok())
-        .unwrap_or(0);
-    let mut body = vec![0; length];
-    socket.read_exact(&mut body).ok()?;
-    Some((head, body))
-}
 
 /// An OpenAI-compatible model on a free port: asked with tools and no tool result yet, it calls
 /// `restart_service {"service": "checkout"}`; after a tool result, it answers in words.

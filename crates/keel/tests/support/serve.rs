@@ -47,7 +47,8 @@ impl MockModel {
     }
 }
 
-pub fn read_request(socket: &mut TcpStream) -> Option<Vec<u8>> {
+/// Reads one HTTP/1.1 request: its head (lower-cased) and its body.
+pub fn read_request(socket: &mut TcpStream) -> Option<(String, Vec<u8>)> {
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -64,14 +65,14 @@ pub fn read_request(socket: &mut TcpStream) -> Option<Vec<u8>> {
         .unwrap_or(0);
     let mut body = vec![0; length];
     socket.read_exact(&mut body).ok()?;
-    Some(body)
+    Some((head, body))
 }
 
 /// Whether the model already held a `hang-once` continuation (see [`answer`]).
 static HUNG_ONCE: AtomicBool = AtomicBool::new(false);
 
 pub fn answer(mut socket: TcpStream, seen: &Mutex<Vec<Value>>) {
-    let Some(body) = read_request(&mut socket) else { return };
+    let Some((_, body)) = read_request(&mut socket) else { return };
     let request: Value = serde_json::from_slice(&body).unwrap_or_default();
     seen.lock().unwrap().push(request.clone());
     let last = request["messages"].as_array().and_then(|m| m.last()).cloned().unwrap_or_default();
