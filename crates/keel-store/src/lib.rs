@@ -3,6 +3,7 @@
 
 pub mod conformance;
 mod fence;
+mod pipeline;
 mod postgres;
 mod sqlite;
 

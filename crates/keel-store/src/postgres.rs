@@ -17,17 +17,15 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use keel_core::domain::{
-    lease_holder, ApiKey, Checkpoint, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus,
-    Message, Role, Run, RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User,
-    UserRole,
+    lease_holder, ApiKey, Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role,
+    Run, RunStatus, StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
 };
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, Fence, IdempotencyBegin, IdentityStore,
-    InterruptChange, NewRun, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
-    ToolCallUpdate,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
+    RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -36,7 +34,11 @@ use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transaction};
 
+mod commit;
 mod group;
+
+use self::commit::PgTx;
+use crate::pipeline;
 
 pub use group::CommitStats;
 
@@ -303,11 +305,6 @@ fn insert(what: &'static str) -> impl FnOnce(sqlx::Error) -> StoreError {
     }
 }
 
-/// A unique violation (23505) of the one-active-run index.
-fn is_active_run_violation(e: &sqlx::Error) -> bool {
-    matches!(e, sqlx::Error::Database(d) if d.is_unique_violation() && d.constraint() == Some(ONE_ACTIVE_RUN))
-}
-
 /// `timestamptz` keeps microseconds: the time as the database stores it (the driver truncates).
 fn micros(t: Timestamp) -> Timestamp {
     t - chrono::Duration::nanoseconds(i64::from(t.timestamp_subsec_nanos() % 1_000))
@@ -315,10 +312,6 @@ fn micros(t: Timestamp) -> Timestamp {
 
 fn json<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult<Value> {
     serde_json::to_value(value).map_err(|e| StoreError::Backend(format!("encode {what}: {e}")))
-}
-
-fn statuses(statuses: &[RunStatus]) -> Vec<&'static str> {
-    statuses.iter().map(|s| s.as_str()).collect()
 }
 
 /// What went wrong with a stored JSON value, without quoting it: serde's messages can carry the
@@ -545,536 +538,15 @@ where
     row.map(|r| Cols::new(&r, "runs").id("id")).transpose()
 }
 
-async fn insert_message(conn: &mut PgConnection, m: &Message) -> StoreResult<()> {
-    sqlx::query(
-        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7)",
-    )
-    .bind(m.id.as_str())
-    .bind(m.conversation_id.as_str())
-    .bind(m.run_id.as_ref().map(|r| r.as_str()))
-    .bind(m.role.as_str())
-    .bind(m.content.as_str())
-    .bind(m.tool_call_id.as_ref().map(|c| c.as_str()))
-    .bind(m.created_at)
-    .execute(&mut *conn)
-    .await
-    .map_err(insert("message"))?;
-    Ok(())
-}
-
-/// Writes the events with sequences from `first_sequence` on, in one statement. `now` is already
-/// truncated to what the database keeps.
-async fn insert_events(
-    conn: &mut PgConnection,
-    run_id: &RunId,
-    first_sequence: i64,
-    kinds: &[EventKind],
-    now: Timestamp,
-) -> StoreResult<Vec<Event>> {
-    if kinds.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut sequences = Vec::with_capacity(kinds.len());
-    let mut types = Vec::with_capacity(kinds.len());
-    let mut data = Vec::with_capacity(kinds.len());
-    let mut events = Vec::with_capacity(kinds.len());
-    for (sequence, kind) in (first_sequence..).zip(kinds) {
-        sequences.push(sequence);
-        types.push(kind.type_name());
-        data.push(kind.to_data());
-        events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: now });
-    }
-    sqlx::query(
-        "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
-         SELECT $1, e.sequence, e.type, e.data, $5 \
-         FROM unnest($2::bigint[], $3::text[], $4::jsonb[]) AS e (sequence, type, data)",
-    )
-    .bind(run_id.as_str())
-    .bind(&sequences)
-    .bind(&types)
-    .bind(&data)
-    .bind(now)
-    .execute(&mut *conn)
-    .await
-    .map_err(insert("event"))?;
-    Ok(events)
-}
-
-/// What the fence read of the run row as the commit leaves it.
-struct Fenced {
-    conversation_id: ConversationId,
-    /// The sequence of the commit's first event.
-    first_sequence: i64,
-    cancel_requested: bool,
-}
-
-/// The fence: one conditional update of the run row that checks the writer's right to write,
-/// renews, takes or (when the run pauses or ends) releases the lease, reserves the commit's event
-/// sequences, and makes the commit's status change and checkpoint — one statement for what were
-/// up to three. It locks the run row until the transaction ends: commits on one run are
-/// serialised, and a concurrent writer that waited for the lock re-checks the condition against
-/// the row as the winner left it. A status change is part of the condition (the row's status must
-/// be one the new status may follow), so a refused one is told apart in [`fence_refusal`].
-async fn fence(conn: &mut PgConnection, c: &Commit) -> StoreResult<Fenced> {
-    let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
-    let change = c.run.as_ref();
-    // A paused or finished run has no worker.
-    let release = change.is_some_and(|ch| ch.to == RunStatus::Interrupted || ch.to.is_terminal());
-    let sources = change.map(|ch| statuses(&RunStatus::sources_of(ch.to)));
-    let checkpoint = c.checkpoint.as_ref().map(|cp| json("checkpoint", cp)).transpose()?;
-    // $1–$8 are the same for every fence; the lease's own parameters follow.
-    const COMMON: &str = "next_sequence = next_sequence + $1, updated_at = $2, \
-         status = COALESCE($4, status), reason = CASE WHEN $4::text IS NULL THEN reason ELSE $5 END, \
-         checkpoint = COALESCE($7, checkpoint)";
-    const TRANSITION: &str = "($4::text IS NULL OR status = ANY($6))";
-    const RETURNING: &str = "RETURNING conversation_id, next_sequence, cancel_requested";
-    let sql = match &c.fence {
-        Fence::Lease { .. } => format!(
-            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $8 THEN NULL ELSE lease_owner END, \
-             lease_expires_at = CASE WHEN $8 THEN NULL ELSE $9 END \
-             WHERE id = $3 AND lease_owner = $10 AND status IN {ACTIVE} AND {TRANSITION} {RETURNING}"
-        ),
-        Fence::Acquire { .. } => format!(
-            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $8 THEN NULL ELSE $10 END, \
-             lease_expires_at = CASE WHEN $8 THEN NULL ELSE $9 END, worker = $12 \
-             WHERE id = $3 AND status = ANY($11) AND {TRANSITION} {RETURNING}"
-        ),
-        Fence::Unowned { .. } => format!(
-            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $8 THEN NULL ELSE lease_owner END, \
-             lease_expires_at = CASE WHEN $8 THEN NULL ELSE lease_expires_at END \
-             WHERE id = $3 AND status = ANY($9) AND {TRANSITION} {RETURNING}"
-        ),
-    };
-    let query = sqlx::query(&sql)
-        .bind(n)
-        .bind(c.now)
-        .bind(c.run_id.as_str())
-        .bind(change.map(|ch| ch.to.as_str()))
-        .bind(change.and_then(|ch| ch.reason.as_deref()))
-        .bind(sources)
-        .bind(checkpoint)
-        .bind(release);
-    let query = match &c.fence {
-        Fence::Lease { owner, lease_until } => query.bind(lease_until).bind(owner),
-        Fence::Acquire { owner, from, lease_until } => {
-            query.bind(lease_until).bind(owner).bind(statuses(from)).bind(lease_holder(owner))
-        }
-        Fence::Unowned { from } => query.bind(statuses(from)),
-    };
-    let row = query.fetch_optional(&mut *conn).await.map_err(|e| {
-        if is_active_run_violation(&e) {
-            // only a move back to an active status can collide with another active run
-            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
-        } else {
-            db("fence the run")(e)
-        }
-    })?;
-
-    let Some(row) = row else {
-        return Err(fence_refusal(conn, c).await);
-    };
-    let cols = Cols::new(&row, "runs");
-    let next_sequence: i64 = cols.get("next_sequence")?;
-    Ok(Fenced {
-        conversation_id: cols.id("conversation_id")?,
-        first_sequence: next_sequence - n,
-        cancel_requested: cols.get("cancel_requested")?,
-    })
-}
-
-/// Why the fence matched nothing: the run is missing, not in the state the writer expects, or in
-/// a state the commit's new status may not follow.
-async fn fence_refusal(conn: &mut PgConnection, c: &Commit) -> StoreError {
-    let row = sqlx::query_as::<_, (String, Option<String>)>("SELECT status, lease_owner FROM runs WHERE id = $1")
-        .bind(c.run_id.as_str())
-        .fetch_optional(&mut *conn)
-        .await;
-    let (status, owner) = match row {
-        Ok(Some(row)) => row,
-        Ok(None) => return StoreError::NotFound("run"),
-        Err(e) => return db("fence the run")(e),
-    };
-    crate::fence::refusal(c, &status, owner.as_deref())
-}
-
-async fn append_text(
-    conn: &mut PgConnection,
-    c: &Commit,
-    conversation_id: &ConversationId,
-    t: &TextAppend,
-    now: Timestamp,
-) -> StoreResult<()> {
-    let done = sqlx::query(
-        "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
-         VALUES ($1, $2, $3, 'assistant', $4, NULL, $5) \
-         ON CONFLICT (id) DO UPDATE SET content = messages.content || excluded.content \
-         WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'",
-    )
-    .bind(t.message_id.as_str())
-    .bind(conversation_id.as_str())
-    .bind(c.run_id.as_str())
-    .bind(&t.text)
-    .bind(now)
-    .execute(&mut *conn)
-    .await
-    .map_err(db("append text"))?;
-    if done.rows_affected() == 0 {
-        return Err(StoreError::Conflict(format!(
-            "message {} is not an assistant message of run {}",
-            t.message_id, c.run_id
-        )));
-    }
-    Ok(())
-}
-
-async fn discard_message(conn: &mut PgConnection, c: &Commit, id: &MessageId) -> StoreResult<()> {
-    // A message that never got its first text was never created: nothing to delete is fine.
-    sqlx::query("DELETE FROM messages WHERE id = $1 AND run_id = $2 AND role = 'assistant'")
-        .bind(id.as_str())
-        .bind(c.run_id.as_str())
-        .execute(&mut *conn)
-        .await
-        .map_err(db("discard a message"))?;
-    Ok(())
-}
-
-/// A record handed to a commit must belong to the commit's run.
-fn check_owner<T: PartialEq + std::fmt::Display>(
-    what: std::fmt::Arguments<'_>,
-    of: &T,
-    expected: &T,
-) -> StoreResult<()> {
-    if of == expected {
-        Ok(())
-    } else {
-        Err(StoreError::Conflict(format!("{what} belongs to {of}, not {expected}")))
-    }
-}
-
-async fn apply_tool_call(
-    conn: &mut PgConnection,
-    c: &Commit,
-    conversation_id: &ConversationId,
-    change: &ToolCallChange,
-) -> StoreResult<()> {
-    match change {
-        ToolCallChange::Insert(call) => {
-            check_owner(format_args!("tool call {}", call.id), &call.run_id, &c.run_id)?;
-            sqlx::query(
-                "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
-                 started_at, finished_at, attempts) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
-            )
-            .bind(call.id.as_str())
-            .bind(call.run_id.as_str())
-            .bind(conversation_id.as_str())
-            .bind(&call.name)
-            .bind(call.args.inner())
-            .bind(call.state.as_str())
-            .bind(call.result.as_ref().map(|r| r.inner()))
-            .bind(call.summary.as_ref().map(|s| s.as_str()))
-            .bind(call.started_at)
-            .bind(call.finished_at)
-            .bind(call.attempts as i32)
-            .execute(&mut *conn)
-            .await
-            .map_err(insert("tool call"))?;
-        }
-        ToolCallChange::Update(ToolCallUpdate {
-            id,
-            from,
-            to,
-            args,
-            result,
-            summary,
-            attempts,
-            started_at,
-            finished_at,
-        }) => {
-            if !from.can_transition_to(*to) {
-                return Err(StoreError::Conflict(format!("tool call {id}: {from} -> {to} is not allowed")));
-            }
-            let done = sqlx::query(
-                "UPDATE tool_calls SET state = $1, args = COALESCE($2, args), result = COALESCE($3, result), \
-                 summary = COALESCE($4, summary), started_at = COALESCE($5, started_at), \
-                 finished_at = COALESCE($6, finished_at), attempts = COALESCE($10, attempts) \
-                 WHERE id = $7 AND run_id = $8 AND state = $9",
-            )
-            .bind(to.as_str())
-            .bind(args.as_ref().map(|a| a.inner()))
-            .bind(result.as_ref().map(|r| r.inner()))
-            .bind(summary.as_ref().map(|s| s.as_str()))
-            .bind(started_at)
-            .bind(finished_at)
-            .bind(id.as_str())
-            .bind(c.run_id.as_str())
-            .bind(from.as_str())
-            .bind(attempts.map(|n| n as i32))
-            .execute(&mut *conn)
-            .await
-            .map_err(db("update a tool call"))?;
-            if done.rows_affected() == 0 {
-                let state =
-                    sqlx::query_scalar::<_, String>("SELECT state FROM tool_calls WHERE id = $1 AND run_id = $2")
-                        .bind(id.as_str())
-                        .bind(c.run_id.as_str())
-                        .fetch_optional(&mut *conn)
-                        .await
-                        .map_err(db("update a tool call"))?;
-                return Err(StoreError::Conflict(match state {
-                    Some(state) => format!("tool call {id} is {state}, not {from}"),
-                    None => format!("tool call {id} is not a call of run {}", c.run_id),
-                }));
-            }
-        }
-    }
-    Ok(())
-}
-
-async fn insert_interrupt(conn: &mut PgConnection, c: &Commit, i: &Interrupt) -> StoreResult<()> {
-    check_owner(format_args!("interrupt {}", i.id), &i.run_id, &c.run_id)?;
-    sqlx::query(
-        "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
-         resolved_by, resolved_at, note) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
-    )
-    .bind(i.id.as_str())
-    .bind(i.run_id.as_str())
-    .bind(i.kind.as_str())
-    .bind(i.status.as_str())
-    .bind(i.payload.inner())
-    .bind(json("interrupt call ids", &i.call_ids)?)
-    .bind(i.created_at)
-    .bind(i.expires_at)
-    .bind(i.decision.as_ref().map(|d| d.inner()))
-    .bind(&i.resolved_by)
-    .bind(i.resolved_at)
-    .bind(i.note.as_ref().map(|n| n.as_str()))
-    .execute(&mut *conn)
-    .await
-    .map_err(insert("interrupt"))?;
-    Ok(())
-}
-
-async fn change_interrupt(conn: &mut PgConnection, c: &Commit, change: &InterruptChange) -> StoreResult<()> {
-    let id = &change.id;
-    if !InterruptStatus::Pending.can_transition_to(change.to) {
-        return Err(StoreError::Conflict(format!("interrupt {id}: pending -> {} is not allowed", change.to)));
-    }
-    // An interrupt past its expiry may still expire or be cancelled, never be resolved.
-    let resolving = change.to == InterruptStatus::Resolved;
-    let done = sqlx::query(
-        "UPDATE interrupts SET status = $1, decision = COALESCE($2, decision), \
-         resolved_by = COALESCE($3, resolved_by), resolved_at = $4, note = COALESCE($8, note) \
-         WHERE id = $5 AND run_id = $6 AND status = 'pending' AND (NOT $7 OR expires_at > $4)",
-    )
-    .bind(change.to.as_str())
-    .bind(change.decision.as_ref().map(|d| d.inner()))
-    .bind(&change.resolved_by)
-    .bind(c.now)
-    .bind(id.as_str())
-    .bind(c.run_id.as_str())
-    .bind(resolving)
-    .bind(change.note.as_ref().map(|n| n.as_str()))
-    .execute(&mut *conn)
-    .await
-    .map_err(db("change an interrupt"))?;
-    if done.rows_affected() > 0 {
-        return Ok(());
-    }
-    let row = sqlx::query("SELECT status FROM interrupts WHERE id = $1 AND run_id = $2")
-        .bind(id.as_str())
-        .bind(c.run_id.as_str())
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(db("change an interrupt"))?;
-    Err(StoreError::Conflict(match row {
-        None => format!("interrupt {id} is not an interrupt of run {}", c.run_id),
-        Some(row) => match Cols::new(&row, "interrupts").parse("status", InterruptStatus::parse)? {
-            InterruptStatus::Pending => format!("interrupt {id} has expired"),
-            status => format!("interrupt {id} is already {status}"),
-        },
-    }))
-}
-
-async fn upsert_fact(conn: &mut PgConnection, conversation_id: &ConversationId, f: &Fact) -> StoreResult<()> {
-    sqlx::query(
-        "INSERT INTO facts (conversation_id, key, value, source, updated_at) VALUES ($1, $2, $3, $4, $5) \
-         ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
-         updated_at = excluded.updated_at",
-    )
-    .bind(conversation_id.as_str())
-    .bind(&f.key)
-    .bind(f.value.as_str())
-    .bind(f.source.as_str())
-    .bind(f.updated_at)
-    .execute(&mut *conn)
-    .await
-    .map_err(db("upsert a fact"))?;
-    Ok(())
-}
-
-async fn upsert_summary(conn: &mut PgConnection, conversation_id: &ConversationId, s: &Summary) -> StoreResult<()> {
-    check_owner(format_args!("the summary"), &s.conversation_id, conversation_id)?;
-    sqlx::query(
-        "INSERT INTO summaries (conversation_id, through_message_id, text) VALUES ($1, $2, $3) \
-         ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
-         text = excluded.text",
-    )
-    .bind(conversation_id.as_str())
-    .bind(s.through_message_id.as_str())
-    .bind(s.text.as_str())
-    .execute(&mut *conn)
-    .await
-    .map_err(db("upsert the summary"))?;
-    Ok(())
-}
-
-/// Everything of one commit, in one transaction; the caller commits or drops it.
-async fn apply_commit(conn: &mut PgConnection, c: &Commit) -> StoreResult<Committed> {
-    let now = micros(c.now);
-    let run = fence(conn, c).await?;
-    for t in &c.text {
-        append_text(conn, c, &run.conversation_id, t, now).await?;
-    }
-    for m in &c.messages {
-        check_owner(format_args!("message {}", m.id), &m.conversation_id, &run.conversation_id)?;
-        if let Some(run_id) = &m.run_id {
-            check_owner(format_args!("message {}", m.id), run_id, &c.run_id)?;
-        }
-        insert_message(conn, m).await?;
-    }
-    for id in &c.discard_messages {
-        discard_message(conn, c, id).await?;
-    }
-    for change in &c.tool_calls {
-        apply_tool_call(conn, c, &run.conversation_id, change).await?;
-    }
-    for i in &c.new_interrupts {
-        insert_interrupt(conn, c, i).await?;
-    }
-    for change in &c.interrupt_changes {
-        change_interrupt(conn, c, change).await?;
-    }
-    for f in &c.facts {
-        upsert_fact(conn, &run.conversation_id, f).await?;
-    }
-    if let Some(s) = &c.summary {
-        upsert_summary(conn, &run.conversation_id, s).await?;
-    }
-    let events = insert_events(conn, &c.run_id, run.first_sequence, &c.events, now).await?;
-    Ok(Committed { events, cancel_requested: run.cancel_requested })
-}
-
 /// One commit in a transaction of its own: the answer a commit refused inside a group gets, and the
 /// one the others of that group get when they are written again without it ([`group`]).
 async fn commit_alone(pool: &PgPool, commit: &Commit) -> StoreResult<Committed> {
     // READ COMMITTED, the server's default: correctness comes from conditional statements.
     let mut tx = pool.begin().await.map_err(db("begin a transaction"))?;
     // On an error the transaction is dropped, which rolls it back.
-    let committed = apply_commit(&mut tx, commit).await?;
-    if let Some(answer) = &commit.idempotency {
-        let done = sqlx::query(
-            "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2, expires_at = $3 \
-             WHERE user_id = $4 AND key = $5 AND state = 'in_flight'",
-        )
-        .bind(i64::from(answer.status))
-        .bind(&answer.response)
-        .bind(answer.expires_at)
-        .bind(&answer.user_id)
-        .bind(&answer.key)
-        .execute(&mut *tx)
-        .await
-        .map_err(db("store the answer under its idempotency key"))?;
-        if done.rows_affected() == 0 {
-            return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
-        }
-    }
+    let committed = pipeline::apply_commit(&mut PgTx(&mut tx), commit).await?;
     tx.commit().await.map_err(db("commit"))?;
     Ok(committed)
-}
-
-/// Inserts the run; `Ok(false)` if the one-active-run index refused it (another run of the
-/// conversation became active first). The transaction is then aborted: the caller rolls it back.
-async fn insert_run(conn: &mut PgConnection, run: &Run) -> StoreResult<bool> {
-    let result = sqlx::query(
-        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, reason, cancel_on_disconnect, \
-         cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, created_at, updated_at, agent_id) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
-    )
-    .bind(run.id.as_str())
-    .bind(run.conversation_id.as_str())
-    .bind(run.user_message_id.as_str())
-    .bind(&run.user_id)
-    .bind(run.status.as_str())
-    .bind(&run.reason)
-    .bind(run.cancel_on_disconnect)
-    .bind(run.cancel_requested)
-    .bind(run.next_sequence)
-    .bind(&run.lease_owner)
-    .bind(run.lease_expires_at)
-    .bind(json("checkpoint", &run.checkpoint)?)
-    .bind(run.created_at)
-    .bind(run.updated_at)
-    .bind(&run.agent_id)
-    .execute(&mut *conn)
-    .await;
-    match result {
-        Ok(_) => Ok(true),
-        Err(e) if is_active_run_violation(&e) => Ok(false),
-        Err(e) => Err(insert("run")(e)),
-    }
-}
-
-/// One attempt at `start_run`: `Ok(None)` if it lost the race to the one-active-run index.
-async fn try_start_run(tx: &mut PgConnection, new: &NewRun) -> StoreResult<Option<StartedRun>> {
-    let now = micros(new.now);
-    // Locks the conversation row: starts on one conversation are serialised, and the active-run
-    // check below sees the run of a start that committed while this one waited.
-    let version =
-        sqlx::query_scalar::<_, i64>("UPDATE conversations SET version = version + 1 WHERE id = $1 RETURNING version")
-            .bind(new.conversation_id.as_str())
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db("start a run"))?
-            .ok_or(StoreError::NotFound("conversation"))?;
-    if let Some(active) = active_run_id(&mut *tx, &new.conversation_id).await? {
-        return Err(StoreError::RunActive(active));
-    }
-    let events_len = i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
-    let run = Run {
-        id: RunId::new(),
-        conversation_id: new.conversation_id.clone(),
-        user_message_id: MessageId::new(),
-        user_id: new.user_id.clone(),
-        agent_id: Some(new.agent_id.clone()),
-        status: RunStatus::Queued,
-        reason: None,
-        cancel_on_disconnect: new.cancel_on_disconnect,
-        cancel_requested: false,
-        next_sequence: 1 + events_len,
-        lease_owner: None,
-        lease_expires_at: None,
-        worker: None,
-        checkpoint: Checkpoint::start(version),
-        created_at: now,
-        updated_at: now,
-    };
-    let message = Message {
-        id: run.user_message_id.clone(),
-        conversation_id: new.conversation_id.clone(),
-        run_id: Some(run.id.clone()),
-        role: Role::User,
-        content: new.content.clone(),
-        tool_call_id: None,
-        created_at: now,
-    };
-    // the run first: the message refers to it
-    if !insert_run(&mut *tx, &run).await? {
-        return Ok(None);
-    }
-    insert_message(&mut *tx, &message).await?;
-    let events = insert_events(&mut *tx, &run.id, 1, &new.events, now).await?;
-    Ok(Some(StartedRun { message, run, events }))
 }
 
 #[async_trait]
@@ -1083,7 +555,10 @@ impl RunStore for PostgresStore {
         for _ in 0..START_ATTEMPTS {
             let mut tx = self.begin().await?;
             // On an error the transaction is dropped, which rolls it back.
-            if let Some(started) = try_start_run(&mut tx, &new).await? {
+            let (run_id, message_id) = (RunId::new(), MessageId::new());
+            if let Some(started) =
+                pipeline::start_run(&mut PgTx(&mut tx), &new, run_id, message_id, ONE_ACTIVE_RUN).await?
+            {
                 tx.commit().await.map_err(db("start a run"))?;
                 return Ok(started);
             }

@@ -23,8 +23,8 @@ use std::path::Path;
 
 use async_trait::async_trait;
 use keel_core::domain::{
-    lease_holder, ApiKey, Checkpoint, Conversation, Fact, Interrupt, Message, Role, Run, RunStatus, StreamTicket,
-    Summary, Timestamp, ToolCall, User, UserRole,
+    lease_holder, ApiKey, Conversation, Fact, Interrupt, Message, Run, RunStatus, StreamTicket, Summary, Timestamp,
+    ToolCall, User, UserRole,
 };
 use keel_core::event::Event;
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
@@ -36,12 +36,13 @@ use keel_core::store::{
 use rusqlite::params;
 use serde_json::Value;
 
-use self::commit::{active_run_id, apply_commit, insert_events, insert_message, insert_run, json, opt_ts, ts, ACTIVE};
+use self::commit::{json, opt_ts, ts, SqliteTx, ACTIVE};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
 use self::rows::{
     conversation_from, event_from, exec, exec_or, fact_from, interrupt_from, many, message_from, one, run_from,
     stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
 };
+use crate::pipeline::{self, ready};
 
 /// The SQLite store. Cloning shares the connections and the writer thread.
 #[derive(Debug, Clone)]
@@ -142,51 +143,14 @@ impl RunStore for SqliteStore {
         let (run_id, message_id) = (RunId::new(), MessageId::new());
         self.db
             .write(move |c| {
-                let version = one(
-                    c,
-                    "start a run",
-                    "UPDATE conversations SET version = version + 1 WHERE id = ? RETURNING version",
-                    [new.conversation_id.as_str()],
-                    |r| Cols::new(r, "conversations").get::<i64>("version"),
-                )?
-                .ok_or(StoreError::NotFound("conversation"))?;
-                if let Some(active) = active_run_id(c, &new.conversation_id)? {
-                    return Err(StoreError::RunActive(active));
+                match ready(pipeline::start_run(&mut SqliteTx(c), &new, run_id.clone(), message_id.clone(), ""))? {
+                    Some(started) => Ok(started),
+                    // the one-active-run index, or (never in practice) a reused id
+                    None => Err(match ready(pipeline::active_run_id(&mut SqliteTx(c), &new.conversation_id))? {
+                        Some(active) => StoreError::RunActive(active),
+                        None => StoreError::Duplicate("run id already exists".into()),
+                    }),
                 }
-                let events_len =
-                    i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
-                let run = Run {
-                    id: run_id.clone(),
-                    conversation_id: new.conversation_id.clone(),
-                    user_message_id: message_id.clone(),
-                    user_id: new.user_id.clone(),
-                    agent_id: Some(new.agent_id.clone()),
-                    status: RunStatus::Queued,
-                    reason: None,
-                    cancel_on_disconnect: new.cancel_on_disconnect,
-                    cancel_requested: false,
-                    next_sequence: 1 + events_len,
-                    lease_owner: None,
-                    lease_expires_at: None,
-                    worker: None,
-                    checkpoint: Checkpoint::start(version),
-                    created_at: new.now,
-                    updated_at: new.now,
-                };
-                let message = Message {
-                    id: run.user_message_id.clone(),
-                    conversation_id: new.conversation_id.clone(),
-                    run_id: Some(run.id.clone()),
-                    role: Role::User,
-                    content: new.content.clone(),
-                    tool_call_id: None,
-                    created_at: new.now,
-                };
-                // the run first: the message refers to it
-                insert_run(c, &run)?;
-                insert_message(c, &message)?;
-                let events = insert_events(c, &run.id, 1, new.events.clone(), &new.now)?;
-                Ok(StartedRun { message, run, events })
             })
             .await
     }
@@ -322,7 +286,7 @@ impl RunStore for SqliteStore {
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
-        self.db.write(move |c| apply_commit(c, &commit)).await
+        self.db.write(move |c| ready(pipeline::apply_commit(&mut SqliteTx(c), &commit))).await
     }
 
     async fn list_runs(&self, user_id: &str, status: Option<RunStatus>, limit: u32) -> StoreResult<Vec<Run>> {

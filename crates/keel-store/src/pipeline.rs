@@ -1,0 +1,825 @@
+//! The commit pipeline, written once for both backends: what [`Store::commit`] writes, in which
+//! order, with which checks and which refusals — and the inserts of a new run.
+//!
+//! Each backend supplies only a [`Tx`]: a transaction that runs a statement with typed arguments and
+//! reads one row back, plus the few things that really differ between SQLite and PostgreSQL (how a
+//! timestamp or a JSON value is stored, how a batch of events is inserted, whether the fence can
+//! read its row back with `RETURNING`). The statements are written once, with `$1`-style
+//! placeholders; SQLite takes them as `?1` (the same numbering).
+//!
+//! SQLite's writer runs on a thread of its own and never waits: its [`Tx`] answers every call at
+//! once, so [`ready`] runs the pipeline's future to its end in one poll. PostgreSQL's awaits the
+//! server. PostgreSQL's group commit (`postgres/group.rs`) is a second way to write a *group* of
+//! commits with one statement per table; a group that meets a refusal past the fence is written
+//! again one commit at a time through this pipeline.
+//!
+//! [`Store::commit`]: keel_core::store::RunStore::commit
+
+use std::future::Future;
+use std::sync::OnceLock;
+use std::task::{Context, Poll, Waker};
+
+use keel_core::domain::{
+    lease_holder, Checkpoint, Fact, Interrupt, InterruptStatus, Message, Role, Run, RunStatus, Summary, Timestamp,
+};
+use keel_core::event::{Event, EventKind};
+use keel_core::ids::{ConversationId, MessageId, RunId};
+use keel_core::store::{
+    Commit, Committed, Fence, InterruptChange, NewRun, StartedRun, StoreError, StoreResult, TextAppend, ToolCallChange,
+    ToolCallUpdate,
+};
+use serde::Serialize;
+use serde_json::Value;
+
+/// The statuses of a run that holds its conversation (`RunStatus::is_active`), as a condition.
+///
+/// Written as `=` terms joined by `OR`, never as `status IN (…)`: SQLite evaluates an `IN` list of
+/// three or more values through a temporary b-tree it builds and frees at each execution (a page
+/// allocated and zeroed), which was ~14% of the server's instructions per run when every fence
+/// and status change did it (docs/benchmarks.md, "Where SQLite's instructions went"). PostgreSQL
+/// plans both forms alike, and proves either implies the one-active-run index's predicate.
+pub const ACTIVE: &str = "(status = 'queued' OR status = 'running' OR status = 'interrupted')";
+
+/// How a backend numbers its placeholders.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    /// `$1`, and `UPDATE … RETURNING` is cheap.
+    Postgres,
+    /// `?1`; `RETURNING` goes through a temporary b-tree, so a row is read back by a `SELECT`.
+    Sqlite,
+}
+
+impl Dialect {
+    /// `sql`, written with `$N` placeholders, in this dialect.
+    pub(crate) fn text(self, sql: String) -> String {
+        match self {
+            Dialect::Postgres => sql,
+            Dialect::Sqlite => sql.replace('$', "?"),
+        }
+    }
+}
+
+/// A statement written once, with `$N` placeholders; its SQLite text is made on first use.
+pub(crate) struct Sql {
+    text: &'static str,
+    sqlite: OnceLock<String>,
+}
+
+impl Sql {
+    pub(crate) const fn new(text: &'static str) -> Self {
+        Self { text, sqlite: OnceLock::new() }
+    }
+
+    pub(crate) fn text(&self, dialect: Dialect) -> &str {
+        match dialect {
+            Dialect::Postgres => self.text,
+            Dialect::Sqlite => self.sqlite.get_or_init(|| self.text.replace('$', "?")),
+        }
+    }
+}
+
+/// A JSON value encoded the way a backend stores it: text for SQLite, `jsonb` for PostgreSQL.
+#[derive(Debug)]
+pub(crate) enum Encoded {
+    Text(String),
+    Json(Value),
+}
+
+/// A statement's argument. `None` is a typed `NULL` (PostgreSQL checks a parameter's type against
+/// its column even when it is null).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Arg<'a> {
+    Text(Option<&'a str>),
+    Int(Option<i64>),
+    /// An `integer` column on PostgreSQL.
+    I32(Option<i32>),
+    Bool(bool),
+    Time(Option<Timestamp>),
+    Json(Option<&'a Value>),
+    Encoded(Option<&'a Encoded>),
+}
+
+/// The type of a column read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ty {
+    Text,
+    OptText,
+    Int,
+    Bool,
+}
+
+/// A column read back, as [`Ty`] asked.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Cell {
+    Text(Option<String>),
+    Int(i64),
+    Bool(bool),
+}
+
+impl Cell {
+    fn text(self, col: &str) -> StoreResult<String> {
+        match self {
+            Cell::Text(Some(s)) => Ok(s),
+            _ => Err(unreadable(col)),
+        }
+    }
+
+    fn opt_text(self, col: &str) -> StoreResult<Option<String>> {
+        match self {
+            Cell::Text(s) => Ok(s),
+            _ => Err(unreadable(col)),
+        }
+    }
+
+    fn int(self, col: &str) -> StoreResult<i64> {
+        match self {
+            Cell::Int(n) => Ok(n),
+            _ => Err(unreadable(col)),
+        }
+    }
+
+    fn bool(self, col: &str) -> StoreResult<bool> {
+        match self {
+            Cell::Bool(b) => Ok(b),
+            _ => Err(unreadable(col)),
+        }
+    }
+}
+
+fn unreadable(col: &str) -> StoreError {
+    StoreError::Backend(format!("column {col}: not the expected type"))
+}
+
+/// A statement the database refused, in terms the pipeline decides on.
+#[derive(Debug)]
+pub(crate) struct DbError {
+    /// A unique (or primary key) violation.
+    pub unique: bool,
+    /// The violated constraint, where the backend names it.
+    pub constraint: Option<String>,
+    /// The database's message, never quoting a value written.
+    pub message: String,
+}
+
+impl DbError {
+    /// `Backend`, naming the operation.
+    pub(crate) fn backend(self, op: &str) -> StoreError {
+        StoreError::Backend(format!("{op}: {}", self.message))
+    }
+
+    /// Like [`DbError::backend`], but a unique violation is a reused id: `Duplicate`.
+    pub(crate) fn insert(self, what: &str) -> StoreError {
+        if self.unique {
+            StoreError::Duplicate(format!("{what} id already exists"))
+        } else {
+            self.backend(what)
+        }
+    }
+}
+
+/// A backend's transaction, as the pipeline uses it.
+pub(crate) trait Tx {
+    const DIALECT: Dialect;
+
+    /// A typed value as the backend stores JSON.
+    fn encode<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult<Encoded>;
+
+    /// `t` as the backend keeps it (PostgreSQL's `timestamptz` keeps microseconds), so that what a
+    /// commit returns equals what is read back.
+    fn stored(t: Timestamp) -> Timestamp;
+
+    /// Runs a statement; the number of rows it changed.
+    fn execute(&mut self, sql: &str, args: &[Arg<'_>]) -> impl Future<Output = Result<u64, DbError>>;
+
+    /// The first row of a query, its columns as `shape` says.
+    fn row(
+        &mut self,
+        sql: &str,
+        args: &[Arg<'_>],
+        shape: &[Ty],
+    ) -> impl Future<Output = Result<Option<Vec<Cell>>, DbError>>;
+
+    /// Inserts `kinds` as the run's events from `first_sequence` on, at `now` (already as stored);
+    /// the events as written.
+    fn insert_events(
+        &mut self,
+        run_id: &RunId,
+        first_sequence: i64,
+        kinds: &[EventKind],
+        now: Timestamp,
+    ) -> impl Future<Output = StoreResult<Vec<Event>>>;
+}
+
+/// Runs a future that never waits (SQLite's pipeline) to its end.
+pub(crate) fn ready<T>(future: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
+    let mut future = std::pin::pin!(future);
+    match future.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(answer) => answer,
+        Poll::Pending => Err(StoreError::Backend("a write waited on the SQLite writer thread".into())),
+    }
+}
+
+async fn execute<T: Tx>(tx: &mut T, op: &'static str, sql: &Sql, args: &[Arg<'_>]) -> StoreResult<u64> {
+    tx.execute(sql.text(T::DIALECT), args).await.map_err(|e| e.backend(op))
+}
+
+async fn insert<T: Tx>(tx: &mut T, what: &'static str, sql: &Sql, args: &[Arg<'_>]) -> StoreResult<()> {
+    tx.execute(sql.text(T::DIALECT), args).await.map_err(|e| e.insert(what))?;
+    Ok(())
+}
+
+async fn row<T: Tx>(
+    tx: &mut T,
+    op: &'static str,
+    sql: &Sql,
+    args: &[Arg<'_>],
+    shape: &[Ty],
+) -> StoreResult<Option<Vec<Cell>>> {
+    tx.row(sql.text(T::DIALECT), args, shape).await.map_err(|e| e.backend(op))
+}
+
+/// The one column of a row.
+fn only(row: Vec<Cell>) -> StoreResult<Cell> {
+    row.into_iter().next().ok_or_else(|| StoreError::Backend("a row without its column".into()))
+}
+
+fn text(s: &str) -> Arg<'_> {
+    Arg::Text(Some(s))
+}
+
+fn time(t: Timestamp) -> Arg<'static> {
+    Arg::Time(Some(t))
+}
+
+/// `(status = 'queued' OR status = 'running')`: one term per status (see [`ACTIVE`] for why not
+/// `IN`). The names are Keel's own, written into the statement, so a fence's statement depends only
+/// on its kind and statuses: a handful, each prepared once.
+fn status_is_one_of(statuses: &[RunStatus]) -> String {
+    if statuses.is_empty() {
+        return "FALSE".into();
+    }
+    let terms: Vec<String> = statuses.iter().map(|s| format!("status = '{}'", s.as_str())).collect();
+    format!("({})", terms.join(" OR "))
+}
+
+static INSERT_MESSAGE: Sql = Sql::new(
+    "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7)",
+);
+
+async fn insert_message<T: Tx>(tx: &mut T, m: &Message) -> StoreResult<()> {
+    let args = [
+        text(m.id.as_str()),
+        text(m.conversation_id.as_str()),
+        Arg::Text(m.run_id.as_ref().map(|r| r.as_str())),
+        text(m.role.as_str()),
+        text(m.content.as_str()),
+        Arg::Text(m.tool_call_id.as_ref().map(|c| c.as_str())),
+        time(m.created_at),
+    ];
+    insert(tx, "message", &INSERT_MESSAGE, &args).await
+}
+
+static INSERT_RUN: Sql = Sql::new(
+    "INSERT INTO runs (id, conversation_id, user_message_id, user_id, agent_id, status, reason, \
+     cancel_on_disconnect, cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, \
+     created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
+);
+
+/// Inserts the run; `Ok(false)` if a unique index refused it: the one-active-run index (another run
+/// of the conversation is active), or, where the backend does not name the index, possibly the id.
+/// The caller tells them apart.
+async fn insert_run<T: Tx>(tx: &mut T, run: &Run, one_active_run: &str) -> StoreResult<bool> {
+    let checkpoint = T::encode("checkpoint", &run.checkpoint)?;
+    let args = [
+        text(run.id.as_str()),
+        text(run.conversation_id.as_str()),
+        text(run.user_message_id.as_str()),
+        text(&run.user_id),
+        Arg::Text(run.agent_id.as_deref()),
+        text(run.status.as_str()),
+        Arg::Text(run.reason.as_deref()),
+        Arg::Bool(run.cancel_on_disconnect),
+        Arg::Bool(run.cancel_requested),
+        Arg::Int(Some(run.next_sequence)),
+        Arg::Text(run.lease_owner.as_deref()),
+        Arg::Time(run.lease_expires_at),
+        Arg::Encoded(Some(&checkpoint)),
+        time(run.created_at),
+        time(run.updated_at),
+    ];
+    match tx.execute(INSERT_RUN.text(T::DIALECT), &args).await {
+        Ok(_) => Ok(true),
+        Err(e) if e.unique && e.constraint.as_deref().is_none_or(|c| c == one_active_run) => Ok(false),
+        Err(e) => Err(e.insert("run")),
+    }
+}
+
+static BUMP_CONVERSATION: Sql =
+    Sql::new("UPDATE conversations SET version = version + 1 WHERE id = $1 RETURNING version");
+static ACTIVE_RUN: Sql = Sql::new(
+    "SELECT id FROM runs WHERE conversation_id = $1 \
+     AND (status = 'queued' OR status = 'running' OR status = 'interrupted') LIMIT 1",
+);
+
+/// The conversation's active run, if any.
+pub(crate) async fn active_run_id<T: Tx>(tx: &mut T, conversation_id: &ConversationId) -> StoreResult<Option<RunId>> {
+    match row(tx, "find the active run", &ACTIVE_RUN, &[text(conversation_id.as_str())], &[Ty::Text]).await? {
+        Some(row) => only(row)?
+            .text("id")?
+            .parse()
+            .map(Some)
+            .map_err(|_| StoreError::Backend("column runs.id: not a run id".into())),
+        None => Ok(None),
+    }
+}
+
+/// A new run, `queued`, with its user message and first events, under the ids given (made once by
+/// the caller, so that a write run again answers the same). `Ok(None)` if the one-active-run index
+/// refused the run: another run of the conversation became active between the check and the insert
+/// (or, where the backend does not name the index, the run id was taken); the caller tells which.
+///
+/// Bumping the conversation's version first locks its row on PostgreSQL: starts on one
+/// conversation are serialised, and the active-run check sees the run of a start that committed
+/// while this one waited. The version is the run's checkpoint's: what the context was built from.
+pub(crate) async fn start_run<T: Tx>(
+    tx: &mut T,
+    new: &NewRun,
+    run_id: RunId,
+    message_id: MessageId,
+    one_active_run: &str,
+) -> StoreResult<Option<StartedRun>> {
+    let now = T::stored(new.now);
+    let version = row(tx, "start a run", &BUMP_CONVERSATION, &[text(new.conversation_id.as_str())], &[Ty::Int])
+        .await?
+        .ok_or(StoreError::NotFound("conversation"))?;
+    let version = only(version)?.int("version")?;
+    if let Some(active) = active_run_id(tx, &new.conversation_id).await? {
+        return Err(StoreError::RunActive(active));
+    }
+    let events_len = i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let run = Run {
+        id: run_id,
+        conversation_id: new.conversation_id.clone(),
+        user_message_id: message_id,
+        user_id: new.user_id.clone(),
+        agent_id: Some(new.agent_id.clone()),
+        status: RunStatus::Queued,
+        reason: None,
+        cancel_on_disconnect: new.cancel_on_disconnect,
+        cancel_requested: false,
+        next_sequence: 1 + events_len,
+        lease_owner: None,
+        lease_expires_at: None,
+        worker: None,
+        checkpoint: Checkpoint::start(version),
+        created_at: now,
+        updated_at: now,
+    };
+    let message = Message {
+        id: run.user_message_id.clone(),
+        conversation_id: new.conversation_id.clone(),
+        run_id: Some(run.id.clone()),
+        role: Role::User,
+        content: new.content.clone(),
+        tool_call_id: None,
+        created_at: now,
+    };
+    // the run first: the message refers to it
+    if !insert_run(tx, &run, one_active_run).await? {
+        return Ok(None);
+    }
+    insert_message(tx, &message).await?;
+    let events = tx.insert_events(&run.id, 1, &new.events, now).await?;
+    Ok(Some(StartedRun { message, run, events }))
+}
+
+/// What the fence read of the run row as the commit leaves it.
+struct Fenced {
+    conversation_id: ConversationId,
+    /// The sequence of the commit's first event.
+    first_sequence: i64,
+    cancel_requested: bool,
+}
+
+const FENCED: [Ty; 3] = [Ty::Text, Ty::Int, Ty::Bool];
+static READ_FENCED: Sql = Sql::new("SELECT conversation_id, next_sequence, cancel_requested FROM runs WHERE id = $1");
+
+/// The fence: one conditional update of the run row that checks the writer's right to write,
+/// renews, takes or (when the run pauses or ends) releases the lease, reserves the commit's event
+/// sequences, and makes the commit's status change and checkpoint — one statement for what were
+/// up to three. A status change is part of the condition (the row's status must be one the new
+/// status may follow), so a refused one is told apart in [`fence_refusal`].
+///
+/// On PostgreSQL it locks the run row until the transaction ends: commits on one run are
+/// serialised, and a concurrent writer that waited for the lock re-checks the condition against
+/// the row as the winner left it, and the row comes back with `RETURNING`. SQLite's one writer
+/// needs no lock, and reads the row back with a second statement.
+async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fenced> {
+    let n = i64::try_from(c.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let change = c.run.as_ref();
+    // A paused or finished run has no worker.
+    let release = change.is_some_and(|ch| ch.to == RunStatus::Interrupted || ch.to.is_terminal());
+    let checkpoint = c.checkpoint.as_ref().map(|cp| T::encode("checkpoint", cp)).transpose()?;
+    // A status move is allowed only from the statuses it may follow.
+    let transition = change.map_or_else(|| "TRUE".to_owned(), |ch| status_is_one_of(&RunStatus::sources_of(ch.to)));
+    const COMMON: &str = "next_sequence = next_sequence + $1, updated_at = $2, status = COALESCE($4, status), \
+         reason = CASE WHEN $4 IS NULL THEN reason ELSE $5 END, checkpoint = COALESCE($6, checkpoint)";
+    let worker;
+    let mut args = vec![
+        Arg::Int(Some(n)),
+        time(now),
+        text(c.run_id.as_str()),
+        Arg::Text(change.map(|ch| ch.to.as_str())),
+        Arg::Text(change.and_then(|ch| ch.reason.as_deref())),
+        Arg::Encoded(checkpoint.as_ref()),
+        Arg::Bool(release),
+    ];
+    let sql = match &c.fence {
+        Fence::Lease { owner, lease_until } => {
+            args.extend([time(*lease_until), text(owner)]);
+            format!(
+                "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
+                 lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END \
+                 WHERE id = $3 AND lease_owner = $9 AND {ACTIVE} AND {transition}"
+            )
+        }
+        Fence::Acquire { owner, from, lease_until } => {
+            worker = lease_holder(owner);
+            args.extend([time(*lease_until), text(owner), text(worker)]);
+            format!(
+                "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE $9 END, \
+                 lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END, worker = $10 \
+                 WHERE id = $3 AND {} AND {transition}",
+                status_is_one_of(from)
+            )
+        }
+        Fence::Unowned { from } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN $7 THEN NULL ELSE lease_expires_at END \
+             WHERE id = $3 AND {} AND {transition}",
+            status_is_one_of(from)
+        ),
+    };
+    let refused = |e: DbError| {
+        if e.unique {
+            // only a move back to an active status can collide with another active run
+            StoreError::Conflict(format!("run {}: the conversation has another active run", c.run_id))
+        } else {
+            e.backend("fence the run")
+        }
+    };
+    let row = match T::DIALECT {
+        Dialect::Postgres => {
+            let sql = format!("{sql} RETURNING conversation_id, next_sequence, cancel_requested");
+            tx.row(&sql, &args, &FENCED).await.map_err(refused)?
+        }
+        Dialect::Sqlite => {
+            let changed = tx.execute(&T::DIALECT.text(sql), &args).await.map_err(refused)?;
+            if changed == 0 {
+                None
+            } else {
+                row(tx, "fence the run", &READ_FENCED, &[text(c.run_id.as_str())], &FENCED).await?
+            }
+        }
+    };
+    let Some(row) = row else {
+        return Err(fence_refusal(tx, c).await);
+    };
+    let [conversation_id, next_sequence, cancel_requested] =
+        <[Cell; 3]>::try_from(row).map_err(|_| StoreError::Backend("fence the run: a short row".into()))?;
+    Ok(Fenced {
+        conversation_id: conversation_id
+            .text("conversation_id")?
+            .parse()
+            .map_err(|_| StoreError::Backend("column runs.conversation_id: not a conversation id".into()))?,
+        first_sequence: next_sequence.int("next_sequence")? - n,
+        cancel_requested: cancel_requested.bool("cancel_requested")?,
+    })
+}
+
+static READ_FENCE_ROW: Sql = Sql::new("SELECT status, lease_owner FROM runs WHERE id = $1");
+
+/// Why the fence matched nothing: the run is missing, not in the state the writer expects, or in
+/// a state the commit's new status may not follow.
+async fn fence_refusal<T: Tx>(tx: &mut T, c: &Commit) -> StoreError {
+    let read = row(tx, "fence the run", &READ_FENCE_ROW, &[text(c.run_id.as_str())], &[Ty::Text, Ty::OptText]).await;
+    let row = match read {
+        Ok(Some(row)) => row,
+        Ok(None) => return StoreError::NotFound("run"),
+        Err(e) => return e,
+    };
+    let mut cells = row.into_iter();
+    let status = cells.next().map(|s| s.text("status"));
+    let owner = cells.next().map(|o| o.opt_text("lease_owner"));
+    match (status, owner) {
+        (Some(Ok(status)), Some(Ok(owner))) => crate::fence::refusal(c, &status, owner.as_deref()),
+        (Some(Err(e)), _) | (_, Some(Err(e))) => e,
+        _ => StoreError::Backend("fence the run: a short row".into()),
+    }
+}
+
+static APPEND_TEXT: Sql = Sql::new(
+    "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+     VALUES ($1, $2, $3, 'assistant', $4, NULL, $5) \
+     ON CONFLICT (id) DO UPDATE SET content = messages.content || excluded.content \
+     WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'",
+);
+
+async fn append_text<T: Tx>(
+    tx: &mut T,
+    c: &Commit,
+    conversation_id: &ConversationId,
+    t: &TextAppend,
+    now: Timestamp,
+) -> StoreResult<()> {
+    let args = [
+        text(t.message_id.as_str()),
+        text(conversation_id.as_str()),
+        text(c.run_id.as_str()),
+        text(&t.text),
+        time(now),
+    ];
+    if execute(tx, "append text", &APPEND_TEXT, &args).await? == 0 {
+        return Err(StoreError::Conflict(format!(
+            "message {} is not an assistant message of run {}",
+            t.message_id, c.run_id
+        )));
+    }
+    Ok(())
+}
+
+static DISCARD_MESSAGE: Sql = Sql::new("DELETE FROM messages WHERE id = $1 AND run_id = $2 AND role = 'assistant'");
+
+async fn discard_message<T: Tx>(tx: &mut T, c: &Commit, id: &MessageId) -> StoreResult<()> {
+    // A message that never got its first text was never created: nothing to delete is fine.
+    execute(tx, "discard a message", &DISCARD_MESSAGE, &[text(id.as_str()), text(c.run_id.as_str())]).await?;
+    Ok(())
+}
+
+/// A record handed to a commit must belong to the commit's run.
+fn check_owner<V: PartialEq + std::fmt::Display>(
+    what: std::fmt::Arguments<'_>,
+    of: &V,
+    expected: &V,
+) -> StoreResult<()> {
+    if of == expected {
+        Ok(())
+    } else {
+        Err(StoreError::Conflict(format!("{what} belongs to {of}, not {expected}")))
+    }
+}
+
+static INSERT_TOOL_CALL: Sql = Sql::new(
+    "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, attempts, \
+     started_at, finished_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+);
+static UPDATE_TOOL_CALL: Sql = Sql::new(
+    "UPDATE tool_calls SET state = $1, args = COALESCE($2, args), result = COALESCE($3, result), \
+     summary = COALESCE($4, summary), attempts = COALESCE($5, attempts), started_at = COALESCE($6, started_at), \
+     finished_at = COALESCE($7, finished_at) WHERE id = $8 AND run_id = $9 AND state = $10",
+);
+static TOOL_CALL_STATE: Sql = Sql::new("SELECT state FROM tool_calls WHERE id = $1 AND run_id = $2");
+
+async fn apply_tool_call<T: Tx>(
+    tx: &mut T,
+    c: &Commit,
+    conversation_id: &ConversationId,
+    change: &ToolCallChange,
+) -> StoreResult<()> {
+    match change {
+        ToolCallChange::Insert(call) => {
+            check_owner(format_args!("tool call {}", call.id), &call.run_id, &c.run_id)?;
+            let args = [
+                text(call.id.as_str()),
+                text(call.run_id.as_str()),
+                text(conversation_id.as_str()),
+                text(&call.name),
+                Arg::Json(Some(call.args.inner())),
+                text(call.state.as_str()),
+                Arg::Json(call.result.as_ref().map(|r| r.inner())),
+                Arg::Text(call.summary.as_ref().map(|s| s.as_str())),
+                Arg::I32(Some(attempts(call.attempts)?)),
+                Arg::Time(call.started_at),
+                Arg::Time(call.finished_at),
+            ];
+            insert(tx, "tool call", &INSERT_TOOL_CALL, &args).await?;
+        }
+        ToolCallChange::Update(ToolCallUpdate {
+            id,
+            from,
+            to,
+            args,
+            result,
+            summary,
+            attempts: n,
+            started_at,
+            finished_at,
+        }) => {
+            if !from.can_transition_to(*to) {
+                return Err(StoreError::Conflict(format!("tool call {id}: {from} -> {to} is not allowed")));
+            }
+            let values = [
+                text(to.as_str()),
+                Arg::Json(args.as_ref().map(|a| a.inner())),
+                Arg::Json(result.as_ref().map(|r| r.inner())),
+                Arg::Text(summary.as_ref().map(|s| s.as_str())),
+                Arg::I32(n.map(attempts).transpose()?),
+                Arg::Time(*started_at),
+                Arg::Time(*finished_at),
+                text(id.as_str()),
+                text(c.run_id.as_str()),
+                text(from.as_str()),
+            ];
+            if execute(tx, "update a tool call", &UPDATE_TOOL_CALL, &values).await? == 0 {
+                let keys = [text(id.as_str()), text(c.run_id.as_str())];
+                let state = row(tx, "update a tool call", &TOOL_CALL_STATE, &keys, &[Ty::Text]).await?;
+                return Err(StoreError::Conflict(match state {
+                    Some(state) => format!("tool call {id} is {}, not {from}", only(state)?.text("state")?),
+                    None => format!("tool call {id} is not a call of run {}", c.run_id),
+                }));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn attempts(n: u32) -> StoreResult<i32> {
+    i32::try_from(n).map_err(|_| StoreError::Backend("a tool call's attempts: too many".into()))
+}
+
+static INSERT_INTERRUPT: Sql = Sql::new(
+    "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, decision, \
+     note, resolved_by, resolved_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+);
+
+async fn insert_interrupt<T: Tx>(tx: &mut T, c: &Commit, i: &Interrupt) -> StoreResult<()> {
+    check_owner(format_args!("interrupt {}", i.id), &i.run_id, &c.run_id)?;
+    let call_ids = T::encode("interrupt call ids", &i.call_ids)?;
+    let args = [
+        text(i.id.as_str()),
+        text(i.run_id.as_str()),
+        text(i.kind.as_str()),
+        text(i.status.as_str()),
+        Arg::Json(Some(i.payload.inner())),
+        Arg::Encoded(Some(&call_ids)),
+        time(i.created_at),
+        time(i.expires_at),
+        Arg::Json(i.decision.as_ref().map(|d| d.inner())),
+        Arg::Text(i.note.as_ref().map(|n| n.as_str())),
+        Arg::Text(i.resolved_by.as_deref()),
+        Arg::Time(i.resolved_at),
+    ];
+    insert(tx, "interrupt", &INSERT_INTERRUPT, &args).await
+}
+
+static CHANGE_INTERRUPT: Sql = Sql::new(
+    "UPDATE interrupts SET status = $1, decision = COALESCE($2, decision), note = COALESCE($3, note), \
+     resolved_by = COALESCE($4, resolved_by), resolved_at = $5 \
+     WHERE id = $6 AND run_id = $7 AND status = 'pending' AND (NOT $8 OR expires_at > $5)",
+);
+static INTERRUPT_STATUS: Sql = Sql::new("SELECT status FROM interrupts WHERE id = $1 AND run_id = $2");
+
+async fn change_interrupt<T: Tx>(tx: &mut T, c: &Commit, change: &InterruptChange, now: Timestamp) -> StoreResult<()> {
+    let id = &change.id;
+    if !InterruptStatus::Pending.can_transition_to(change.to) {
+        return Err(StoreError::Conflict(format!("interrupt {id}: pending -> {} is not allowed", change.to)));
+    }
+    // An interrupt past its expiry may still expire or be cancelled, never be resolved.
+    let resolving = change.to == InterruptStatus::Resolved;
+    let args = [
+        text(change.to.as_str()),
+        Arg::Json(change.decision.as_ref().map(|d| d.inner())),
+        Arg::Text(change.note.as_ref().map(|n| n.as_str())),
+        Arg::Text(change.resolved_by.as_deref()),
+        time(now),
+        text(id.as_str()),
+        text(c.run_id.as_str()),
+        Arg::Bool(resolving),
+    ];
+    if execute(tx, "change an interrupt", &CHANGE_INTERRUPT, &args).await? > 0 {
+        return Ok(());
+    }
+    let keys = [text(id.as_str()), text(c.run_id.as_str())];
+    let status = match row(tx, "change an interrupt", &INTERRUPT_STATUS, &keys, &[Ty::Text]).await? {
+        None => return Err(StoreError::Conflict(format!("interrupt {id} is not an interrupt of run {}", c.run_id))),
+        Some(row) => only(row)?.text("status")?,
+    };
+    Err(StoreError::Conflict(match InterruptStatus::parse(&status) {
+        Some(InterruptStatus::Pending) => format!("interrupt {id} has expired"),
+        _ => format!("interrupt {id} is already {status}"),
+    }))
+}
+
+static UPSERT_FACT: Sql = Sql::new(
+    "INSERT INTO facts (conversation_id, key, value, source, updated_at) VALUES ($1, $2, $3, $4, $5) \
+     ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
+     updated_at = excluded.updated_at",
+);
+
+async fn upsert_fact<T: Tx>(tx: &mut T, conversation_id: &ConversationId, f: &Fact) -> StoreResult<()> {
+    let args = [
+        text(conversation_id.as_str()),
+        text(&f.key),
+        text(f.value.as_str()),
+        text(f.source.as_str()),
+        time(f.updated_at),
+    ];
+    execute(tx, "upsert a fact", &UPSERT_FACT, &args).await?;
+    Ok(())
+}
+
+static UPSERT_SUMMARY: Sql = Sql::new(
+    "INSERT INTO summaries (conversation_id, through_message_id, text) VALUES ($1, $2, $3) \
+     ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
+     text = excluded.text",
+);
+
+async fn upsert_summary<T: Tx>(tx: &mut T, conversation_id: &ConversationId, s: &Summary) -> StoreResult<()> {
+    check_owner(format_args!("the summary"), &s.conversation_id, conversation_id)?;
+    let args = [text(conversation_id.as_str()), text(s.through_message_id.as_str()), text(s.text.as_str())];
+    execute(tx, "upsert the summary", &UPSERT_SUMMARY, &args).await?;
+    Ok(())
+}
+
+static STORE_ANSWER: Sql = Sql::new(
+    "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2, expires_at = $3 \
+     WHERE user_id = $4 AND key = $5 AND state = 'in_flight'",
+);
+
+/// Everything of one commit, and the answer stored under its idempotency key, in the caller's
+/// transaction; on an error the caller rolls the whole of it back.
+pub(crate) async fn apply_commit<T: Tx>(tx: &mut T, c: &Commit) -> StoreResult<Committed> {
+    let now = T::stored(c.now);
+    let run = fence(tx, c, now).await?;
+    for t in &c.text {
+        append_text(tx, c, &run.conversation_id, t, now).await?;
+    }
+    for m in &c.messages {
+        check_owner(format_args!("message {}", m.id), &m.conversation_id, &run.conversation_id)?;
+        if let Some(run_id) = &m.run_id {
+            check_owner(format_args!("message {}", m.id), run_id, &c.run_id)?;
+        }
+        insert_message(tx, m).await?;
+    }
+    for id in &c.discard_messages {
+        discard_message(tx, c, id).await?;
+    }
+    for change in &c.tool_calls {
+        apply_tool_call(tx, c, &run.conversation_id, change).await?;
+    }
+    for i in &c.new_interrupts {
+        insert_interrupt(tx, c, i).await?;
+    }
+    for change in &c.interrupt_changes {
+        change_interrupt(tx, c, change, now).await?;
+    }
+    for f in &c.facts {
+        upsert_fact(tx, &run.conversation_id, f).await?;
+    }
+    if let Some(s) = &c.summary {
+        upsert_summary(tx, &run.conversation_id, s).await?;
+    }
+    if let Some(answer) = &c.idempotency {
+        let args = [
+            Arg::Int(Some(i64::from(answer.status))),
+            Arg::Json(Some(&answer.response)),
+            time(answer.expires_at),
+            text(&answer.user_id),
+            text(&answer.key),
+        ];
+        if execute(tx, "store the answer under its idempotency key", &STORE_ANSWER, &args).await? == 0 {
+            return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
+        }
+    }
+    let events = tx.insert_events(&c.run_id, run.first_sequence, &c.events, now).await?;
+    Ok(Committed { events, cancel_requested: run.cancel_requested })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_statement_reads_the_same_in_both_dialects_but_for_its_placeholders() {
+        static S: Sql = Sql::new("UPDATE t SET a = $1 WHERE b = $2 AND c = $1");
+        assert_eq!(S.text(Dialect::Postgres), "UPDATE t SET a = $1 WHERE b = $2 AND c = $1");
+        assert_eq!(S.text(Dialect::Sqlite), "UPDATE t SET a = ?1 WHERE b = ?2 AND c = ?1");
+    }
+
+    #[test]
+    fn no_status_matches_an_empty_list() {
+        assert_eq!(status_is_one_of(&[]), "FALSE");
+        assert_eq!(
+            status_is_one_of(&[RunStatus::Queued, RunStatus::Running]),
+            "(status = 'queued' OR status = 'running')"
+        );
+    }
+
+    #[test]
+    fn a_future_that_waits_is_an_error_not_a_hang() {
+        let pending = std::future::pending::<StoreResult<()>>();
+        assert!(matches!(ready(pending), Err(StoreError::Backend(_))));
+        assert_eq!(ready(async { Ok(7) }).unwrap(), 7);
+    }
+}
