@@ -13,6 +13,8 @@ call whose key the record already has answers at once, as a retry after a crash 
   put     - a side effect, idempotentHint=true
   read    - readOnlyHint=true
   fail    - answers isError=true with its message
+  grow    - adds a read-only tool named `item` (which answers "<item> ok") and sends
+            notifications/tools/list_changed
 """
 
 import asyncio
@@ -89,6 +91,21 @@ async def fail(message: str) -> str:
     """Always fails with the message."""
     # ToolError: an anticipated failure, whose message the client gets (isError=true).
     raise ToolError(message)
+
+
+@server.tool(annotations=ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=True))
+async def grow(item: str, ctx: Context) -> str:
+    """Adds a tool named after the item and tells the client the tool list changed."""
+
+    async def added(note: str = "") -> str:
+        record(event="call", tool=item, args={"note": note}, key=None, pid=os.getpid())
+        return f"{item} ok"
+
+    server.add_tool(added, name=item, description=f"Added at run time: {item}.",
+                    annotations=ToolAnnotations(readOnlyHint=True))
+    record(event="grown", tool=item)
+    await ctx.request_context.session.send_tool_list_changed()
+    return f"grow {item} ok"
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 //! the agent it was created with, and a run sees only its agent's tools and prompt.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, Weak};
 
 use serde::{Deserialize, Serialize};
 
@@ -113,12 +113,32 @@ impl Agent {
 
 /// The agents of a server, by id, one of them the default (for conversations that name none, and
 /// those made before agents).
+///
+/// The set of agents is fixed when the server starts; an agent's tools may change while it runs
+/// (an MCP server announces a new tool list: [`Agents::set_tools`]). A run works with the agent as
+/// it was when its worker took the run, until the run pauses or ends: a tool set never changes
+/// under a step, and a resumed run sees the tools of the moment it is resumed.
 #[derive(Debug, Clone)]
 pub struct Agents {
     /// In the order they were given (`GET /v1/agents` lists them so).
-    list: Arc<Vec<Arc<Agent>>>,
+    list: Arc<RwLock<Vec<Arc<Agent>>>>,
     by_id: Arc<BTreeMap<String, usize>>,
     default_id: String,
+}
+
+/// A handle on [`Agents`] that does not keep them alive: for the tools an agent holds, which
+/// would otherwise keep their own agent alive.
+#[derive(Debug, Clone)]
+pub struct WeakAgents {
+    list: Weak<RwLock<Vec<Arc<Agent>>>>,
+    by_id: Arc<BTreeMap<String, usize>>,
+    default_id: String,
+}
+
+impl WeakAgents {
+    pub fn upgrade(&self) -> Option<Agents> {
+        Some(Agents { list: self.list.upgrade()?, by_id: self.by_id.clone(), default_id: self.default_id.clone() })
+    }
 }
 
 impl Agents {
@@ -126,7 +146,7 @@ impl Agents {
     pub fn single(agent: Agent) -> Self {
         let default_id = agent.id.clone();
         Self {
-            list: Arc::new(vec![Arc::new(agent)]),
+            list: Arc::new(RwLock::new(vec![Arc::new(agent)])),
             by_id: Arc::new(BTreeMap::from([(default_id.clone(), 0)])),
             default_id,
         }
@@ -145,15 +165,21 @@ impl Agents {
             Some(id) => return Err(AgentError::BadId(id.to_owned())),
             None => agents.first().map(|a| a.id.clone()).ok_or_else(|| AgentError::BadId(String::new()))?,
         };
-        Ok(Self { list: Arc::new(agents.into_iter().map(Arc::new).collect()), by_id: Arc::new(by_id), default_id })
+        let list = agents.into_iter().map(Arc::new).collect();
+        Ok(Self { list: Arc::new(RwLock::new(list)), by_id: Arc::new(by_id), default_id })
     }
 
-    pub fn get(&self, id: &str) -> Option<&Arc<Agent>> {
-        self.by_id.get(id).map(|&i| &self.list[i])
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<Agent>>> {
+        // Only `set_tools` writes, and it cannot panic while holding the lock.
+        self.list.read().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    pub fn default_agent(&self) -> &Arc<Agent> {
-        &self.list[self.by_id[&self.default_id]]
+    pub fn get(&self, id: &str) -> Option<Arc<Agent>> {
+        self.by_id.get(id).map(|&i| self.read()[i].clone())
+    }
+
+    pub fn default_agent(&self) -> Arc<Agent> {
+        self.read()[self.by_id[&self.default_id]].clone()
     }
 
     pub fn default_id(&self) -> &str {
@@ -161,20 +187,45 @@ impl Agents {
     }
 
     /// The agent a conversation or run names, or the default for one that names none.
-    pub fn resolve(&self, id: Option<&str>) -> Option<&Arc<Agent>> {
+    pub fn resolve(&self, id: Option<&str>) -> Option<Arc<Agent>> {
         match id {
             Some(id) => self.get(id),
             None => Some(self.default_agent()),
         }
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &Arc<Agent>> {
-        self.list.iter()
+    /// The agents, in their order, as they are now.
+    pub fn all(&self) -> Vec<Arc<Agent>> {
+        self.read().clone()
     }
 
     /// What `GET /v1/agents` lists.
     pub fn infos(&self) -> Vec<AgentInfo> {
-        self.iter().map(|a| a.info(a.id == self.default_id)).collect()
+        self.all().iter().map(|a| a.info(a.id == self.default_id)).collect()
+    }
+
+    /// Gives agent `id` these tools from now on: the runs taken (started, resumed, recovered) after
+    /// this see them; a run being worked on keeps the tools it was taken with until it pauses or
+    /// ends. `false` if there is no such agent.
+    pub fn set_tools(&self, id: &str, tools: ToolRegistry) -> bool {
+        let Some(&i) = self.by_id.get(id) else { return false };
+        let mut list = self.list.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let old = &list[i];
+        let agent = Agent {
+            id: old.id.clone(),
+            name: old.name.clone(),
+            description: old.description.clone(),
+            model: old.model.clone(),
+            tools,
+            context: old.context.clone(),
+            suggestions: old.suggestions.clone(),
+        };
+        list[i] = Arc::new(agent);
+        true
+    }
+
+    pub fn downgrade(&self) -> WeakAgents {
+        WeakAgents { list: Arc::downgrade(&self.list), by_id: self.by_id.clone(), default_id: self.default_id.clone() }
     }
 }
 
@@ -250,5 +301,36 @@ mod tests {
         assert_eq!(agents.default_id(), "b");
         assert!(agents.infos().iter().any(|i| i.id == "b" && i.default));
         assert!(Agents::new(vec![agent("a")], Some("zzz")).is_err());
+    }
+
+    #[test]
+    fn new_tools_are_seen_by_later_lookups_not_by_an_agent_already_taken() {
+        let agents = Agents::new(vec![agent("a"), agent("b")], None).unwrap();
+        let taken = agents.get("a").unwrap();
+        let weak = agents.downgrade();
+        struct Added(crate::tool::ToolSpec);
+        #[async_trait::async_trait]
+        impl crate::tool::Tool for Added {
+            fn spec(&self) -> &crate::tool::ToolSpec {
+                &self.0
+            }
+            async fn execute(
+                &self,
+                _: &crate::tool::ToolContext,
+                _: &serde_json::Value,
+            ) -> Result<crate::tool::ToolOutput, crate::tool::ToolError> {
+                Ok(crate::tool::ToolOutput::default())
+            }
+        }
+        let spec = crate::tool::ToolSpec::new("added", "added", serde_json::json!({"type": "object"}), false);
+        let tool: Arc<dyn crate::tool::Tool> = Arc::new(Added(spec));
+        assert!(weak.upgrade().unwrap().set_tools("a", ToolRegistry::new().with(tool)));
+        assert_eq!(agents.get("a").unwrap().tools.names().collect::<Vec<_>>(), ["added"]);
+        assert_eq!(taken.tools.names().count(), 0);
+        assert_eq!(agents.infos()[0].tools.len(), 1);
+        assert_eq!(agents.get("b").unwrap().tools.names().count(), 0);
+        assert!(!agents.set_tools("zzz", ToolRegistry::new()));
+        drop(agents);
+        assert!(weak.upgrade().is_none());
     }
 }

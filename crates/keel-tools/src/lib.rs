@@ -37,7 +37,7 @@ pub use config::{
     ToolConfig, ToolConfigError, SUPPORTED_KINDS,
 };
 pub use http::{HttpTool, DEFAULT_MAX_RESPONSE_BYTES};
-pub use mcp::{McpServer, McpServerConfig, McpTool, IDEMPOTENCY_META_KEY, NAME_SEPARATOR};
+pub use mcp::{McpServer, McpServerConfig, McpTool, OnToolsChanged, IDEMPOTENCY_META_KEY, NAME_SEPARATOR};
 
 /// Builds the tool a configuration declares: checks every field, compiles its schemas and resolves
 /// its `${VAR}` references through `env` (the caller decides where variables come from; tests pass
@@ -80,6 +80,23 @@ pub async fn build_all(
         ToolConfig::Mcp(mcp) => {
             let server = McpServerConfig::new(mcp, env)?;
             McpServer::start(server).await
+        }
+    }
+}
+
+/// [`build_all`], and for an `mcp` table `on_change` is given the tools the table selects each time
+/// its server's tools are listed again (see [`McpServer::start_watched`]). The tools of an `http`
+/// or `client` table never change: `on_change` is dropped unused.
+pub async fn build_all_watched(
+    config: &ToolConfig,
+    env: &dyn Fn(&str) -> Option<String>,
+    on_change: OnToolsChanged,
+) -> Result<Vec<Arc<dyn Tool>>, ToolConfigError> {
+    match config {
+        ToolConfig::Http(_) | ToolConfig::Client(_) => Ok(vec![build(config, env)?]),
+        ToolConfig::Mcp(mcp) => {
+            let server = McpServerConfig::new(mcp, env)?;
+            McpServer::start_watched(server, on_change).await
         }
     }
 }

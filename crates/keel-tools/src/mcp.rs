@@ -2,10 +2,13 @@
 //! lists, each as `<server>__<tool>`.
 //!
 //! The server is reached with the official SDK (`rmcp`): a child process over stdio, supervised
-//! (restarted with backoff when it exits), or a Streamable HTTP endpoint. Its tools are listed once,
-//! when the agent is built; a server that cannot be started or listed then stops Keel with an error
-//! naming the agent and the table. Later, while the server is down, a call fails at once with
-//! [`ToolError::Unreachable`] (nothing was sent) instead of waiting.
+//! (restarted with backoff when it exits), or a Streamable HTTP endpoint. Its tools are listed when
+//! the agent is built; a server that cannot be started or listed then stops Keel with an error
+//! naming the agent and the table. They are listed again when the server sends
+//! `notifications/tools/list_changed` and after each restart, and the new list goes to the
+//! `on_change` given to [`McpServer::start_watched`] (Keel gives the agent its new tools). While the
+//! server is down, a call fails at once with [`ToolError::Unreachable`] (nothing was sent) instead
+//! of waiting.
 //!
 //! A call that was sent and got no answer (the server died, the HTTP connection broke, the timeout
 //! passed) may have been applied: it is [`ToolError::OutcomeUnknown`] or [`ToolError::Timeout`], and
@@ -14,7 +17,7 @@
 //! sends it when a request's future is dropped.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -277,20 +280,24 @@ fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
-/// The client side of the session: logs what the server announces.
+/// The client side of the session: lists the tools again when the server says they changed.
 #[derive(Clone)]
 struct Handler {
     server: String,
+    /// The started server, once there is one (the first session's handshake comes before it).
+    started: Arc<OnceLock<Weak<McpServer>>>,
 }
 
 impl ClientHandler for Handler {
     fn on_tool_list_changed(
         &self,
-        _context: NotificationContext<RoleClient>,
+        context: NotificationContext<RoleClient>,
     ) -> impl std::future::Future<Output = ()> + Send + '_ {
-        // The agent's tools are fixed when it is built: a server's new tools are offered after
-        // Keel restarts, and a removed one fails when called, with the server's error.
-        tracing::warn!(server = %self.server, "the MCP server's tool list changed; Keel offers the new list after a restart");
+        tracing::info!(server = %self.server, "the MCP server's tool list changed; listing it again");
+        if let Some(server) = self.started.get().and_then(Weak::upgrade) {
+            // Not on the session's own task, which must go on reading the answer.
+            tokio::spawn(server.relist(context.peer));
+        }
         std::future::ready(())
     }
 
@@ -301,6 +308,10 @@ impl ClientHandler for Handler {
         info
     }
 }
+
+/// What a watched server's owner is given each time the server's tools are listed again: the tools
+/// the table selects from the new list.
+pub type OnToolsChanged = Box<dyn Fn(Vec<Arc<dyn Tool>>) + Send + Sync>;
 
 /// What a call finds: the server's session, or why there is none.
 enum Link {
@@ -318,6 +329,7 @@ enum Link {
 pub struct McpServer {
     config: McpServerConfig,
     link: Mutex<Link>,
+    on_change: Option<OnToolsChanged>,
 }
 
 impl std::fmt::Debug for McpServer {
@@ -330,7 +342,24 @@ impl McpServer {
     /// Starts the server, lists its tools and returns those the table selects, each a [`Tool`].
     /// From then on a task restarts the server whenever it stops, until every tool is dropped.
     pub async fn start(config: McpServerConfig) -> Result<Vec<Arc<dyn Tool>>, ToolConfigError> {
-        let handler = Handler { server: config.name.clone() };
+        Self::start_with(config, None).await
+    }
+
+    /// [`McpServer::start`], and `on_change` is given the tools the table selects each time they
+    /// are listed again: when the server sends `notifications/tools/list_changed`, and after it was
+    /// started again. A listing that fails leaves the tools as they were (and is logged).
+    pub async fn start_watched(
+        config: McpServerConfig,
+        on_change: OnToolsChanged,
+    ) -> Result<Vec<Arc<dyn Tool>>, ToolConfigError> {
+        Self::start_with(config, Some(on_change)).await
+    }
+
+    async fn start_with(
+        config: McpServerConfig,
+        on_change: Option<OnToolsChanged>,
+    ) -> Result<Vec<Arc<dyn Tool>>, ToolConfigError> {
+        let handler = Handler { server: config.name.clone(), started: Arc::new(OnceLock::new()) };
         let field = match config.transport {
             Transport::Stdio { .. } => "command",
             Transport::Http { .. } => "url",
@@ -347,7 +376,21 @@ impl McpServer {
             Ok(Ok(tools)) => tools,
         };
         let link = Link::Up { session: 0, peer: running.peer().clone(), stop: Some(running.cancellation_token()) };
-        let server = Arc::new(McpServer { link: Mutex::new(link), config });
+        let server = Arc::new(McpServer { link: Mutex::new(link), config, on_change });
+        let _ = handler.started.set(Arc::downgrade(&server));
+        let tools = server.select(listed);
+        if tools.is_empty() {
+            // Nothing would ever call it: the server is stopped (dropping its session ends it).
+            tracing::warn!(server = %server.config.name, "the MCP server offers no tool this table selects");
+            return Ok(tools);
+        }
+        tokio::spawn(supervise(Arc::downgrade(&server), running, handler));
+        Ok(tools)
+    }
+
+    /// The tools the table selects from a `tools/list` answer, each a [`Tool`] on this server.
+    fn select(self: &Arc<Self>, listed: Vec<rmcp::model::Tool>) -> Vec<Arc<dyn Tool>> {
+        let server = self;
         let mut tools: Vec<Arc<dyn Tool>> = Vec::new();
         for listed in listed {
             let remote = listed.name.to_string();
@@ -399,13 +442,26 @@ impl McpServer {
             };
             tools.push(Arc::new(McpTool { spec, remote, server: server.clone() }));
         }
-        if tools.is_empty() {
-            // Nothing would ever call it: the server is stopped (dropping its session ends it).
-            tracing::warn!(server = %server.config.name, "the MCP server offers no tool this table selects");
-            return Ok(tools);
+        tools
+    }
+
+    /// Lists the tools again on `peer` and hands what the table selects to `on_change`, if any.
+    async fn relist(self: Arc<Self>, peer: Peer<RoleClient>) {
+        let Some(on_change) = &self.on_change else { return };
+        match tokio::time::timeout(CONNECT_TIMEOUT, peer.list_all_tools()).await {
+            Ok(Ok(listed)) => {
+                let tools = self.select(listed);
+                tracing::info!(server = %self.config.name, tools = tools.len(), "the MCP server's tools were listed again");
+                on_change(tools);
+            }
+            Ok(Err(e)) => {
+                let why = self.config.scrub(&mask::truncate(&e.to_string(), 300));
+                tracing::warn!(server = %self.config.name, error = %why, "listing the MCP server's tools again failed; they stay as they were");
+            }
+            Err(_) => {
+                tracing::warn!(server = %self.config.name, "no answer to tools/list; the tools stay as they were");
+            }
         }
-        tokio::spawn(supervise(Arc::downgrade(&server), running, handler));
-        Ok(tools)
     }
 
     /// The session a call is sent on, and its number.
@@ -466,6 +522,8 @@ async fn supervise(server: Weak<McpServer>, mut running: RunningService<RoleClie
                     tracing::info!(server = %alive.config.name, "the MCP server is running again");
                     session += 1;
                     alive.set(Link::Up { session, peer: next.peer().clone(), stop: Some(next.cancellation_token()) });
+                    // A server started again may list other tools than it did.
+                    tokio::spawn(alive.clone().relist(next.peer().clone()));
                     running = next;
                     break;
                 }

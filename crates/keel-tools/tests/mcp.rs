@@ -86,7 +86,7 @@ async fn the_servers_tools_are_offered_with_policies_from_annotations_and_patter
     let (tools, _) = start(&python, dir.path(), "").await;
     let mut names: Vec<&str> = tools.iter().map(|t| t.spec().name.as_str()).collect();
     names.sort();
-    assert_eq!(names, ["rec__fail", "rec__put", "rec__read", "rec__write"]);
+    assert_eq!(names, ["rec__fail", "rec__grow", "rec__put", "rec__read", "rec__write"]);
 
     // readOnlyHint: no side effect, allowed, retried. destructiveHint (and no hint): ask, not
     // retried. idempotentHint: ask, retried.
@@ -114,11 +114,52 @@ async fn the_servers_tools_are_offered_with_policies_from_annotations_and_patter
     .await;
     let mut names: Vec<&str> = tools.iter().map(|t| t.spec().name.as_str()).collect();
     names.sort();
-    assert_eq!(names, ["rec__put", "rec__read", "rec__write"]);
+    assert_eq!(names, ["rec__grow", "rec__put", "rec__read", "rec__write"]);
     let policy = |name: &str| named(&tools, name).spec().policy_for(Some(UserRole::Viewer));
     assert_eq!(policy("rec__read"), Policy::Ask);
     assert_eq!(policy("rec__write"), Policy::Allow);
     assert_eq!(named(&tools, "rec__put").spec().timeout, Duration::from_secs(5));
+}
+
+#[tokio::test]
+async fn a_changed_tool_list_is_listed_again_and_its_new_tools_work() {
+    let Some(python) = python() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let record = Record(dir.path().join("record.jsonl"));
+    let config: ToolConfig = toml::from_str(&table(&python, "deny = [\"secret_*\"]")).unwrap();
+    let path = record.0.display().to_string();
+    let (sender, mut changes) = tokio::sync::mpsc::unbounded_channel::<Vec<Arc<dyn Tool>>>();
+    let tools = keel_tools::build_all_watched(
+        &config,
+        &move |name| (name == "REC").then(|| path.clone()),
+        Box::new(move |tools| {
+            let _ = sender.send(tools);
+        }),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(tools.iter().all(|t| t.spec().name != "rec__extra"));
+
+    // The server adds a tool and sends notifications/tools/list_changed: the tools are listed
+    // again, with the new one, selected and given its policy like the first ones.
+    let out = named(&tools, "rec__grow").execute(&support::ctx(), &json!({"item": "extra"})).await.unwrap();
+    assert_eq!(out.result, json!({"result": "grow extra ok"}));
+    let changed = tokio::time::timeout(DEADLINE, changes.recv()).await.expect("a new list").expect("open");
+    let mut names: Vec<&str> = changed.iter().map(|t| t.spec().name.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["rec__extra", "rec__fail", "rec__grow", "rec__put", "rec__read", "rec__write"]);
+    let extra = named(&changed, "rec__extra");
+    assert!(!extra.spec().side_effect, "readOnlyHint: no side effect");
+    assert_eq!(extra.spec().policy_for(Some(UserRole::Viewer)), Policy::Allow);
+    let out = extra.execute(&support::ctx(), &json!({})).await.unwrap();
+    assert_eq!(out.result, json!({"result": "extra ok"}));
+    assert_eq!(record.of("call").iter().filter(|c| c["tool"] == "extra").count(), 1);
+
+    // A tool the table denies stays out of the new list too.
+    named(&tools, "rec__grow").execute(&support::ctx(), &json!({"item": "secret_x"})).await.unwrap();
+    let changed = tokio::time::timeout(DEADLINE, changes.recv()).await.expect("a new list").expect("open");
+    assert!(changed.iter().any(|t| t.spec().name == "rec__extra"));
+    assert!(changed.iter().all(|t| t.spec().name != "rec__secret_x"));
 }
 
 #[tokio::test]

@@ -5,6 +5,7 @@
 mod client;
 mod config;
 mod telemetry;
+mod tool_groups;
 
 /// jemalloc: the server allocates and frees many small buffers per request and event from two or
 /// more threads; it spends less CPU on that than glibc's malloc (docs/benchmarks.md).
@@ -22,7 +23,6 @@ use keel_core::agent::Agent;
 use keel_core::context::ContextConfig;
 use keel_core::model::Model;
 use keel_core::store::{RunStore, Store};
-use keel_core::tool::ToolRegistry;
 use keel_models::{DemoModel, OpenAiCompatible};
 use keel_opspilot::{Fleet, FleetSeed, PostgresFleet, SqliteFleet};
 use keel_runtime::{Backend, Builder};
@@ -31,6 +31,7 @@ use keel_server::host::AllowedHosts;
 use keel_store::{PostgresStore, SqliteStore};
 
 use crate::config::{BusChoice, Database, ModelChoice, Options, Settings};
+use crate::tool_groups::ToolGroups;
 
 /// The user the demo page acts as; an operator, so it may approve restarts.
 const DEMO_USER: &str = "demo";
@@ -235,23 +236,33 @@ fn context_for(choice: &ModelChoice, prompt: &str) -> ContextConfig {
     }
 }
 
-/// The agents keel.toml declares, each with its model (or the server's) and its tools.
-async fn configured_agents(settings: &Settings) -> anyhow::Result<Vec<Agent>> {
+/// The agents keel.toml declares, each with its model (or the server's) and its tools, and the
+/// groups their tools came in (an MCP server's change its agent's tools; see `tool_groups`).
+async fn configured_agents(settings: &Settings) -> anyhow::Result<(Vec<Agent>, Vec<Arc<ToolGroups>>)> {
     let mut agents = Vec::new();
+    let mut all_groups = Vec::new();
     for config in &settings.agents {
         let choice = config.model.as_ref().unwrap_or(&settings.model);
         let model = model_of(choice, settings.demo_delay)?;
-        let mut tools = ToolRegistry::new();
+        let groups = ToolGroups::new(&config.id);
         for tool in &config.tools {
             // Checked when the settings were read; built here for this process (an MCP server is
-            // started, and its tools listed, now).
-            let built = config::agents::build_tools(&tool.table, &config::process_env)
+            // started, and its tools listed, now). Its group is the next one.
+            let slot = Arc::new(std::sync::OnceLock::<usize>::new());
+            let (watcher, at) = (Arc::downgrade(&groups), slot.clone());
+            let on_change: keel_tools::OnToolsChanged = Box::new(move |tools| {
+                if let (Some(groups), Some(&i)) = (watcher.upgrade(), at.get()) {
+                    groups.replace(i, tools);
+                }
+            });
+            let built = config::agents::build_tools_watched(&tool.table, &config::process_env, on_change)
                 .await
                 .map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
-            for one in built {
-                tools.register(one).map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
-            }
+            let _ = slot.set(groups.push(built));
+            groups.registry().map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
         }
+        let tools = groups.registry().map_err(|e| anyhow::anyhow!("agent {:?}: {e}", config.id))?;
+        all_groups.push(groups);
         let mut context = context_for(choice, &config.system_prompt);
         if let Some(budget) = config.context.budget_tokens {
             context.context_budget_tokens = budget;
@@ -269,7 +280,7 @@ async fn configured_agents(settings: &Settings) -> anyhow::Result<Vec<Agent>> {
             .context(context);
         agents.push(agent);
     }
-    Ok(agents)
+    Ok((agents, all_groups))
 }
 
 /// The demo fleet of `backend`, seeded when it has no instance yet (a restarted demo keeps its
@@ -308,7 +319,7 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
             .default_agent(keel_opspilot::AGENT_ID)
             .routes(keel_opspilot::routes::routes(fleet, seed, true));
     }
-    let configured = configured_agents(&settings).await?;
+    let (configured, tool_groups) = configured_agents(&settings).await?;
     if !demo_mode {
         if let Some(default) = settings.agents.iter().find(|a| a.default) {
             builder = builder.default_agent(&default.id);
@@ -376,6 +387,9 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
         .start()
         .await
         .context("starting the engine")?;
+    for groups in &tool_groups {
+        groups.attach(keel.engine().agents().downgrade());
+    }
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     // Listening before the banner says we serve: a signal sent once it is printed stops cleanly.

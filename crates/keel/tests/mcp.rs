@@ -241,6 +241,47 @@ fn a_cancelled_run_cancels_its_mcp_call_on_the_server() {
     });
 }
 
+/// The MCP server adds a tool while Keel serves and sends `notifications/tools/list_changed`: the
+/// agent's tools are listed again (`GET /v1/agents` shows the new one, with the table's policy) and
+/// the next run calls it.
+#[test]
+fn a_tool_the_mcp_server_adds_while_keel_serves_is_offered_and_called() {
+    let Some(python) = var("KEEL_TEST_MCP_PYTHON") else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let recorded = dir.path().join("record.jsonl");
+    let model = MockModel::start();
+    let server = Serve::start(dir.path(), &recording_toml(&model.url, &python, &recorded));
+    let api = Api::new(&server);
+    runtime().block_on(async {
+        let offered = |agents: &Value| -> Vec<String> {
+            agents["agents"][0]["tools"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["name"].as_str().unwrap().to_owned())
+                .collect()
+        };
+        assert!(!offered(&api.get("/v1/agents").await).contains(&"rec__extra".to_owned()));
+        let conv = api.conversation(Some("ops")).await;
+        let run = api.start(&conv, r#"call rec__grow {"item": "extra"}"#).await;
+        assert_eq!(api.settled(&run).await["status"], "completed");
+        let tools = eventually("the agent to offer the new tool", || async {
+            let agents = api.get("/v1/agents").await;
+            offered(&agents).contains(&"rec__extra".to_owned()).then_some(agents)
+        })
+        .await;
+        let extra = tools["agents"][0]["tools"].as_array().unwrap().iter().find(|t| t["name"] == "rec__extra").unwrap();
+        assert_eq!(extra["sideEffect"], false, "{extra}");
+        assert_eq!(extra["policies"]["viewer"], "allow", "{extra}");
+
+        let run = api.start(&conv, r#"call rec__extra {"note": "hi"}"#).await;
+        let view = api.settled(&run).await;
+        assert_eq!(view["status"], "completed", "{view}");
+        assert_eq!(view["toolCalls"][0]["state"], "succeeded", "{view}");
+        assert_eq!(calls(&recorded, "extra").len(), 1);
+    });
+}
+
 /// A crash of Keel while the MCP server holds the calls: after the restart, the call of the
 /// `idempotentHint` tool is sent again with the same key (in `_meta`) and completes; the other is
 /// not sent again, and a human is asked (`outcome_unknown`).

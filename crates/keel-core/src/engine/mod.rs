@@ -340,7 +340,7 @@ impl Engine {
     }
 
     /// The agent a conversation talks to (the default one for a conversation made before agents).
-    pub fn agent_of(&self, conversation: &Conversation) -> Option<&Arc<Agent>> {
+    pub fn agent_of(&self, conversation: &Conversation) -> Option<Arc<Agent>> {
         self.inner.agents.resolve(conversation.agent_id.as_deref())
     }
 

@@ -171,7 +171,7 @@ impl Inner {
     }
 
     /// The agent that runs `run`: its own, or the default for a run made before agents.
-    pub(super) fn agent_of_run(&self, run: &Run) -> Option<&Arc<Agent>> {
+    pub(super) fn agent_of_run(&self, run: &Run) -> Option<Arc<Agent>> {
         self.agents.resolve(run.agent_id.as_deref())
     }
 
@@ -189,8 +189,8 @@ impl Inner {
         // A run of an agent this process does not run (a config that dropped it) fails at its first
         // step, with a clear code, instead of running as another agent.
         let (agent, agent_missing) = match inner.agent_of_run(&run) {
-            Some(agent) => (agent.clone(), false),
-            None => (inner.agents.default_agent().clone(), true),
+            Some(agent) => (agent, false),
+            None => (inner.agents.default_agent(), true),
         };
         let mut worker = Worker {
             inner: inner.clone(),

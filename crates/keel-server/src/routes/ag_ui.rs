@@ -228,8 +228,8 @@ async fn thread_conversation(
         None
     };
     if let Some(conversation) = found {
-        let talks_to = engine.agent_of(&conversation).map(|a| a.id.as_str());
-        if agent.is_some() && talks_to != agent {
+        let talks_to = engine.agent_of(&conversation).map(|a| a.id.clone());
+        if agent.is_some() && talks_to.as_deref() != agent {
             return Err(ApiError::validation("threadId: the thread's conversation talks to another agent"));
         }
         return Ok(Some(conversation));

@@ -378,12 +378,15 @@ pub fn check_tool(table: &toml::Table, env: Env) -> Result<(), String> {
 }
 
 /// The tools a `[[agents.tools]]` table declares, built by its kind's crate (`keel-tools`): one, or
-/// for an MCP server the tools it lists (the server is started here). The error is `field: problem`.
-pub async fn build_tools(
+/// for an MCP server the tools it lists (the server is started here), and then `on_change` gets the
+/// tools the table selects each time the server's list is read again
+/// (`notifications/tools/list_changed`, a restart). The error is `field: problem`.
+pub async fn build_tools_watched(
     table: &toml::Table,
     env: Env<'_>,
+    on_change: keel_tools::OnToolsChanged,
 ) -> Result<Vec<std::sync::Arc<dyn keel_core::tool::Tool>>, String> {
-    keel_tools::build_all(&parse_tool(table)?, env).await.map_err(|e| e.to_string())
+    keel_tools::build_all_watched(&parse_tool(table)?, env, on_change).await.map_err(|e| e.to_string())
 }
 
 /// serde's ``unknown field `x`, expected one of `a`, `b` `` in the words the rest of the settings
