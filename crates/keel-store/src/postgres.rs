@@ -26,7 +26,7 @@ use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, Fence, IdempotencyBegin, IdentityStore,
-    InterruptChange, NewRun, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
+    InterruptChange, NewRun, PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
     ToolCallUpdate,
 };
 use serde::de::DeserializeOwned;
@@ -37,6 +37,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgRow};
 use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transaction};
 
 mod group;
+mod lifecycle;
 
 pub use group::CommitStats;
 
@@ -1410,6 +1411,18 @@ impl RunStore for PostgresStore {
             .map_err(db("abandon in-flight idempotency keys"))?;
         Ok(done.rows_affected())
     }
+
+    async fn prune_events(&self, rule: &PruneRule, max_events: u32, dry_run: bool) -> StoreResult<Pruned> {
+        self.prune(rule, max_events, dry_run).await
+    }
+
+    async fn first_held_sequence(&self, run_id: &RunId) -> StoreResult<Option<i64>> {
+        self.first_held(run_id).await
+    }
+
+    async fn list_conversation_runs(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Run>> {
+        self.conversation_runs(conversation_id).await
+    }
 }
 
 #[async_trait]
@@ -1562,6 +1575,14 @@ impl ConversationStore for PostgresStore {
             .await
             .map_err(db("get the summary"))?;
         row.as_ref().map(summary_from).transpose()
+    }
+
+    async fn find_conversations(
+        &self,
+        user_id: Option<&str>,
+        since: Option<Timestamp>,
+    ) -> StoreResult<Vec<Conversation>> {
+        self.conversations_for(user_id, since).await
     }
 }
 
