@@ -355,6 +355,7 @@ async fn handle(
                         format!("the run's last event is {}; the cursor is past it", run.last_sequence()),
                     ));
                 }
+                crate::retention::check_held(engine, &run, after).await?;
                 Ok((run_id, after, run.last_sequence()))
             }
             .await;

@@ -590,7 +590,9 @@ fn migrate(conn: &mut Connection) -> StoreResult<()> {
     // before keeps reusing freed pages instead, until converted (docs/operations.md, "Retention").
     let tables: i64 = conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0)).map_err(fail)?;
     if tables == 0 {
-        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL").map_err(fail)?;
+        // (WAL mode, set when the connection opened, already wrote the file's header: the new mode
+        // takes a VACUUM, instant on an empty file.)
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL; VACUUM;").map_err(fail)?;
     }
     conn.execute_batch(
         "CREATE TABLE IF NOT EXISTS _sqlx_migrations (

@@ -113,7 +113,10 @@ impl SqliteStore {
             .write(|c| {
                 let mode: i64 = c.query_row("PRAGMA auto_vacuum", [], |r| r.get(0)).map_err(db("read auto_vacuum"))?;
                 if mode == 2 {
-                    c.execute_batch("PRAGMA incremental_vacuum").map_err(db("incremental vacuum"))?;
+                    // One page freed per step: stepped to the end.
+                    let mut vacuum = c.prepare("PRAGMA incremental_vacuum").map_err(db("incremental vacuum"))?;
+                    let mut steps = vacuum.query([]).map_err(db("incremental vacuum"))?;
+                    while steps.next().map_err(db("incremental vacuum"))?.is_some() {}
                 }
                 Ok(())
             })

@@ -390,6 +390,7 @@ fn two_agents_parse_into_their_configs() {
                 },
             ],
             suggestions: vec!["Is checkout healthy?".into(), "Restart checkout-api".into()],
+            events_after: None,
         }
     );
     assert_eq!(
@@ -404,6 +405,7 @@ fn two_agents_parse_into_their_configs() {
             context: AgentContext::default(),
             tools: vec![],
             suggestions: vec![],
+            events_after: None,
         }
     );
     assert!(!format!("{s:?}").contains("sk-ops"), "the key never shows in Debug");
