@@ -209,7 +209,8 @@ impl Builder {
         if recovered > 0 {
             tracing::info!(recovered, "continuing runs left by the previous process");
         }
-        let pruner = self.retention.enabled().then(|| pruner(engine.store().clone(), self.retention, self.metrics.clone()));
+        let pruner =
+            self.retention.enabled().then(|| pruner(engine.store().clone(), self.retention, self.metrics.clone()));
         let state = AppState::new(engine.clone(), self.server).with_metrics(self.metrics);
         Ok(Keel { engine, state, routes: self.routes, backend: self.backend, recovered, pruner })
     }
@@ -228,7 +229,11 @@ pub struct Keel {
 
 /// Prunes what `retention` covers now and then every `retention.every`, until aborted. A failed
 /// pass is logged and tried again at the next.
-fn pruner(store: Arc<dyn Store>, retention: retention::Retention, metrics: ServerMetrics) -> tokio::task::JoinHandle<()> {
+fn pruner(
+    store: Arc<dyn Store>,
+    retention: retention::Retention,
+    metrics: ServerMetrics,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut every = tokio::time::interval(retention.every);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -1731,10 +1731,8 @@ pub async fn retention_prunes_the_events_of_finished_runs_only(store: SharedStor
     let (_, running_run) = running(&store, "w2").await;
     let (_, paused, pending) = interrupted(&store, at(1_000)).await;
     let held = |run: &Run| run.last_sequence();
-    let before: Vec<usize> = [&queued_run, &running_run, &paused]
-        .iter()
-        .map(|r| usize::try_from(held(r)).expect("a sequence"))
-        .collect();
+    let before: Vec<usize> =
+        [&queued_run, &running_run, &paused].iter().map(|r| usize::try_from(held(r)).expect("a sequence")).collect();
 
     // Ended after the cutoff: nothing.
     assert_eq!(store.prune_events(&rule(10, None, &[]), 100, false).await.expect("prune"), Pruned::default());

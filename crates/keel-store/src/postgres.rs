@@ -26,8 +26,8 @@ use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, Fence, IdempotencyBegin, IdentityStore,
-    InterruptChange, NewRun, PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
-    ToolCallUpdate,
+    InterruptChange, NewRun, PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult, TextAppend,
+    ToolCallChange, ToolCallUpdate,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -32,9 +32,8 @@ pub async fn backup(database: &Database, file: &Path) -> anyhow::Result<()> {
         bail!("keel backup copies the SQLite database; back up PostgreSQL with pg_dump (docs/operations.md, \"Backup and restore\")");
     };
     let (from, to) = (path.clone(), file.to_owned());
-    let copied = tokio::task::spawn_blocking(move || keel_store::sqlite_backup(&from, &to))
-        .await
-        .context("backing up")??;
+    let copied =
+        tokio::task::spawn_blocking(move || keel_store::sqlite_backup(&from, &to)).await.context("backing up")??;
     println!("Backed up {} to {} ({} bytes).", path.display(), file.display(), copied.pages * copied.page_size);
     Ok(())
 }
@@ -44,9 +43,8 @@ pub async fn restore(database: &Database, file: &Path) -> anyhow::Result<()> {
         bail!("keel restore writes the SQLite database; restore PostgreSQL with pg_restore (docs/operations.md, \"Backup and restore\")");
     };
     let (from, to) = (file.to_owned(), path.clone());
-    let copied = tokio::task::spawn_blocking(move || keel_store::sqlite_restore(&from, &to))
-        .await
-        .context("restoring")??;
+    let copied =
+        tokio::task::spawn_blocking(move || keel_store::sqlite_restore(&from, &to)).await.context("restoring")??;
     println!("Restored {} from {} ({} bytes).", path.display(), file.display(), copied.pages * copied.page_size);
     Ok(())
 }

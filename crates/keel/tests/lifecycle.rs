@@ -135,8 +135,9 @@ async fn pruning_leaves_active_runs_whole_and_a_pruned_replay_is_gone() {
     assert_eq!(status, 410, "{body}");
     assert_eq!(body["error"]["code"], "EVENTS_PRUNED");
     assert_eq!(body["error"]["firstHeldSequence"], finished_last + 1, "none held: its next sequence");
-    let (status, _, sse) =
-        api.get(&format!("/v1/runs/{finished}/events"), &[("last-event-id", "2"), ("accept", "text/event-stream")]).await;
+    let (status, _, sse) = api
+        .get(&format!("/v1/runs/{finished}/events"), &[("last-event-id", "2"), ("accept", "text/event-stream")])
+        .await;
     assert_eq!(status, 410, "{sse}");
     assert!(sse.contains("EVENTS_PRUNED"), "{sse}");
     // The run itself, its messages and its decisions stay.
@@ -145,7 +146,8 @@ async fn pruning_leaves_active_runs_whole_and_a_pruned_replay_is_gone() {
     // The paused run is whole and goes on.
     let (status, page) = api.events(&interrupted).await;
     assert_eq!(status, 200, "{page}");
-    let sequences: Vec<i64> = page["events"].as_array().unwrap().iter().map(|e| e["sequence"].as_i64().unwrap()).collect();
+    let sequences: Vec<i64> =
+        page["events"].as_array().unwrap().iter().map(|e| e["sequence"].as_i64().unwrap()).collect();
     assert_eq!(sequences, (1..=interrupted_last).collect::<Vec<_>>());
     let resumed = api.decide(&paused, "approve", "go").await;
     assert_eq!(resumed["run"]["status"], "completed", "{resumed}");
@@ -221,7 +223,8 @@ async fn a_backup_taken_under_load_restores_to_a_server_whose_runs_continue() {
     assert!(answer.starts_with("Restored "), "{answer}");
     {
         let store = keel_store::SqliteStore::open(&restored.join("keel.db")).await.expect("open the restored copy");
-        let run = store.get_run(&paused["run"]["id"].as_str().unwrap().parse().unwrap()).await.unwrap().expect("the run");
+        let run =
+            store.get_run(&paused["run"]["id"].as_str().unwrap().parse().unwrap()).await.unwrap().expect("the run");
         assert_eq!(run.status.as_str(), "interrupted");
         let events = store.list_events(&run.id, 0, 1_000).await.unwrap();
         assert_eq!(events.len() as i64, run.last_sequence(), "every event of the run, contiguous");
@@ -258,7 +261,8 @@ async fn the_export_of_a_conversation_lists_every_decision_with_its_decider() {
 
     // While the server runs.
     let export = ok(&run_keel(&["export", &conversation], &data));
-    let records: Vec<Value> = export.lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
+    let records: Vec<Value> =
+        export.lines().map(|l| serde_json::from_str(l).expect("one JSON object a line")).collect();
     assert_eq!(records[0]["type"], "conversation");
     assert_eq!(records[0]["id"], conversation.as_str());
     let of = |kind: &str| records.iter().filter(|r| r["type"] == kind).collect::<Vec<_>>();
@@ -266,8 +270,9 @@ async fn the_export_of_a_conversation_lists_every_decision_with_its_decider() {
     assert_eq!(of("run").len(), 2);
     let interrupts = of("interrupt");
     assert_eq!(interrupts.len(), 2, "{export}");
-    for (interrupt, (turn, decision, note)) in
-        interrupts.iter().zip([(&first, "approve", "checked the dashboard"), (&second, "reject", "not during the sale")])
+    for (interrupt, (turn, decision, note)) in interrupts
+        .iter()
+        .zip([(&first, "approve", "checked the dashboard"), (&second, "reject", "not during the sale")])
     {
         assert_eq!(interrupt["id"], turn["interrupt"]["id"]);
         assert_eq!(interrupt["runId"], turn["run"]["id"]);

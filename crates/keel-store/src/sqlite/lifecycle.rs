@@ -47,11 +47,12 @@ impl SqliteStore {
             return self
                 .db
                 .read(move |c| {
-                    let runs = many(c, "count prunable events", &covered_sql(false), params![cutoff, agent, except], |r| {
-                        let first: i64 = r.get(1).map_err(db("count prunable events"))?;
-                        let next: i64 = r.get(2).map_err(db("count prunable events"))?;
-                        Ok(next - first)
-                    })?;
+                    let runs =
+                        many(c, "count prunable events", &covered_sql(false), params![cutoff, agent, except], |r| {
+                            let first: i64 = r.get(1).map_err(db("count prunable events"))?;
+                            let next: i64 = r.get(2).map_err(db("count prunable events"))?;
+                            Ok(next - first)
+                        })?;
                     Ok(Pruned { runs: runs.len() as u64, events: runs.iter().map(|n| *n as u64).sum() })
                 })
                 .await;
@@ -68,7 +69,11 @@ impl SqliteStore {
                     params![cutoff, agent, except, i64::from(max_events)],
                     |r| {
                         let fail = db("find prunable runs");
-                        Ok((r.get(0).map_err(fail)?, r.get(1).map_err(db("find prunable runs"))?, r.get(2).map_err(db("find prunable runs"))?))
+                        Ok((
+                            r.get(0).map_err(fail)?,
+                            r.get(1).map_err(db("find prunable runs"))?,
+                            r.get(2).map_err(db("find prunable runs"))?,
+                        ))
                     },
                 )?;
                 let mut budget = i64::from(max_events);
@@ -127,9 +132,13 @@ impl SqliteStore {
         let id = run_id.to_owned();
         self.db
             .read(move |c| {
-                one(c, "read the first held event", "SELECT first_held_sequence FROM run_prunes WHERE run_id = ?", [id.as_str()], |r| {
-                    r.get(0).map_err(db("read the first held event"))
-                })
+                one(
+                    c,
+                    "read the first held event",
+                    "SELECT first_held_sequence FROM run_prunes WHERE run_id = ?",
+                    [id.as_str()],
+                    |r| r.get(0).map_err(db("read the first held event")),
+                )
             })
             .await
     }
@@ -198,8 +207,9 @@ pub fn backup(database: &Path, to: &Path) -> StoreResult<Copied> {
         return Err(StoreError::Backend(format!("backup: there is no database at {}", database.display())));
     }
     let fail = file_error("backup");
-    let source = Connection::open_with_flags(database, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
-        .map_err(&fail)?;
+    let source =
+        Connection::open_with_flags(database, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+            .map_err(&fail)?;
     source.busy_timeout(BUSY).map_err(&fail)?;
     let partial = to.with_extension("partial");
     let _ = std::fs::remove_file(&partial);
@@ -249,15 +259,14 @@ pub fn restore(from: &Path, database: &Path) -> StoreResult<Copied> {
     let mut target = Connection::open(database).map_err(&fail)?;
     // An exclusive lock, kept until the connection closes: taken at once or not at all. A server
     // (any connection in WAL mode) holds a shared lock for as long as it has the database open.
-    target
-        .execute_batch("PRAGMA locking_mode = EXCLUSIVE; BEGIN EXCLUSIVE; COMMIT;")
-        .map_err(|e| match e.sqlite_error_code() {
-            Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => StoreError::Backend(format!(
-                "restore: {} is in use (is a server running on it?); stop it first",
-                database.display()
-            )),
+    target.execute_batch("PRAGMA locking_mode = EXCLUSIVE; BEGIN EXCLUSIVE; COMMIT;").map_err(|e| {
+        match e.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked) => StoreError::Backend(
+                format!("restore: {} is in use (is a server running on it?); stop it first", database.display()),
+            ),
             _ => fail(e),
-        })?;
+        }
+    })?;
     copy(&source, &mut target).map_err(&fail)?;
     check(&target, "restore")?;
     let pages = pages(&target).map_err(&fail)?;
@@ -279,8 +288,9 @@ fn copy(source: &Connection, target: &mut Connection) -> rusqlite::Result<()> {
 }
 
 fn check(conn: &Connection, op: &'static str) -> StoreResult<()> {
-    let answer: String =
-        conn.query_row("PRAGMA quick_check", [], |r| r.get(0)).map_err(|e| StoreError::Backend(format!("{op}: {e}")))?;
+    let answer: String = conn
+        .query_row("PRAGMA quick_check", [], |r| r.get(0))
+        .map_err(|e| StoreError::Backend(format!("{op}: {e}")))?;
     if answer != "ok" {
         return Err(StoreError::Backend(format!("{op}: the copy is damaged ({answer})")));
     }

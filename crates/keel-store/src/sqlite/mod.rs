@@ -38,8 +38,8 @@ use rusqlite::params;
 use serde_json::Value;
 
 use self::commit::{active_run_id, apply_commit, insert_events, insert_message, insert_run, json, opt_ts, ts, ACTIVE};
-pub use self::lifecycle::{backup, restore, Copied};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
+pub use self::lifecycle::{backup, restore, Copied};
 use self::rows::{
     conversation_from, event_from, exec, exec_or, fact_from, interrupt_from, many, message_from, one, run_from,
     stream_ticket_from, summary_from, tool_call_from, user_from, Cols,

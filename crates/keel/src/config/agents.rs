@@ -205,7 +205,9 @@ fn draft(table: &toml::Table) -> Result<Draft, String> {
     let events_after = match agent.retention.and_then(|r| r.events_after) {
         None => None,
         Some(text) if text.trim() == "forever" => Some(None),
-        Some(text) => Some(Some(positive_duration(&text).map_err(|problem| format!("retention.events_after: {problem}"))?)),
+        Some(text) => {
+            Some(Some(positive_duration(&text).map_err(|problem| format!("retention.events_after: {problem}"))?))
+        }
     };
     let id = agent.id.ok_or("id: required")?;
     if !valid_id(&id) {
