@@ -1793,10 +1793,10 @@ pub async fn exports_find_conversations_and_their_runs(store: SharedStore) {
     let all = store.find_conversations(None, None).await.expect("find");
     assert_eq!(all.len(), 2);
     let alice = store.find_conversations(Some("alice"), None).await.expect("find");
-    assert_eq!(alice.iter().map(|c| c.id.clone()).collect::<Vec<_>>(), [first.conversation_id.clone()]);
+    assert_eq!(alice.iter().map(|c| &c.id).collect::<Vec<_>>(), [&first.conversation_id]);
     assert!(store.find_conversations(Some("bob"), None).await.expect("find").iter().any(|c| c.id == bob.id));
     // Since: a conversation with a run that changed then or later.
     let recent = store.find_conversations(None, Some(at(15))).await.expect("find");
-    assert_eq!(recent.iter().map(|c| c.id.clone()).collect::<Vec<_>>(), [first.conversation_id.clone()]);
+    assert_eq!(recent.iter().map(|c| &c.id).collect::<Vec<_>>(), [&first.conversation_id]);
     assert!(store.find_conversations(None, Some(at(100))).await.expect("find").is_empty());
 }

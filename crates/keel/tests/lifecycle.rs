@@ -354,7 +354,7 @@ async fn a_postgres_database_is_backed_up_with_pg_dump_and_restored_with_pg_rest
     // The runs continue: a worker claims the queued run.
     let later = chrono::Utc::now();
     let claimed = store.claim_runs("w1", later, later + chrono::Duration::seconds(30), false, 10).await.unwrap();
-    assert_eq!(claimed.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), [run.id.clone()]);
+    assert_eq!(claimed.iter().map(|r| &r.id).collect::<Vec<_>>(), [&run.id]);
     store.close().await;
     conn.execute(format!("DROP SCHEMA \"{schema}\" CASCADE").as_str()).await.unwrap();
 }
