@@ -102,7 +102,7 @@ fn last_sequence(run: &Value) -> i64 {
 
 /// `keel prune --dry-run` says what would go and deletes nothing; `keel prune` deletes the events of
 /// finished runs only; a replay of a pruned run answers 410 `EVENTS_PRUNED` with the first sequence
-/// still held (JSON and SSE; a WebSocket subscription runs the same check); the interrupted run is whole and still resumes. Then
+/// still held (JSON and SSE here; a WebSocket subscription in keel-server's tests/api/ws.rs); the interrupted run is whole and still resumes. Then
 /// the server's own background task prunes, and counts what it pruned in /metrics.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pruning_leaves_active_runs_whole_and_a_pruned_replay_is_gone() {

@@ -186,7 +186,14 @@ impl Outbox {
         }
         match outcome {
             Ok(result) => reply["result"] = result,
-            Err(e) => reply["error"] = json!({"code": e.code, "message": e.message}),
+            Err(e) => {
+                let mut error = json!({"code": e.code, "message": e.message});
+                // the same object an HTTP answer carries (`firstHeldSequence` of EVENTS_PRUNED)
+                if let (Some(fields), Some(object)) = (e.fields, error.as_object_mut()) {
+                    object.extend(fields);
+                }
+                reply["error"] = error;
+            }
         }
         self.json(&reply).await
     }
