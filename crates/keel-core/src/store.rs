@@ -323,12 +323,15 @@ pub trait RunStore: Send + Sync {
 }
 
 /// Which finished runs a retention rule covers: those whose last change (their end) came before
-/// `finished_before`, of the agent `agent` or, when `None`, of any agent but those of
-/// `except_agents` (the agents with a rule of their own). Runs made before agents (no agent) follow
-/// the rule without an agent.
+/// `finished_before` (and, when given, at or after `finished_after`), of the agent `agent` or, when
+/// `None`, of any agent but those of `except_agents` (the agents with a rule of their own). Runs
+/// made before agents (no agent) follow the rule without an agent.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PruneRule {
     pub finished_before: Timestamp,
+    /// A lower bound a pruner that already emptied the earlier runs passes, so that its scan does
+    /// not walk them again at every pass.
+    pub finished_after: Option<Timestamp>,
     pub agent: Option<String>,
     pub except_agents: Vec<String>,
 }

@@ -236,11 +236,12 @@ fn pruner(
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut every = tokio::time::interval(retention.every);
+        let mut pruner = retention::Pruner::new(retention);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             every.tick().await;
             let counted = |batch: keel_core::store::Pruned| metrics.pruned("run_events", batch.events);
-            match retention::prune(store.as_ref(), &retention, chrono::Utc::now(), false, counted).await {
+            match pruner.pass(store.as_ref(), chrono::Utc::now(), counted).await {
                 Ok(pruned) if pruned.events > 0 => tracing::info!(events = pruned.events, "retention pruned events"),
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "retention failed; the next pass tries again"),

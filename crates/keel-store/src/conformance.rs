@@ -1719,6 +1719,7 @@ async fn finished(store: &SharedStore, agent: &str, ended: i64, steps: usize) ->
 fn rule(before: i64, agent: Option<&str>, except: &[&str]) -> PruneRule {
     PruneRule {
         finished_before: at(before),
+        finished_after: None,
         agent: agent.map(str::to_owned),
         except_agents: except.iter().map(|a| (*a).to_owned()).collect(),
     }
@@ -1782,6 +1783,14 @@ pub async fn retention_rules_are_per_agent_and_bounded(store: SharedStore) {
     let pruned = store.prune_events(&rule(100, Some("billing"), &[]), 100, false).await.expect("prune");
     assert_eq!(pruned, Pruned { runs: 1, events: 3 });
     assert_eq!(store.first_held_sequence(&billing.id).await.expect("read"), Some(4));
+    // A lower bound leaves out the runs that ended before it.
+    let late = finished(&store, "ops", 50, 0).await;
+    let bounded = PruneRule { finished_after: Some(at(40)), ..rule(100, None, &["billing"]) };
+    assert_eq!(store.prune_events(&bounded, 100, true).await.expect("dry run"), Pruned { runs: 1, events: 2 });
+    let early = finished(&store, "ops", 30, 0).await;
+    assert_eq!(store.prune_events(&bounded, 100, false).await.expect("prune"), Pruned { runs: 1, events: 2 });
+    assert_eq!(store.first_held_sequence(&late.id).await.expect("read"), Some(3));
+    assert_eq!(events(&store, &early.id).await.len(), 2, "ended before the bound");
 }
 
 pub async fn exports_find_conversations_and_their_runs(store: SharedStore) {

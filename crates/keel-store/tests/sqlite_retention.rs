@@ -55,7 +55,7 @@ async fn pruning_gives_the_space_back() {
         store.commit(c).await.unwrap();
     }
     let before = pragma(&store, "page_count").await;
-    let rule = PruneRule { finished_before: at(60), agent: None, except_agents: vec![] };
+    let rule = PruneRule { finished_before: at(60), finished_after: None, agent: None, except_agents: vec![] };
     let mut total = Pruned::default();
     loop {
         let pruned = store.prune_events(&rule, 1_000, false).await.unwrap();

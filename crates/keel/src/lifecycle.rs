@@ -18,7 +18,7 @@ pub async fn prune(store: &dyn Store, policy: &Retention, dry_run: bool) -> anyh
         println!("No retention policy: events are kept forever (set retention_events_after, or an agent's [agents.retention]).");
         return Ok(());
     }
-    let pruned = retention::prune(store, policy, chrono::Utc::now(), dry_run, |_| {}).await.context("pruning")?;
+    let pruned = retention::prune(store, policy, chrono::Utc::now(), dry_run).await.context("pruning")?;
     if dry_run {
         println!("Would prune {} event(s) of {} finished run(s).", pruned.events, pruned.runs);
     } else {

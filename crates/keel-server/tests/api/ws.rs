@@ -429,6 +429,7 @@ async fn a_subscription_to_pruned_events_is_answered_events_pruned() {
     let last = turn["run"]["lastSequence"].as_i64().unwrap();
     let rule = keel_core::store::PruneRule {
         finished_before: chrono::Utc::now() + chrono::Duration::hours(1),
+        finished_after: None,
         agent: None,
         except_agents: vec![],
     };

@@ -10,10 +10,11 @@ use super::{all, conversation_from, db, run_from, PostgresStore};
 
 /// The runs `rule` covers that still hold events: (id, first held sequence, next sequence), the
 /// runs that ended first first. `$1` the cutoff, `$2` the agent or NULL, `$3` the agents excluded
-/// when `$2` is NULL.
+/// when `$2` is NULL, `$4` the lower bound or NULL.
 const COVERED: &str = "SELECT r.id, COALESCE(p.first_held_sequence, 1) AS first_held, r.next_sequence \
      FROM runs r LEFT JOIN run_prunes p ON p.run_id = r.id \
      WHERE r.status IN ('completed', 'failed', 'cancelled') AND r.updated_at < $1 \
+       AND ($4::timestamptz IS NULL OR r.updated_at >= $4) \
        AND (CASE WHEN $2::text IS NULL \
                  THEN r.agent_id IS NULL OR NOT (r.agent_id = ANY($3::text[])) \
                  ELSE r.agent_id = $2 END) \
@@ -27,6 +28,7 @@ impl PostgresStore {
                 .bind(rule.finished_before)
                 .bind(rule.agent.as_deref())
                 .bind(&rule.except_agents)
+                .bind(rule.finished_after)
                 .fetch_all(self.pool())
                 .await
                 .map_err(db("count prunable events"))?;
@@ -42,10 +44,11 @@ impl PostgresStore {
         // One transaction per batch; the runs it prunes are locked, and those another instance's
         // pruner holds are skipped, so two pruners never wait on each other.
         let mut tx = self.pool().begin().await.map_err(db("prune events"))?;
-        let rows = sqlx::query(&format!("{COVERED} LIMIT $4 FOR UPDATE OF r SKIP LOCKED"))
+        let rows = sqlx::query(&format!("{COVERED} LIMIT $5 FOR UPDATE OF r SKIP LOCKED"))
             .bind(rule.finished_before)
             .bind(rule.agent.as_deref())
             .bind(&rule.except_agents)
+            .bind(rule.finished_after)
             .bind(i64::from(max_events))
             .fetch_all(&mut *tx)
             .await

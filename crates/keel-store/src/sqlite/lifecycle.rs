@@ -19,18 +19,18 @@ const FINISHED: &str = "(r.status = 'completed' OR r.status = 'failed' OR r.stat
 
 /// The runs `rule` covers that still hold events: (id, first held sequence, next sequence), the
 /// runs that ended first first. `?1` the cutoff, `?2` the agent or NULL, `?3` the JSON array of
-/// agents excluded when `?2` is NULL.
+/// agents excluded when `?2` is NULL, `?4` the lower bound or NULL, `?5` the limit.
 fn covered_sql(limit: bool) -> String {
     format!(
         "SELECT r.id, COALESCE(p.first_held_sequence, 1) AS first_held, r.next_sequence \
          FROM runs r LEFT JOIN run_prunes p ON p.run_id = r.id \
-         WHERE {FINISHED} AND r.updated_at < ?1 \
+         WHERE {FINISHED} AND r.updated_at < ?1 AND (?4 IS NULL OR r.updated_at >= ?4) \
            AND (CASE WHEN ?2 IS NULL \
                      THEN r.agent_id IS NULL OR r.agent_id NOT IN (SELECT value FROM json_each(?3)) \
                      ELSE r.agent_id = ?2 END) \
            AND COALESCE(p.first_held_sequence, 1) < r.next_sequence \
          ORDER BY r.updated_at, r.id{}",
-        if limit { " LIMIT ?4" } else { "" }
+        if limit { " LIMIT ?5" } else { "" }
     )
 }
 
@@ -41,18 +41,24 @@ fn except_json(rule: &PruneRule) -> StoreResult<String> {
 impl SqliteStore {
     pub(super) async fn prune(&self, rule: &PruneRule, max_events: u32, dry_run: bool) -> StoreResult<Pruned> {
         let cutoff = ts(&rule.finished_before);
+        let after = rule.finished_after.as_ref().map(ts);
         let agent = rule.agent.clone();
         let except = except_json(rule)?;
         if dry_run {
             return self
                 .db
                 .read(move |c| {
-                    let runs =
-                        many(c, "count prunable events", &covered_sql(false), params![cutoff, agent, except], |r| {
+                    let runs = many(
+                        c,
+                        "count prunable events",
+                        &covered_sql(false),
+                        params![cutoff, agent, except, after],
+                        |r| {
                             let first: i64 = r.get(1).map_err(db("count prunable events"))?;
                             let next: i64 = r.get(2).map_err(db("count prunable events"))?;
                             Ok(next - first)
-                        })?;
+                        },
+                    )?;
                     Ok(Pruned { runs: runs.len() as u64, events: runs.iter().map(|n| *n as u64).sum() })
                 })
                 .await;
@@ -66,7 +72,7 @@ impl SqliteStore {
                     c,
                     "find prunable runs",
                     &covered_sql(true),
-                    params![cutoff, agent, except, i64::from(max_events)],
+                    params![cutoff, agent, except, after, i64::from(max_events)],
                     |r| {
                         let fail = db("find prunable runs");
                         Ok((
