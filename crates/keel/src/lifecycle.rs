@@ -204,3 +204,39 @@ fn interrupt_record(i: &Interrupt, run: &Run) -> Value {
         "decidedAt": i.resolved_at,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use keel_core::domain::ToolCallState;
+    use keel_core::mask::Masked;
+
+    use super::*;
+
+    #[test]
+    fn a_tool_call_is_exported_with_masked_arguments_and_without_its_result() {
+        let call = ToolCall {
+            id: keel_core::CallId::new(),
+            run_id: keel_core::RunId::new(),
+            name: "deploy".into(),
+            args: Masked::new(json!({"service": "checkout", "api_key": "sk-live-0123456789abcdef0123"})),
+            state: ToolCallState::Succeeded,
+            result: Some(Masked::new(json!({"log": "the whole output"}))),
+            summary: Some("deployed".into()),
+            attempts: 1,
+            started_at: None,
+            finished_at: None,
+        };
+        let record = call_record(&call);
+        assert_eq!(record["args"], json!({"service": "checkout", "api_key": "***"}));
+        assert_eq!(record["summary"], "deployed");
+        assert!(!record.to_string().contains("the whole output"), "{record}");
+    }
+
+    #[test]
+    fn since_is_a_time_or_a_duration_back() {
+        let now = chrono::DateTime::from_timestamp(1_893_499_200, 0).unwrap();
+        assert_eq!(since("2030-01-01T00:00:00Z", now).unwrap().to_rfc3339(), "2030-01-01T00:00:00+00:00");
+        assert_eq!(since("1h", now).unwrap(), now - chrono::Duration::hours(1));
+        assert!(since("yesterday", now).unwrap_err().to_string().contains("neither an RFC 3339 time"));
+    }
+}
