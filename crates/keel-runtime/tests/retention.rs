@@ -87,3 +87,36 @@ async fn each_pass_reads_from_where_the_last_one_left_off() {
     assert_eq!(all.events, 4, "early's two, and keep's: the CLI's policy here has no rule for it");
     store.close().await;
 }
+
+/// A reader catching up on a finished run whose oldest events are pruned under it never gets a
+/// story with a hole: its stream ends at the hole (its reconnect is then answered 410).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_never_replays_across_a_pruned_hole() {
+    use futures::StreamExt;
+    let store = SqliteStore::open_url("sqlite::memory:").await.unwrap();
+    let run = finished(&store, "ops", at(100)).await;
+    let rule = keel_core::store::PruneRule {
+        finished_before: at(1_000),
+        finished_after: None,
+        agent: None,
+        except_agents: vec![],
+    };
+    assert_eq!(store.prune_events(&rule, 1, false).await.unwrap().events, 1);
+    let shared: std::sync::Arc<dyn keel_core::store::Store> = std::sync::Arc::new(store.clone());
+    let read = |after: i64| {
+        keel_core::stream::run_events(
+            shared.clone(),
+            std::sync::Arc::new(keel_core::bus::LocalBus::default()),
+            run.clone(),
+            after,
+            keel_core::stream::Until::Terminal,
+            None,
+            keel_core::metrics::Metrics::noop(),
+        )
+        .map(|e| e.unwrap().sequence)
+        .collect::<Vec<_>>()
+    };
+    assert_eq!(read(0).await, Vec::<i64>::new(), "the hole is at the start");
+    assert_eq!(read(1).await, [2], "from the first held event on: the rest");
+    store.close().await;
+}
