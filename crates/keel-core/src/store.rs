@@ -307,6 +307,49 @@ pub trait RunStore: Send + Sync {
     /// Forgets every in-flight key (their requests died with a previous process). Only for a store
     /// one process opens, at start-up; shared stores let in-flight keys expire instead.
     async fn abandon_all_in_flight_keys(&self) -> StoreResult<u64>;
+
+    // retention (docs/operations.md, "Retention")
+    /// Deletes the events of finished runs (`completed`, `failed`, `cancelled`) that `rule` covers,
+    /// the runs that finished first first, at most `max_events` rows in one transaction, and records
+    /// per run the first sequence it still holds. Never touches a queued, running or interrupted
+    /// run, nor messages, runs, tool calls or interrupts. With `dry_run`, deletes nothing and counts
+    /// everything the rule covers (no bound).
+    async fn prune_events(&self, rule: &PruneRule, max_events: u32, dry_run: bool) -> StoreResult<Pruned>;
+    /// The first event sequence the run still holds, once retention pruned any of its events (the
+    /// run's next sequence when all are gone); `None` while it holds all of them.
+    async fn first_held_sequence(&self, run_id: &RunId) -> StoreResult<Option<i64>>;
+    /// Every run of the conversation, oldest first (exports).
+    async fn list_conversation_runs(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Run>>;
+}
+
+/// Which finished runs a retention rule covers: those whose last change (their end) came before
+/// `finished_before` (and, when given, at or after `finished_after`), of the agent `agent` or, when
+/// `None`, of any agent but those of `except_agents` (the agents with a rule of their own). Runs
+/// made before agents (no agent) follow the rule without an agent.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PruneRule {
+    pub finished_before: Timestamp,
+    /// A lower bound a pruner that already emptied the earlier runs passes, so that its scan does
+    /// not walk them again at every pass.
+    pub finished_after: Option<Timestamp>,
+    pub agent: Option<String>,
+    pub except_agents: Vec<String>,
+}
+
+/// What a prune deleted (or, dry, would delete).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Runs that lost events.
+    pub runs: u64,
+    /// Event rows.
+    pub events: u64,
+}
+
+impl std::ops::AddAssign for Pruned {
+    fn add_assign(&mut self, other: Self) {
+        self.runs += other.runs;
+        self.events += other.events;
+    }
 }
 
 /// Conversations and what their context is made of: messages, facts, the summary.
@@ -334,6 +377,13 @@ pub trait ConversationStore: Send + Sync {
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow>;
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
     async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>>;
+    /// Conversations, oldest first, of `user_id` when given, and with a run that changed at or after
+    /// `since` when given (audit exports).
+    async fn find_conversations(
+        &self,
+        user_id: Option<&str>,
+        since: Option<Timestamp>,
+    ) -> StoreResult<Vec<Conversation>>;
 }
 
 /// What one step's context is assembled from, read in bounded work rather than in proportion to

@@ -189,6 +189,13 @@ pub fn run_events(
                 let page = store.list_events(&run_id, last, PAGE).await?;
                 let full = page.len() as u32 == PAGE;
                 for event in page {
+                    // Sequences are contiguous, so a hole means retention pruned the oldest events
+                    // of this finished run while the reader was catching up: end here rather than
+                    // tell a story with a gap; a reconnect from the cursor is answered 410
+                    // EVENTS_PRUNED with the first sequence held.
+                    if event.sequence != last + 1 {
+                        break 'outer;
+                    }
                     last = event.sequence;
                     let end = until.ends_with(&event);
                     yield event;

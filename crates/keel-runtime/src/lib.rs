@@ -16,6 +16,8 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod retention;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,6 +102,7 @@ pub struct Builder {
     server: ServerConfig,
     routes: OpenApiRouter<AppState>,
     metrics: ServerMetrics,
+    retention: retention::Retention,
 }
 
 impl Builder {
@@ -126,6 +129,7 @@ impl Builder {
             server: ServerConfig::default(),
             routes: OpenApiRouter::new(),
             metrics,
+            retention: retention::Retention::default(),
         }
     }
 
@@ -167,6 +171,13 @@ impl Builder {
         self
     }
 
+    /// How long finished runs keep their events (the default: forever): a background task prunes
+    /// older ones (see [`retention`]).
+    pub fn retention(mut self, retention: retention::Retention) -> Self {
+        self.retention = retention;
+        self
+    }
+
     /// Routes of the application's own, served among the authenticated `/v1` routes.
     pub fn routes(mut self, routes: OpenApiRouter<AppState>) -> Self {
         self.routes = self.routes.merge(routes);
@@ -198,8 +209,10 @@ impl Builder {
         if recovered > 0 {
             tracing::info!(recovered, "continuing runs left by the previous process");
         }
+        let pruner =
+            self.retention.enabled().then(|| pruner(engine.store().clone(), self.retention, self.metrics.clone()));
         let state = AppState::new(engine.clone(), self.server).with_metrics(self.metrics);
-        Ok(Keel { engine, state, routes: self.routes, backend: self.backend, recovered })
+        Ok(Keel { engine, state, routes: self.routes, backend: self.backend, recovered, pruner })
     }
 }
 
@@ -210,6 +223,31 @@ pub struct Keel {
     routes: OpenApiRouter<AppState>,
     backend: Backend,
     recovered: usize,
+    /// The retention task, when a policy prunes anything.
+    pruner: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// Prunes what `retention` covers now and then every `retention.every`, until aborted. A failed
+/// pass is logged and tried again at the next.
+fn pruner(
+    store: Arc<dyn Store>,
+    retention: retention::Retention,
+    metrics: ServerMetrics,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(retention.every);
+        let mut pruner = retention::Pruner::new(retention);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            let counted = |batch: keel_core::store::Pruned| metrics.pruned("run_events", batch.events);
+            match pruner.pass(store.as_ref(), chrono::Utc::now(), counted).await {
+                Ok(pruned) if pruned.events > 0 => tracing::info!(events = pruned.events, "retention pruned events"),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "retention failed; the next pass tries again"),
+            }
+        }
+    })
 }
 
 impl Keel {
@@ -262,6 +300,9 @@ impl Keel {
             },
         };
         // On every path, an error included: no worker writes after the store is closed.
+        if let Some(pruner) = &self.pruner {
+            pruner.abort();
+        }
         self.engine.shutdown(GRACE).await;
         let still_running = self.engine.active_workers();
         self.backend.close().await;

@@ -18,16 +18,32 @@ pub struct ApiError {
     pub message: String,
     /// Seconds, sent as `Retry-After` (with 429 and 503).
     pub retry_after: Option<u64>,
+    /// Fields of the error object besides `code` and `message` (`firstHeldSequence` of
+    /// `EVENTS_PRUNED`).
+    pub fields: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self { status, code, message: message.into(), retry_after: None }
+        Self { status, code, message: message.into(), retry_after: None, fields: None }
     }
 
     pub fn retry_after(mut self, seconds: u64) -> Self {
         self.retry_after = Some(seconds);
         self
+    }
+
+    /// 410 `EVENTS_PRUNED`: retention deleted events a replay asked for; the run still holds the
+    /// events from `first_held` on (none when it is past `last`).
+    pub fn events_pruned(first_held: i64, last: i64) -> Self {
+        let message = if first_held > last {
+            format!("the run's events were pruned by retention (first held sequence {first_held}: none is held)")
+        } else {
+            format!("the run's events before {first_held} were pruned by retention (first held sequence {first_held})")
+        };
+        let mut fields = serde_json::Map::new();
+        fields.insert("firstHeldSequence".into(), first_held.into());
+        Self { fields: Some(fields), ..Self::new(StatusCode::GONE, "EVENTS_PRUNED", message) }
     }
 
     pub fn bad_request(code: &'static str, message: impl Into<String>) -> Self {
@@ -101,7 +117,11 @@ impl From<StoreError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = json!({"error": {"code": self.code, "message": self.message}});
+        let mut error = json!({"code": self.code, "message": self.message});
+        if let (Some(fields), Some(object)) = (self.fields, error.as_object_mut()) {
+            object.extend(fields);
+        }
+        let body = json!({ "error": error });
         let mut response = (self.status, Json(body)).into_response();
         if let Some(seconds) = self.retry_after {
             response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(seconds));
@@ -118,6 +138,7 @@ pub const ERROR_CODES: &[&str] = &[
     "MALFORMED_JSON",
     "INVALID_CURSOR",
     "CURSOR_OUT_OF_RANGE",
+    "EVENTS_PRUNED",
     "UNAUTHENTICATED",
     "INVALID_TICKET",
     "JSON_TOO_DEEP",

@@ -12,6 +12,7 @@ pub mod limits;
 pub mod metrics;
 pub mod openapi;
 pub mod page;
+pub mod retention;
 pub mod routes;
 pub mod sse;
 pub mod state;

@@ -58,6 +58,7 @@ struct Families {
     stream_store_reads: IntCounterVec,
     credential_lookups: IntCounterVec,
     rate_limited: IntCounterVec,
+    pruned_rows: IntCounterVec,
     /// Serialises scrapes: the bus's drop count is folded into its counter as a difference.
     scrape: Mutex<()>,
 }
@@ -218,6 +219,13 @@ impl ServerMetrics {
                     &["limit"],
                 ),
             ),
+            pruned_rows: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new("keel_pruned_rows_total", "Rows deleted by retention, by table: run_events."),
+                    &["table"],
+                ),
+            ),
             registry,
             scrape: Mutex::new(()),
         };
@@ -234,6 +242,7 @@ impl ServerMetrics {
         for limit in ["address", "user"] {
             families.rate_limited.with_label_values(&[limit]);
         }
+        families.pruned_rows.with_label_values(&["run_events"]);
         families.active_connections.with_label_values(&[SSE]);
         families.events_delivered.with_label_values(&[SSE]);
         families.subscribers_dropped.with_label_values(&[SSE]);
@@ -270,6 +279,11 @@ impl ServerMetrics {
     /// A request was refused by the `address` or the `user` rate limit.
     pub fn rate_limited(&self, limit: &'static str) {
         self.0.rate_limited.with_label_values(&[limit]).inc();
+    }
+
+    /// Retention deleted `rows` rows of `table`.
+    pub fn pruned(&self, table: &'static str, rows: u64) {
+        self.0.pruned_rows.with_label_values(&[table]).inc_by(rows);
     }
 
     /// Every family in the Prometheus text format, with the engine's gauges read now.

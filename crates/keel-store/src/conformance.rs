@@ -20,8 +20,8 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun,
-    Store, StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, PruneRule, Pruned,
+    RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -77,6 +77,9 @@ macro_rules! conformance_tests {
             interrupts_of_a_run_are_listed_with_their_history,
             bindings_keep_the_first_value,
             conversations_and_runs_keep_their_agent,
+            retention_prunes_the_events_of_finished_runs_only,
+            retention_rules_are_per_agent_and_bounded,
+            exports_find_conversations_and_their_runs,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -1694,4 +1697,115 @@ pub async fn conversations_and_runs_keep_their_agent(store: SharedStore) {
     let started = start(&store, &billing, at(1)).await;
     assert_eq!(started.run.agent_id.as_deref(), Some("billing"));
     assert_eq!(get_run(&store, &started.run.id).await.agent_id.as_deref(), Some("billing"));
+}
+
+/// A run of a new conversation with `agent` that ran and ended `completed` at `at(ended)`, with
+/// `steps` node events after its first two.
+async fn finished(store: &SharedStore, agent: &str, ended: i64, steps: usize) -> Run {
+    let conversation = store.create_conversation("alice", &"done".into(), agent, at(0)).await.expect("create");
+    let run = start(store, &conversation, at(1)).await.run;
+    let mut c = Commit::new(run.id.clone(), acquire("w1", RunStatus::Queued, at(ended + 60)), at(2));
+    c.run = to(RunStatus::Running);
+    for _ in 0..steps {
+        c.events.push(node("call_model"));
+    }
+    commit_ok(store, c).await;
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(ended + 60)), at(ended));
+    c.run = to(RunStatus::Completed);
+    commit_ok(store, c).await;
+    get_run(store, &run.id).await
+}
+
+fn rule(before: i64, agent: Option<&str>, except: &[&str]) -> PruneRule {
+    PruneRule {
+        finished_before: at(before),
+        finished_after: None,
+        agent: agent.map(str::to_owned),
+        except_agents: except.iter().map(|a| (*a).to_owned()).collect(),
+    }
+}
+
+pub async fn retention_prunes_the_events_of_finished_runs_only(store: SharedStore) {
+    let done = finished(&store, "ops", 10, 3).await;
+    assert_eq!(done.last_sequence(), 5);
+    let (_, queued_run) = queued(&store).await;
+    let (_, running_run) = running(&store, "w2").await;
+    let (_, paused, pending) = interrupted(&store, at(1_000)).await;
+    let held = |run: &Run| run.last_sequence();
+    let before: Vec<usize> =
+        [&queued_run, &running_run, &paused].iter().map(|r| usize::try_from(held(r)).expect("a sequence")).collect();
+
+    // Ended after the cutoff: nothing.
+    assert_eq!(store.prune_events(&rule(10, None, &[]), 100, false).await.expect("prune"), Pruned::default());
+    // The dry run counts and deletes nothing.
+    let dry = store.prune_events(&rule(11, None, &[]), 100, true).await.expect("dry run");
+    assert_eq!(dry, Pruned { runs: 1, events: 5 });
+    assert_eq!(events(&store, &done.id).await.len(), 5);
+    assert_eq!(store.first_held_sequence(&done.id).await.expect("read"), None, "nothing pruned yet");
+
+    let pruned = store.prune_events(&rule(11, None, &[]), 100, false).await.expect("prune");
+    assert_eq!(pruned, Pruned { runs: 1, events: 5 });
+    assert!(events(&store, &done.id).await.is_empty());
+    assert_eq!(store.first_held_sequence(&done.id).await.expect("read"), Some(6), "its next sequence: none held");
+    // The run, its message and its conversation stay.
+    let kept = get_run(&store, &done.id).await;
+    assert_eq!((kept.status, kept.last_sequence()), (RunStatus::Completed, 5));
+    assert_eq!(store.list_run_messages(&done.id).await.expect("messages").len(), 1);
+    // Queued, running and interrupted runs are whole, and so is the interrupt.
+    for (run, count) in [&queued_run, &running_run, &paused].iter().zip(before) {
+        assert_eq!(events(&store, &run.id).await.len(), count, "{:?} kept its events", run.status);
+        assert_eq!(store.first_held_sequence(&run.id).await.expect("read"), None);
+    }
+    assert_eq!(store.list_interrupts(&paused.id).await.expect("interrupts")[0].id, pending.id);
+    // Nothing left to prune.
+    assert_eq!(store.prune_events(&rule(11, None, &[]), 100, true).await.expect("dry run"), Pruned::default());
+    assert_eq!(store.prune_events(&rule(11, None, &[]), 100, false).await.expect("prune"), Pruned::default());
+}
+
+pub async fn retention_rules_are_per_agent_and_bounded(store: SharedStore) {
+    let ops = finished(&store, "ops", 10, 6).await;
+    let billing = finished(&store, "billing", 10, 1).await;
+    // The global rule leaves out the agents with a rule of their own.
+    let global = rule(100, None, &["billing"]);
+    assert_eq!(store.prune_events(&global, 1_000, true).await.expect("dry run"), Pruned { runs: 1, events: 8 });
+    // Bounded: three rows a batch, the oldest events first, what is held one contiguous range.
+    assert_eq!(store.prune_events(&global, 3, false).await.expect("prune"), Pruned { runs: 1, events: 3 });
+    assert_eq!(store.first_held_sequence(&ops.id).await.expect("read"), Some(4));
+    assert_eq!(sequences(&store, &ops.id).await, [4, 5, 6, 7, 8]);
+    assert_eq!(store.list_events(&ops.id, 0, 2).await.expect("list")[0].sequence, 4);
+    assert_eq!(store.prune_events(&global, 3, false).await.expect("prune"), Pruned { runs: 1, events: 3 });
+    assert_eq!(store.prune_events(&global, 3, false).await.expect("prune"), Pruned { runs: 1, events: 2 });
+    assert_eq!(store.first_held_sequence(&ops.id).await.expect("read"), Some(9));
+    assert_eq!(store.prune_events(&global, 3, false).await.expect("prune"), Pruned::default());
+    assert_eq!(events(&store, &billing.id).await.len(), 3, "billing has its own rule");
+    // billing's own rule: a shorter or longer duration, its runs only.
+    assert_eq!(store.prune_events(&rule(5, Some("billing"), &[]), 100, false).await.expect("prune"), Pruned::default());
+    let pruned = store.prune_events(&rule(100, Some("billing"), &[]), 100, false).await.expect("prune");
+    assert_eq!(pruned, Pruned { runs: 1, events: 3 });
+    assert_eq!(store.first_held_sequence(&billing.id).await.expect("read"), Some(4));
+    // A lower bound leaves out the runs that ended before it.
+    let late = finished(&store, "ops", 50, 0).await;
+    let bounded = PruneRule { finished_after: Some(at(40)), ..rule(100, None, &["billing"]) };
+    assert_eq!(store.prune_events(&bounded, 100, true).await.expect("dry run"), Pruned { runs: 1, events: 2 });
+    let early = finished(&store, "ops", 30, 0).await;
+    assert_eq!(store.prune_events(&bounded, 100, false).await.expect("prune"), Pruned { runs: 1, events: 2 });
+    assert_eq!(store.first_held_sequence(&late.id).await.expect("read"), Some(3));
+    assert_eq!(events(&store, &early.id).await.len(), 2, "ended before the bound");
+}
+
+pub async fn exports_find_conversations_and_their_runs(store: SharedStore) {
+    let first = finished(&store, "ops", 10, 0).await;
+    let bob = store.create_conversation("bob", &"bob's".into(), "ops", at(0)).await.expect("create");
+    let second = start(&store, &store.get_conversation(&first.conversation_id).await.unwrap().unwrap(), at(20)).await;
+    let runs = store.list_conversation_runs(&first.conversation_id).await.expect("runs");
+    assert_eq!(runs.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), [first.id.clone(), second.run.id.clone()]);
+    let all = store.find_conversations(None, None).await.expect("find");
+    assert_eq!(all.len(), 2);
+    let alice = store.find_conversations(Some("alice"), None).await.expect("find");
+    assert_eq!(alice.iter().map(|c| &c.id).collect::<Vec<_>>(), [&first.conversation_id]);
+    assert!(store.find_conversations(Some("bob"), None).await.expect("find").iter().any(|c| c.id == bob.id));
+    // Since: a conversation with a run that changed then or later.
+    let recent = store.find_conversations(None, Some(at(15))).await.expect("find");
+    assert_eq!(recent.iter().map(|c| &c.id).collect::<Vec<_>>(), [&first.conversation_id]);
+    assert!(store.find_conversations(None, Some(at(100))).await.expect("find").is_empty());
 }

@@ -8,7 +8,7 @@ mod postgres;
 mod sqlite;
 
 pub use postgres::{CommitStats, PostgresOptions, PostgresStore};
-pub use sqlite::{SqliteOptions, SqliteStore};
+pub use sqlite::{backup as sqlite_backup, restore as sqlite_restore, Copied, SqliteOptions, SqliteStore};
 
 /// The drivers, for programs that keep tables of their own beside Keel's
 /// ([`SqliteStore::write_with`], [`PostgresStore::pool`]): the same versions the stores use.

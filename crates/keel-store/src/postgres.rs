@@ -25,7 +25,7 @@ use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    RunStore, StartedRun, Store, StoreError, StoreResult,
+    PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -36,6 +36,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transactio
 
 mod commit;
 mod group;
+mod lifecycle;
 
 use self::commit::PgTx;
 use crate::pipeline;
@@ -885,6 +886,18 @@ impl RunStore for PostgresStore {
             .map_err(db("abandon in-flight idempotency keys"))?;
         Ok(done.rows_affected())
     }
+
+    async fn prune_events(&self, rule: &PruneRule, max_events: u32, dry_run: bool) -> StoreResult<Pruned> {
+        self.prune(rule, max_events, dry_run).await
+    }
+
+    async fn first_held_sequence(&self, run_id: &RunId) -> StoreResult<Option<i64>> {
+        self.first_held(run_id).await
+    }
+
+    async fn list_conversation_runs(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Run>> {
+        self.conversation_runs(conversation_id).await
+    }
 }
 
 #[async_trait]
@@ -1037,6 +1050,14 @@ impl ConversationStore for PostgresStore {
             .await
             .map_err(db("get the summary"))?;
         row.as_ref().map(summary_from).transpose()
+    }
+
+    async fn find_conversations(
+        &self,
+        user_id: Option<&str>,
+        since: Option<Timestamp>,
+    ) -> StoreResult<Vec<Conversation>> {
+        self.conversations_for(user_id, since).await
     }
 }
 

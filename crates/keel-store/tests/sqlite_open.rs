@@ -109,6 +109,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0006_agents.sql"),
         include_str!("../migrations/sqlite/0007_run_worker.sql"),
         include_str!("../migrations/sqlite/0008_checks_without_in_lists.sql"),
+        include_str!("../migrations/sqlite/0009_retention.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {

@@ -4,6 +4,7 @@
 
 mod client;
 mod config;
+mod lifecycle;
 mod telemetry;
 mod tool_groups;
 
@@ -67,6 +68,24 @@ enum Command {
     /// Manage users and their API keys (in the database `--db` / `--data-dir` names).
     #[command(subcommand)]
     Users(UsersCommand),
+    /// Delete the events of finished runs older than the retention policy now (what the server's
+    /// background task does), or with --dry-run say what would go.
+    Prune {
+        /// Count what would be deleted; delete nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Copy the SQLite database into FILE, also while a server runs on it (PostgreSQL: pg_dump,
+    /// see docs/operations.md).
+    Backup {
+        /// A new file: an existing one is never overwritten.
+        file: std::path::PathBuf,
+    },
+    /// Replace the SQLite database with the backup FILE; refused while a server has it open.
+    Restore { file: std::path::PathBuf },
+    /// Write an audit record as JSON Lines: conversations, their messages, runs, tool calls
+    /// (arguments masked) and interrupts with who decided what and when.
+    Export(lifecycle::ExportArgs),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Subcommand)]
@@ -94,7 +113,14 @@ fn main() -> ExitCode {
     match cli.command {
         Command::Chat(args) => return client::chat(args),
         Command::Runs { command } => return client::runs(command),
-        Command::Serve | Command::Demo | Command::Migrate | Command::Users(_) => {}
+        Command::Serve
+        | Command::Demo
+        | Command::Migrate
+        | Command::Users(_)
+        | Command::Prune { .. }
+        | Command::Backup { .. }
+        | Command::Restore { .. }
+        | Command::Export(_) => {}
     }
     match try_main(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
@@ -121,6 +147,13 @@ fn try_main(cli: Cli, matches: &ArgMatches) -> anyhow::Result<()> {
 async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
     std::fs::create_dir_all(&settings.data_dir)
         .with_context(|| format!("creating the data directory {}", settings.data_dir.display()))?;
+    // The copies work on the database file, not through a store: a backup beside a running server,
+    // a restore with none.
+    match &command {
+        Command::Backup { file } => return lifecycle::backup(&settings.database, file).await,
+        Command::Restore { file } => return lifecycle::restore(&settings.database, file).await,
+        _ => {}
+    }
     let store = open_store(&settings.database).await?;
     let database = settings.database.clone();
     let migrate = matches!(command, Command::Migrate);
@@ -129,7 +162,11 @@ async fn run(command: Command, settings: Settings) -> anyhow::Result<()> {
         Command::Serve => serve(store.clone(), settings, false).await,
         Command::Demo => serve(store.clone(), settings, true).await,
         Command::Users(command) => users(store.store().as_ref(), command).await,
-        Command::Chat(_) | Command::Runs { .. } => unreachable!("client commands are dispatched in main"),
+        Command::Prune { dry_run } => lifecycle::prune(store.store().as_ref(), &settings.retention, dry_run).await,
+        Command::Export(args) => lifecycle::export(store.store().as_ref(), &args).await,
+        Command::Chat(_) | Command::Runs { .. } | Command::Backup { .. } | Command::Restore { .. } => {
+            unreachable!("dispatched before the store is opened")
+        }
     };
     // Whatever happened, once nothing uses the store any more (`serve` returns after the engine
     // shut down): closing SQLite checkpoints its WAL, so keel.db alone holds every write.
@@ -305,7 +342,7 @@ async fn serve(backend: Backend, settings: Settings, demo_mode: bool) -> anyhow:
     }
     let active_keys = store.count_active_api_keys().await.context("counting API keys")?;
 
-    let mut builder = Builder::new(backend.clone());
+    let mut builder = Builder::new(backend.clone()).retention(settings.retention.clone());
     if demo_mode {
         // OpsPilot, a user of the library like any agent, is the demo's default agent.
         let seed = FleetSeed { extra_abnormal: settings.demo_abnormal, extra_healthy: settings.demo_healthy };

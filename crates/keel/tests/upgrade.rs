@@ -69,6 +69,16 @@ async fn holds_what_it_held(store: &dyn Store) {
         Some("alice")
     );
     assert_eq!(store.user_role("alice").await.unwrap().map(|r| r.as_str()), Some("operator"));
+    // Retention works on the upgraded schema: the old run's events can be pruned.
+    let rule = keel_core::store::PruneRule {
+        finished_before: chrono::Utc::now(),
+        finished_after: None,
+        agent: None,
+        except_agents: vec![],
+    };
+    let would = store.prune_events(&rule, 1_000, true).await.unwrap();
+    assert_eq!((would.runs, would.events), (1, 5), "the old run, dry");
+    assert_eq!(store.first_held_sequence(&run.id).await.unwrap(), None);
     // The conversation goes on.
     let started = store
         .start_run(keel_core::store::NewRun {

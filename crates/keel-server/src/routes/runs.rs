@@ -106,6 +106,8 @@ pub async fn get(State(state): State<AppState>, caller: Caller, RunPath(id): Run
             )),
         (status = 400, description = "`INVALID_CURSOR`, `CURSOR_OUT_OF_RANGE`, `INVALID_QUERY`", body = ErrorBody),
         (status = 404, description = "`RUN_NOT_FOUND`", body = ErrorBody),
+        (status = 410, description = "`EVENTS_PRUNED`: retention deleted events after the cursor; \
+            `error.firstHeldSequence` is the first the run still holds", body = ErrorBody),
     )
 )]
 pub async fn events(
@@ -125,6 +127,7 @@ pub async fn events(
             format!("the run's last event is {}; the cursor is past it", run.last_sequence()),
         ));
     }
+    crate::retention::check_held(&state.engine, &run, after).await?;
     if json {
         let events = state.engine.store().list_events(&id, after, limit).await?;
         let last = events.last().map_or(after, |e| e.sequence);

@@ -186,7 +186,14 @@ impl Outbox {
         }
         match outcome {
             Ok(result) => reply["result"] = result,
-            Err(e) => reply["error"] = json!({"code": e.code, "message": e.message}),
+            Err(e) => {
+                let mut error = json!({"code": e.code, "message": e.message});
+                // the same object an HTTP answer carries (`firstHeldSequence` of EVENTS_PRUNED)
+                if let (Some(fields), Some(object)) = (e.fields, error.as_object_mut()) {
+                    object.extend(fields);
+                }
+                reply["error"] = error;
+            }
         }
         self.json(&reply).await
     }
@@ -355,6 +362,7 @@ async fn handle(
                         format!("the run's last event is {}; the cursor is past it", run.last_sequence()),
                     ));
                 }
+                crate::retention::check_held(engine, &run, after).await?;
                 Ok((run_id, after, run.last_sequence()))
             }
             .await;

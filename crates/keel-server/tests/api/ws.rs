@@ -416,3 +416,32 @@ async fn a_client_tool_is_answered_over_the_socket_once() {
         (Some("completed"), Some("succeeded"))
     );
 }
+
+/// A subscription to a run whose events retention pruned is answered `EVENTS_PRUNED` with the first
+/// sequence still held, as over HTTP; a cursor at or past it subscribes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscription_to_pruned_events_is_answered_events_pruned() {
+    let app = TestApp::spawn().await;
+    let conversation = app.create_conversation().await;
+    let turn = app.send_and_wait(&conversation, "Look at the recent errors of payment-api").await;
+    assert_eq!(turn["run"]["status"], "completed", "{turn}");
+    let run = turn["run"]["id"].as_str().unwrap().to_owned();
+    let last = turn["run"]["lastSequence"].as_i64().unwrap();
+    let rule = keel_core::store::PruneRule {
+        finished_before: chrono::Utc::now() + chrono::Duration::hours(1),
+        finished_after: None,
+        agent: None,
+        except_agents: vec![],
+    };
+    let pruned = app.store.prune_events(&rule, 2, false).await.unwrap();
+    assert_eq!(pruned.events, 2, "the first two events only");
+
+    let mut ws = Ws::connect(&app, None, None).await;
+    ws.send(json!({"type": "subscribe", "requestId": "p", "runId": run, "after": 1})).await;
+    let reply = ws.reply("p").await;
+    assert_eq!(reply["error"]["code"], "EVENTS_PRUNED", "{reply}");
+    assert_eq!(reply["error"]["firstHeldSequence"], 3, "{reply}");
+    ws.send(json!({"type": "subscribe", "requestId": "q", "runId": run, "after": 2})).await;
+    let reply = ws.reply("q").await;
+    assert_eq!(reply["result"]["lastSequence"], last, "from the first held event on: {reply}");
+}

@@ -566,6 +566,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (6, "agents", include_str!("../../migrations/sqlite/0006_agents.sql")),
     (7, "run worker", include_str!("../../migrations/sqlite/0007_run_worker.sql")),
     (8, "checks without in lists", include_str!("../../migrations/sqlite/0008_checks_without_in_lists.sql")),
+    (9, "retention", include_str!("../../migrations/sqlite/0009_retention.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:
@@ -584,6 +585,15 @@ fn hex(bytes: &[u8]) -> String {
 /// one a failed migration left half-done, and one migrated by a newer version.
 fn migrate(conn: &mut Connection) -> StoreResult<()> {
     let fail = |e: rusqlite::Error| StoreError::Backend(format!("migrate the database: {e}"));
+    // A new database gives the pages that retention frees back to the file system (`PRAGMA
+    // incremental_vacuum` after a prune). The mode is fixed once a table exists: a database made
+    // before keeps reusing freed pages instead, until converted (docs/operations.md, "Retention").
+    let tables: i64 = conn.query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0)).map_err(fail)?;
+    if tables == 0 {
+        // (WAL mode, set when the connection opened, already wrote the file's header: the new mode
+        // takes a VACUUM, instant on an empty file.)
+        conn.execute_batch("PRAGMA auto_vacuum = INCREMENTAL; VACUUM;").map_err(fail)?;
+    }
     conn.execute_batch(
         "CREATE TABLE IF NOT EXISTS _sqlx_migrations (
             version BIGINT PRIMARY KEY,

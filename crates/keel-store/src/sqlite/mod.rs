@@ -16,6 +16,7 @@
 
 mod commit;
 mod db;
+mod lifecycle;
 mod readers;
 mod rows;
 
@@ -31,13 +32,14 @@ use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    RunStore, StartedRun, Store, StoreError, StoreResult,
+    PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
 
 use self::commit::{json, opt_ts, ts, SqliteTx, ACTIVE};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
+pub use self::lifecycle::{backup, restore, Copied};
 use self::rows::{
     conversation_from, event_from, exec, exec_or, fact_from, interrupt_from, many, message_from, one, run_from,
     stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
@@ -520,6 +522,18 @@ impl RunStore for SqliteStore {
             .await?;
         Ok(done as u64)
     }
+
+    async fn prune_events(&self, rule: &PruneRule, max_events: u32, dry_run: bool) -> StoreResult<Pruned> {
+        self.prune(rule, max_events, dry_run).await
+    }
+
+    async fn first_held_sequence(&self, run_id: &RunId) -> StoreResult<Option<i64>> {
+        self.first_held(run_id).await
+    }
+
+    async fn list_conversation_runs(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Run>> {
+        self.conversation_runs(conversation_id).await
+    }
 }
 
 #[async_trait]
@@ -717,6 +731,14 @@ impl ConversationStore for SqliteStore {
                 )
             })
             .await
+    }
+
+    async fn find_conversations(
+        &self,
+        user_id: Option<&str>,
+        since: Option<Timestamp>,
+    ) -> StoreResult<Vec<Conversation>> {
+        self.conversations_for(user_id, since).await
     }
 }
 

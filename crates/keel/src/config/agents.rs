@@ -39,6 +39,9 @@ pub struct AgentConfig {
     /// Prompts a client may offer to start a conversation with (the page's starter chips), in file
     /// order: at most [`MAX_SUGGESTIONS`], each not empty and at most [`MAX_SUGGESTION_CHARS`].
     pub suggestions: Vec<String>,
+    /// `[agents.retention] events_after`: how long this agent's finished runs keep their events
+    /// (`Some(None)`: forever, `"forever"`); `None`: the server's `retention_events_after`.
+    pub events_after: Option<Option<Duration>>,
 }
 
 /// The most `suggestions` an agent may have.
@@ -83,6 +86,13 @@ struct AgentFile {
     tools: Vec<toml::Table>,
     #[serde(default)]
     suggestions: Vec<String>,
+    retention: Option<RetentionFile>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RetentionFile {
+    events_after: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -192,6 +202,13 @@ fn draft(table: &toml::Table) -> Result<Draft, String> {
         }
     })?;
 
+    let events_after = match agent.retention.and_then(|r| r.events_after) {
+        None => None,
+        Some(text) if text.trim() == "forever" => Some(None),
+        Some(text) => {
+            Some(Some(positive_duration(&text).map_err(|problem| format!("retention.events_after: {problem}"))?))
+        }
+    };
     let id = agent.id.ok_or("id: required")?;
     if !valid_id(&id) {
         return Err("id: must be 1 to 64 of a-z, 0-9, _ and -, starting with a letter or a digit".to_owned());
@@ -234,6 +251,7 @@ fn draft(table: &toml::Table) -> Result<Draft, String> {
             context,
             tools: Vec::new(),
             suggestions: agent.suggestions,
+            events_after,
         },
         said_default: agent.default,
         api_key_env,

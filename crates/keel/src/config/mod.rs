@@ -199,6 +199,17 @@ pub struct Options {
     #[arg(skip)]
     #[serde(default)]
     pub agents: Vec<toml::Table>,
+    /// Finished runs keep their events this long after they end, e.g. `30d`; older ones are
+    /// pruned in the background (an agent may set its own, `[agents.retention] events_after`)
+    /// [default: forever].
+    #[arg(long, global = true, env = "KEEL_RETENTION_EVENTS_AFTER", value_name = "DURATION")]
+    pub retention_events_after: Option<String>,
+    /// How often the retention task looks for events to prune.
+    #[arg(long, global = true, env = "KEEL_RETENTION_INTERVAL", value_name = "DURATION", default_value = "10m")]
+    pub retention_interval: String,
+    /// The most events one retention transaction deletes.
+    #[arg(long, global = true, env = "KEEL_RETENTION_BATCH", value_name = "N", default_value_t = 1000)]
+    pub retention_batch: u32,
 }
 
 /// A secret read from the environment or the file; `***` in `Debug`. It serializes as itself only
@@ -293,6 +304,8 @@ pub struct Settings {
     /// The agents of `[[agents]]`, in file order; exactly one is the default. Empty: no configured
     /// agents (the server keeps its built-in one).
     pub agents: Vec<AgentConfig>,
+    /// How long finished runs keep their events, globally and per agent.
+    pub retention: keel_runtime::retention::Retention,
 }
 
 /// Reads an environment variable by name. The process environment in the binary
@@ -423,6 +436,16 @@ impl Settings {
             0 => Err(bad(key, "must be at least 1".to_owned())),
             n => Ok(n),
         };
+        let agents = agents::resolve(&o.agents, &layers.file_name(), env)?;
+        let retention = keel_runtime::retention::Retention {
+            events_after: match &o.retention_events_after {
+                Some(text) if text.trim() != "forever" => Some(duration("retention_events_after", text)?),
+                _ => None,
+            },
+            agents: agents.iter().filter_map(|a| a.events_after.map(|d| (a.id.clone(), d))).collect(),
+            every: duration("retention_interval", &o.retention_interval)?,
+            batch: at_least_one("retention_batch", o.retention_batch as usize)? as u32,
+        };
         Ok(Self {
             listen: o.listen.clone(),
             data_dir: o.data_dir.clone(),
@@ -461,7 +484,8 @@ impl Settings {
             replay_page_max: at_least_one("replay_page_max", o.replay_page_max as usize)? as u32,
             allowed_hosts,
             otlp_endpoint,
-            agents: agents::resolve(&o.agents, &layers.file_name(), env)?,
+            agents,
+            retention,
         })
     }
 }

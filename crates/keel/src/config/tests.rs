@@ -390,6 +390,7 @@ fn two_agents_parse_into_their_configs() {
                 },
             ],
             suggestions: vec!["Is checkout healthy?".into(), "Restart checkout-api".into()],
+            events_after: None,
         }
     );
     assert_eq!(
@@ -404,6 +405,7 @@ fn two_agents_parse_into_their_configs() {
             context: AgentContext::default(),
             tools: vec![],
             suggestions: vec![],
+            events_after: None,
         }
     );
     assert!(!format!("{s:?}").contains("sk-ops"), "the key never shows in Debug");
@@ -545,4 +547,55 @@ fn agent_mistakes_name_the_file_the_agent_and_the_field() {
         load(&[], Some(&file), &empty).unwrap_err(),
         r#"keel.toml: agent "ops": model.api_key_env: the environment variable OPS_MODEL_KEY is empty"#
     );
+}
+
+#[test]
+fn retention_is_global_with_per_agent_durations() {
+    let none = ok(&[], None).retention;
+    assert!(!none.enabled(), "forever by default: {none:?}");
+    assert_eq!((none.every, none.batch), (Duration::from_secs(600), 1000));
+    let file = r#"
+retention_events_after = "30d"
+retention_batch = 50
+
+[[agents]]
+id = "payments"
+system_prompt = "p"
+[agents.retention]
+events_after = "365d"
+
+[[agents]]
+id = "chat"
+system_prompt = "c"
+[agents.retention]
+events_after = "forever"
+
+[[agents]]
+id = "plain"
+system_prompt = "x"
+"#;
+    let r = ok(&["--retention-interval", "1m"], Some(file)).retention;
+    assert_eq!(r.events_after, Some(Duration::from_secs(30 * 86_400)));
+    assert_eq!(
+        r.agents,
+        vec![("payments".to_owned(), Some(Duration::from_secs(365 * 86_400))), ("chat".to_owned(), None)]
+    );
+    assert_eq!((r.every, r.batch), (Duration::from_secs(60), 50));
+    let rules = r.rules(chrono::DateTime::from_timestamp(1_893_499_200, 0).unwrap());
+    assert_eq!(rules.len(), 2, "payments' own, then the global one; chat keeps everything: {rules:?}");
+    assert_eq!(rules[0].agent.as_deref(), Some("payments"));
+    assert_eq!(
+        (rules[1].agent.as_deref(), rules[1].except_agents.clone()),
+        (None, vec!["payments".into(), "chat".into()])
+    );
+
+    assert!(err(&["--retention-events-after", "soon"], None)
+        .starts_with("--retention-events-after: \"soon\" is not a duration"));
+    let bad = "[[agents]]\nid = \"a\"\nsystem_prompt = \"p\"\n[agents.retention]\nevents_after = \"0s\"\n";
+    assert!(
+        err(&[], Some(bad)).contains("agent") && err(&[], Some(bad)).contains("retention.events_after"),
+        "{}",
+        err(&[], Some(bad))
+    );
+    assert!(err(&["--retention-batch", "0"], None).contains("must be at least 1"));
 }
