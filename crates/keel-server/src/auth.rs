@@ -193,7 +193,11 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
 pub async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
     // Owned copies: the request (its body is not `Sync`) must not be borrowed across an await.
     let credentials = Credentials {
-        authorization: request.headers().get(AUTHORIZATION).map(|v| v.to_str().map(str::to_owned).ok()),
+        // LangGraph's SDKs send the key as `x-api-key`: the same key, another header.
+        authorization: match request.headers().get(AUTHORIZATION) {
+            Some(v) => Some(v.to_str().map(str::to_owned).ok()),
+            None => request.headers().get("x-api-key").map(|v| v.to_str().ok().map(|k| format!("Bearer {k}"))),
+        },
         ticket: query_param(request.uri().query(), "ticket").map(str::to_owned),
         route: ticket_route(request.extensions().get::<MatchedPath>().map(MatchedPath::as_str), request.uri().path()),
     };
