@@ -548,14 +548,46 @@ impl StreamMapper {
     }
 }
 
-/// `event: <name>`, optional `id: <sequence>`, `data: <one line of JSON>`, blank line.
-pub fn frame(name: &str, data: &Value, id: Option<i64>) -> String {
+/// `event: <name>`, optional `id: <id>`, `data: <one line of JSON>`, blank line.
+pub fn frame(name: &str, data: &Value, id: Option<&str>) -> String {
     let mut out = String::new();
     if let Some(id) = id {
         out.push_str(&format!("id: {id}\n"));
     }
     out.push_str(&format!("event: {name}\ndata: {data}\n\n"));
     out
+}
+
+/// The ids of the parts one Keel event maps to: the last part (`end` aside, which has none) is the
+/// event's sequence, `S` ("event S is delivered"); an earlier part `k` (1-based) is `S:k` ("event
+/// S's first k parts are delivered"). A client cut anywhere reconnects with the id it saw last and
+/// gets exactly what follows.
+pub fn part_ids(sequence: i64, parts: &[(&'static str, Value)]) -> Vec<Option<String>> {
+    let last = parts.iter().rposition(|(name, _)| *name != "end");
+    parts
+        .iter()
+        .enumerate()
+        .map(|(n, (name, _))| match (*name, Some(n) == last) {
+            ("end", _) => None,
+            (_, true) => Some(sequence.to_string()),
+            _ => Some(format!("{sequence}:{}", n + 1)),
+        })
+        .collect()
+}
+
+/// A `Last-Event-ID` as [`part_ids`] writes them: the events after which the stream goes on, and
+/// how many parts of the next event to skip.
+pub fn parse_event_id(raw: &str) -> Option<(i64, usize)> {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    match raw.split_once(':') {
+        None if digits(raw) => Some((raw.parse().ok()?, 0)),
+        Some((seq, k)) if digits(seq) && digits(k) => {
+            let seq: i64 = seq.parse().ok()?;
+            let k: usize = k.parse().ok()?;
+            (seq >= 1 && k >= 1).then_some((seq - 1, k))
+        }
+        _ => None,
+    }
 }
 
 /// Checks a request body's options: every key must be one Keel knows, and an option Keel does not
@@ -664,6 +696,14 @@ mod tests {
     #[test]
     fn frames_have_ids_when_given() {
         assert_eq!(frame("end", &Value::Null, None), "event: end\ndata: null\n\n");
-        assert_eq!(frame("values", &json!({}), Some(3)), "id: 3\nevent: values\ndata: {}\n\n");
+        assert_eq!(frame("values", &json!({}), Some("3")), "id: 3\nevent: values\ndata: {}\n\n");
+        let parts = [("values", json!({})), ("updates", json!({})), ("end", Value::Null)];
+        assert_eq!(part_ids(7, &parts), vec![Some("7:1".to_owned()), Some("7".to_owned()), None]);
+        assert_eq!(parse_event_id("7"), Some((7, 0)));
+        assert_eq!(parse_event_id("7:1"), Some((6, 1)));
+        assert_eq!(parse_event_id("0"), Some((0, 0)));
+        for bad in ["", "x", "7:", ":1", "0:1", "7:0", "-1", "7:1:2"] {
+            assert_eq!(parse_event_id(bad), None, "{bad}");
+        }
     }
 }

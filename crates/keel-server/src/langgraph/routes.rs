@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
-use keel_core::engine::{EngineError, ResumeRequest, SendMessage};
+use keel_core::engine::{EngineError, MultitaskStrategy, ResumeRequest, SendMessage};
 use keel_core::stream::Until;
 use keel_core::{Conversation, ConversationId, Event, EventKind, Interrupt, InterruptId, RunId, RunStatus};
 use serde_json::{json, Map, Value};
@@ -25,7 +25,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::{Lookup, Modes, StreamMapper, DELETED, THREADS, THREAD_METADATA};
 use crate::ag_ui::Snapshot;
 use crate::error::{ApiError, ApiResult};
-use crate::extract::{cursor, ApiJson, Caller, OptionalJson, Params};
+use crate::extract::{ApiJson, Caller, OptionalJson, Params};
 use crate::limits::StreamPermit;
 use crate::sse;
 use crate::state::AppState;
@@ -509,6 +509,7 @@ struct RunRequest {
     assistant: String,
     modes: Modes,
     strategy: String,
+    multitask: MultitaskStrategy,
     cancel_on_disconnect: bool,
 }
 
@@ -529,13 +530,13 @@ fn read_run_request(body: &Map<String, Value>) -> ApiResult<RunRequest> {
         .to_owned();
     let modes = Modes::parse(body.get("stream_mode")).map_err(refuse)?;
     let strategy = body.get("multitask_strategy").and_then(Value::as_str).unwrap_or("reject").to_owned();
-    match strategy.as_str() {
-        "reject" | "interrupt" => {}
-        "enqueue" | "rollback" => {
+    let multitask = match MultitaskStrategy::parse(&strategy) {
+        Some(m) => m,
+        None if MultitaskStrategy::UNSUPPORTED.contains(&strategy.as_str()) => {
             return Err(refuse(format!("multitask_strategy {strategy:?}: not supported by Keel yet (reject, interrupt)")))
         }
-        _ => return Err(ApiError::validation("multitask_strategy: must be reject, interrupt, enqueue or rollback")),
-    }
+        None => return Err(ApiError::validation("multitask_strategy: must be reject, interrupt, enqueue or rollback")),
+    };
     let cancel_on_disconnect = match body.get("on_disconnect").and_then(Value::as_str) {
         None | Some("continue") => false,
         Some("cancel") => true,
@@ -546,7 +547,7 @@ fn read_run_request(body: &Map<String, Value>) -> ApiResult<RunRequest> {
             return Err(ApiError::validation("durability: must be sync, async or exit"));
         }
     }
-    Ok(RunRequest { assistant, modes, strategy, cancel_on_disconnect })
+    Ok(RunRequest { assistant, modes, strategy, multitask, cancel_on_disconnect })
 }
 
 /// The text of the newest human message of `input.messages`.
@@ -611,21 +612,15 @@ async fn start(
         (None, Some(command)) => resume(state, caller, conversation, command, headers).await,
         (Some(input), None) => {
             let content = input_text(input)?;
-            if req.strategy == "interrupt" {
-                if let Some(active) = engine.store().active_run(&conversation.id).await? {
-                    interrupt_active(state, caller, &active.id).await?;
-                }
-            }
             let message = SendMessage { content, cancel_on_disconnect: req.cancel_on_disconnect };
-            let started = engine.send_message(&caller.0, &conversation.id, message).await?;
+            let started = engine.send_message_with(&caller.0, &conversation.id, message, req.multitask).await?;
             Ok(Started { conversation, run_id: started.run.id, after: 0 })
         }
     }
 }
 
-/// `multitask_strategy: interrupt`: the active run is cancelled (at its next checkpoint; what it
-/// did so far stays) and the new one starts once it has ended.
-async fn interrupt_active(state: &AppState, caller: &Caller, run_id: &RunId) -> ApiResult<()> {
+/// Cancels the run (at its next checkpoint; what it did so far stays) and waits until it has ended.
+async fn cancel_and_wait(state: &AppState, caller: &Caller, run_id: &RunId) -> ApiResult<()> {
     let engine = &state.engine;
     engine.cancel(&caller.0, run_id).await?;
     let run = engine.run(&caller.0, run_id).await?;
@@ -732,7 +727,7 @@ async fn stream_run(
     // The stream's slot is taken first, so a refused stream starts nothing.
     let permit = state.limits.streams.acquire(&caller.0)?;
     let started = start(&state, &caller, &thread, &body, &req, &headers).await?;
-    let response = stream(&state, permit, &thread, &req.assistant, started.run_id.clone(), started.after, req.modes);
+    let response = stream(&state, permit, &thread, &req.assistant, started.run_id.clone(), (started.after, 0), req.modes);
     Ok(with_location(response, &thread, &started.run_id))
 }
 
@@ -851,7 +846,7 @@ async fn cancel_run(
     let wait = params.flag("wait")?;
     let (_, run) = run_in_thread(&state, &caller, &thread, &run).await?;
     if wait {
-        interrupt_active(&state, &caller, &run.id).await?;
+        cancel_and_wait(&state, &caller, &run.id).await?;
     } else {
         state.engine.cancel(&caller.0, &run.id).await?;
     }
@@ -928,17 +923,19 @@ async fn join_stream(
     let modes = if modes.is_empty() { Modes::all() } else { Modes::parse(Some(&Value::Array(modes))).map_err(refuse)? };
     let permit = state.limits.streams.acquire(&caller.0)?;
     let (c, run) = run_in_thread(&state, &caller, &thread, &run).await?;
-    let after = if headers.contains_key("last-event-id") {
-        let after = cursor(&headers, &Params::default())?;
-        if after > run.last_sequence() {
-            return Err(ApiError::bad_request("CURSOR_OUT_OF_RANGE", "Last-Event-ID is past the run's last event"));
+    let from = match headers.get("last-event-id") {
+        Some(raw) => {
+            let invalid = || ApiError::bad_request("INVALID_CURSOR", "Last-Event-ID: an id this stream gave (`S` or `S:k`)");
+            let (after, skip) = raw.to_str().ok().and_then(super::parse_event_id).ok_or_else(invalid)?;
+            if after + i64::from(skip > 0) > run.last_sequence() {
+                return Err(ApiError::bad_request("CURSOR_OUT_OF_RANGE", "Last-Event-ID is past the run's last event"));
+            }
+            (after, skip)
         }
-        after
-    } else {
-        last_resume(&state, &run).await?
+        None => (last_resume(&state, &run).await?, 0),
     };
     let assistant = state.engine.agent_of(&c).map(|a| a.id.clone()).unwrap_or_default();
-    Ok(stream(&state, permit, &thread, &assistant, run.id, after, modes))
+    Ok(stream(&state, permit, &thread, &assistant, run.id, from, modes))
 }
 
 // ------------------------------------------------------------------ the stream
@@ -949,7 +946,7 @@ fn stream(
     thread: &str,
     assistant: &str,
     run_id: RunId,
-    after: i64,
+    (after, skip): (i64, usize),
     modes: Modes,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
@@ -957,7 +954,7 @@ fn stream(
     let state = state.clone();
     let open = state.metrics.connection_opened(crate::metrics::SSE);
     tokio::spawn(async move {
-        feed(state, tx, mapper, run_id, after).await;
+        feed(state, tx, mapper, run_id, after, skip).await;
         drop(permit);
     });
     let body = ReceiverStream::new(rx).map(move |frame| {
@@ -973,7 +970,7 @@ enum End {
     TooSlow,
 }
 
-async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, mut mapper: StreamMapper, run_id: RunId, after: i64) {
+async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, mut mapper: StreamMapper, run_id: RunId, after: i64, mut skip: usize) {
     let engine = state.engine.clone();
     let timeout = state.config.sse_send_timeout;
     let send = |text: String| {
@@ -995,7 +992,19 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, mut mapper: StreamMapper
         // them without a word, so that what it says next is what it would have said then.
         if let Err(e) = catch_up(&state, &mut mapper, &run_id, after).await {
             tracing::error!(run_id = %run_id, error = ?e, "reading the run's events for LangGraph failed");
-            return write(&send, mapper.fail("INTERNAL", "internal error"), None).await.unwrap_or(End::Finished);
+            return write(&send, mapper.fail("INTERNAL", "internal error"), None, 0).await.unwrap_or(End::Finished);
+        }
+        // A run that waits for a human, or is over, with nothing after `after`: the stream is over
+        // (a client that lost the `end` part gets it, instead of waiting for the next stretch).
+        match engine.store().get_run(&run_id).await {
+            Ok(Some(run)) if !matches!(run.status, RunStatus::Queued | RunStatus::Running) && run.last_sequence() <= after => {
+                return send(super::frame("end", &Value::Null, None)).await.unwrap_or(End::Finished);
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!(run_id = %run_id, error = %e, "reading the run for LangGraph failed");
+                return write(&send, mapper.fail("INTERNAL", "internal error"), None, 0).await.unwrap_or(End::Finished);
+            }
         }
         let events = engine.events(&run_id, after, Until::PauseOrTerminal);
         tokio::pin!(events);
@@ -1033,7 +1042,9 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, mut mapper: StreamMapper
             if !parts.is_empty() {
                 keep_alive.reset();
             }
-            if let Some(end) = write(&send, parts, id).await {
+            // A client cut inside the first event's parts saw `skip` of them.
+            let skip = if id == Some(after + 1) { std::mem::take(&mut skip) } else { 0 };
+            if let Some(end) = write(&send, parts, id, skip).await {
                 return end;
             }
             if mapper.is_finished() {
@@ -1054,18 +1065,20 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, mut mapper: StreamMapper
     }
 }
 
-/// Writes the parts of one Keel event; the last carries the event's sequence as its `id`, so a
-/// client that reconnects with it gets what follows that event, whole. `end` never carries one.
-async fn write<F, Fut>(send: &F, parts: Vec<(&'static str, Value)>, id: Option<i64>) -> Option<End>
+/// Writes the parts of one Keel event (`sequence`: with their ids, [`super::part_ids`]), but the
+/// first `skip`, in one write.
+async fn write<F, Fut>(send: &F, parts: Vec<(&'static str, Value)>, sequence: Option<i64>, skip: usize) -> Option<End>
 where
     F: Fn(String) -> Fut,
     Fut: std::future::Future<Output = Option<End>>,
 {
-    let last_with_id = parts.iter().rposition(|(name, _)| *name != "end");
+    let ids = match sequence {
+        Some(s) => super::part_ids(s, &parts),
+        None => vec![None; parts.len()],
+    };
     let mut text = String::new();
-    for (n, (name, data)) in parts.iter().enumerate() {
-        let id = if Some(n) == last_with_id { id } else { None };
-        text.push_str(&super::frame(name, data, id));
+    for ((name, data), id) in parts.iter().zip(&ids).skip(skip) {
+        text.push_str(&super::frame(name, data, id.as_deref()));
     }
     if text.is_empty() {
         return None;
