@@ -55,13 +55,14 @@ pub fn router(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
     let api = api.nest("/langgraph", langgraph);
     openapi::finish(&mut spec);
     let _ = state.spec.set(openapi::to_json(&spec));
-    let templates = RouteTemplates::new(spec
-            .paths
+    let templates = RouteTemplates::new(
+        spec.paths
             .paths
             .keys()
             .map(String::as_str)
             .chain(page::PATHS.iter().copied())
-            .chain(langgraph::routes::TEMPLATES.iter().copied()));
+            .chain(langgraph::routes::TEMPLATES.iter().copied()),
+    );
     api
         .merge(page::routes())
         .fallback(routes::not_found)

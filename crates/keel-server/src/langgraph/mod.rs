@@ -475,7 +475,10 @@ impl StreamMapper {
                 }
                 if self.modes.messages {
                     if first {
-                        out.push(("messages/metadata", json!({ id.clone(): {"metadata": self.chunk_metadata("model")} })));
+                        out.push((
+                            "messages/metadata",
+                            json!({ id.clone(): {"metadata": self.chunk_metadata("model")} }),
+                        ));
                     }
                     out.push((
                         "messages/partial",
@@ -506,7 +509,9 @@ impl StreamMapper {
                     .inner()
                     .get("actions")
                     .and_then(Value::as_array)
-                    .map(|a| a.iter().filter_map(|a| a.get("callId").and_then(Value::as_str)).map(str::to_owned).collect())
+                    .map(|a| {
+                        a.iter().filter_map(|a| a.get("callId").and_then(Value::as_str)).map(str::to_owned).collect()
+                    })
                     .unwrap_or_default();
                 for id in waiting {
                     self.produce(id);
@@ -648,7 +653,10 @@ mod tests {
         let i = confirm(json!([{"callId": "call_1", "tool": "scale", "args": {"n": 2}, "description": "Scale to 2"}]));
         let v = interrupt(&i, &|_| Some(json!({"type": "object"})));
         assert_eq!(v["id"], "int_1");
-        assert_eq!(v["value"]["action_requests"][0], json!({"name": "scale", "args": {"n": 2}, "description": "Scale to 2"}));
+        assert_eq!(
+            v["value"]["action_requests"][0],
+            json!({"name": "scale", "args": {"n": 2}, "description": "Scale to 2"})
+        );
         assert_eq!(v["value"]["review_configs"][0]["allowed_decisions"], json!(["approve", "reject", "edit"]));
         assert_eq!(v["value"]["review_configs"][0]["args_schema"], json!({"type": "object"}));
     }
@@ -678,9 +686,12 @@ mod tests {
         assert!(decision(&json!({"decisions": [{"type": "approve", "x": 1}, {"type": "approve"}]}), &i)
             .unwrap_err()
             .contains("decisions[0].x"));
-        assert!(decision(&json!({"decisions": [{"type": "edit", "edited_action": {"name": "b", "args": {}}}, {"type": "approve"}]}), &i)
-            .unwrap_err()
-            .contains("must be the action's"));
+        assert!(decision(
+            &json!({"decisions": [{"type": "edit", "edited_action": {"name": "b", "args": {}}}, {"type": "approve"}]}),
+            &i
+        )
+        .unwrap_err()
+        .contains("must be the action's"));
         assert!(decision(&json!({"other": 1}), &i).unwrap_err().contains("command.resume.other"));
     }
 

@@ -80,8 +80,7 @@ fn check(body: &Map<String, Value>, supported: &[&str], default_only: &[&str]) -
 }
 
 fn check_params(params: &Params, supported: &[&str]) -> ApiResult<()> {
-    let mut unknown: Vec<&str> =
-        params.0.keys().map(String::as_str).filter(|k| !supported.contains(k)).collect();
+    let mut unknown: Vec<&str> = params.0.keys().map(String::as_str).filter(|k| !supported.contains(k)).collect();
     unknown.sort_unstable();
     if unknown.is_empty() {
         Ok(())
@@ -356,7 +355,11 @@ async fn search_threads(
     caller: Caller,
     OptionalJson(body): OptionalJson<Map<String, Value>>,
 ) -> ApiResult<Response> {
-    check(&body, &["limit", "offset", "metadata", "status", "ids"], &["values", "sort_by", "sort_order", "select", "extract"])?;
+    check(
+        &body,
+        &["limit", "offset", "metadata", "status", "ids"],
+        &["values", "sort_by", "sort_order", "select", "extract"],
+    )?;
     let (limit, offset) = page(&body)?;
     let want_meta = body.get("metadata").and_then(Value::as_object).cloned().unwrap_or_default();
     let want_status = body.get("status").and_then(Value::as_str);
@@ -533,7 +536,9 @@ fn read_run_request(body: &Map<String, Value>) -> ApiResult<RunRequest> {
     let multitask = match MultitaskStrategy::parse(&strategy) {
         Some(m) => m,
         None if MultitaskStrategy::UNSUPPORTED.contains(&strategy.as_str()) => {
-            return Err(refuse(format!("multitask_strategy {strategy:?}: not supported by Keel yet (reject, interrupt)")))
+            return Err(refuse(format!(
+                "multitask_strategy {strategy:?}: not supported by Keel yet (reject, interrupt)"
+            )))
         }
         None => return Err(ApiError::validation("multitask_strategy: must be reject, interrupt, enqueue or rollback")),
     };
@@ -556,7 +561,10 @@ fn input_text(input: &Value) -> ApiResult<String> {
     if let Some(unknown) = obj.keys().find(|k| k.as_str() != "messages") {
         return Err(refuse(format!("input.{unknown}: not supported (Keel's state is its messages and facts)")));
     }
-    let messages = obj.get("messages").and_then(Value::as_array).ok_or_else(|| ApiError::validation("input.messages: required (a list)"))?;
+    let messages = obj
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::validation("input.messages: required (a list)"))?;
     let human = messages.iter().rev().find(|m| {
         let role = m.get("role").or_else(|| m.get("type")).and_then(Value::as_str);
         matches!(role, Some("user" | "human"))
@@ -636,7 +644,11 @@ async fn cancel_and_wait(state: &AppState, caller: &Caller, run_id: &RunId) -> A
         match ended.await {
             Ok(r) => r?,
             Err(_) => {
-                return Err(ApiError::new(StatusCode::CONFLICT, "RUN_ACTIVE", "the active run did not stop within 60 s"))
+                return Err(ApiError::new(
+                    StatusCode::CONFLICT,
+                    "RUN_ACTIVE",
+                    "the active run did not stop within 60 s",
+                ))
             }
         }
     }
@@ -659,7 +671,10 @@ async fn resume(
     if let Some(other) = command.keys().find(|k| k.as_str() != "resume") {
         return Err(refuse(format!("command.{other}: not supported (only resume)")));
     }
-    let value = command.get("resume").filter(|v| !v.is_null()).ok_or_else(|| ApiError::validation("command.resume: required"))?;
+    let value = command
+        .get("resume")
+        .filter(|v| !v.is_null())
+        .ok_or_else(|| ApiError::validation("command.resume: required"))?;
     let keyed = value.as_object().filter(|o| !o.is_empty() && o.keys().all(|k| InterruptId::parse(k).is_ok()));
     let (interrupt, value) = if let Some(map) = keyed {
         if map.len() > 1 {
@@ -667,7 +682,7 @@ async fn resume(
         }
         let (id, value) = map.iter().next().expect("one entry");
         let id = InterruptId::parse(id).map_err(|_| ApiError::validation("command.resume: an interrupt id"))?;
-        let i = store.get_interrupt(&id).await?.ok_or_else(|| EngineError::NotFound("interrupt"))?;
+        let i = store.get_interrupt(&id).await?.ok_or(EngineError::NotFound("interrupt"))?;
         (i, value)
     } else {
         let run = latest_run(state, caller, &conversation.id).await?.ok_or(EngineError::RunNotInterrupted)?;
@@ -727,7 +742,8 @@ async fn stream_run(
     // The stream's slot is taken first, so a refused stream starts nothing.
     let permit = state.limits.streams.acquire(&caller.0)?;
     let started = start(&state, &caller, &thread, &body, &req, &headers).await?;
-    let response = stream(&state, permit, &thread, &req.assistant, started.run_id.clone(), (started.after, 0), req.modes);
+    let response =
+        stream(&state, permit, &thread, &req.assistant, started.run_id.clone(), (started.after, 0), req.modes);
     Ok(with_location(response, &thread, &started.run_id))
 }
 
@@ -766,14 +782,20 @@ async fn final_values(state: &AppState, caller: &Caller, c: &Conversation, run_i
             }
         }
         RunStatus::Failed => {
-            values["__error__"] = json!({"error": run.reason.clone().unwrap_or_else(|| "error".into()), "message": "the run failed"});
+            values["__error__"] =
+                json!({"error": run.reason.clone().unwrap_or_else(|| "error".into()), "message": "the run failed"});
         }
         _ => {}
     }
     Ok(values)
 }
 
-async fn run_in_thread(state: &AppState, caller: &Caller, thread: &str, run: &str) -> ApiResult<(Conversation, keel_core::Run)> {
+async fn run_in_thread(
+    state: &AppState,
+    caller: &Caller,
+    thread: &str,
+    run: &str,
+) -> ApiResult<(Conversation, keel_core::Run)> {
     let c = thread_or_404(state, caller, thread).await?;
     let run_id = RunId::parse(run).map_err(|_| EngineError::NotFound("run"))?;
     let run = state.engine.run(&caller.0, &run_id).await?;
@@ -915,17 +937,21 @@ async fn join_stream(
             "stream_mode" => {}
             "cancel_on_disconnect" if matches!(value.as_str(), "" | "false" | "False" | "0") => {}
             "cancel_on_disconnect" => {
-                return Err(refuse("cancel_on_disconnect: not supported on a join (set on_disconnect when the run starts)"))
+                return Err(refuse(
+                    "cancel_on_disconnect: not supported on a join (set on_disconnect when the run starts)",
+                ))
             }
             other => return Err(refuse(format!("unsupported query parameters: {other}"))),
         }
     }
-    let modes = if modes.is_empty() { Modes::all() } else { Modes::parse(Some(&Value::Array(modes))).map_err(refuse)? };
+    let modes =
+        if modes.is_empty() { Modes::all() } else { Modes::parse(Some(&Value::Array(modes))).map_err(refuse)? };
     let permit = state.limits.streams.acquire(&caller.0)?;
     let (c, run) = run_in_thread(&state, &caller, &thread, &run).await?;
     let from = match headers.get("last-event-id") {
         Some(raw) => {
-            let invalid = || ApiError::bad_request("INVALID_CURSOR", "Last-Event-ID: an id this stream gave (`S` or `S:k`)");
+            let invalid =
+                || ApiError::bad_request("INVALID_CURSOR", "Last-Event-ID: an id this stream gave (`S` or `S:k`)");
             let (after, skip) = raw.to_str().ok().and_then(super::parse_event_id).ok_or_else(invalid)?;
             if after + i64::from(skip > 0) > run.last_sequence() {
                 return Err(ApiError::bad_request("CURSOR_OUT_OF_RANGE", "Last-Event-ID is past the run's last event"));
@@ -970,7 +996,14 @@ enum End {
     TooSlow,
 }
 
-async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, mut mapper: StreamMapper, run_id: RunId, after: i64, mut skip: usize) {
+async fn feed(
+    state: AppState,
+    tx: mpsc::Sender<Bytes>,
+    mut mapper: StreamMapper,
+    run_id: RunId,
+    after: i64,
+    mut skip: usize,
+) {
     let engine = state.engine.clone();
     let timeout = state.config.sse_send_timeout;
     let send = |text: String| {
@@ -1101,13 +1134,18 @@ async fn catch_up(state: &AppState, mapper: &mut StreamMapper, run_id: &RunId, u
 }
 
 async fn map(state: &AppState, mapper: &mut StreamMapper, event: &Event) -> ApiResult<Vec<(&'static str, Value)>> {
-    let run = state.engine.store().get_run(&event.run_id).await?.ok_or_else(|| EngineError::NotFound("run"))?;
+    let run = state.engine.store().get_run(&event.run_id).await?.ok_or(EngineError::NotFound("run"))?;
     let store = state.engine.store();
-    let snapshot = if super::needs_snapshot(event, mapper.modes()) { Some(snapshot(state, &run.conversation_id).await?) } else { None };
+    let snapshot = if super::needs_snapshot(event, mapper.modes()) {
+        Some(snapshot(state, &run.conversation_id).await?)
+    } else {
+        None
+    };
     let interrupt = match &event.kind {
         EventKind::Interrupt { interrupt_id, .. } => match store.get_interrupt(interrupt_id).await? {
             Some(i) => {
-                let c = store.get_conversation(&run.conversation_id).await?.ok_or_else(|| EngineError::NotFound("conversation"))?;
+                let c =
+                    store.get_conversation(&run.conversation_id).await?.ok_or(EngineError::NotFound("conversation"))?;
                 Some(interrupt_value(state, &c, &i))
             }
             None => None,

@@ -44,9 +44,10 @@ async fn stream(app: &TestApp, thread: &str, body: Value) -> Vec<Part> {
 }
 
 async fn join(app: &TestApp, thread: &str, run: &str, last_event_id: Option<&str>) -> Vec<Part> {
-    let mut request = app
-        .client
-        .get(app.url(&format!("/langgraph/threads/{thread}/runs/{run}/stream?stream_mode=updates&stream_mode=messages-tuple")));
+    let mut request =
+        app.client.get(app.url(&format!(
+            "/langgraph/threads/{thread}/runs/{run}/stream?stream_mode=updates&stream_mode=messages-tuple"
+        )));
     if let Some(id) = last_event_id {
         request = request.header("last-event-id", id);
     }
@@ -75,7 +76,8 @@ async fn the_sdk_key_header_authenticates_and_threads_are_the_callers() {
     let anonymous = plain.post(&url).json(&json!({})).send().await.unwrap();
     assert_eq!(anonymous.status(), StatusCode::UNAUTHORIZED);
     let key = app.bearer("alice").trim_start_matches("Bearer ").to_owned();
-    let (status, body) = to_json(plain.post(&url).header("x-api-key", &key).json(&json!({})).send().await.unwrap()).await;
+    let (status, body) =
+        to_json(plain.post(&url).header("x-api-key", &key).json(&json!({})).send().await.unwrap()).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body[0]["assistant_id"], ASSISTANT);
     assert_eq!(body[0]["graph_id"], ASSISTANT);
@@ -97,9 +99,8 @@ async fn the_sdk_key_header_authenticates_and_threads_are_the_callers() {
     assert_eq!(thread["metadata"]["team"], "a");
     let (status, _) = app.get_as("bob", "/langgraph/threads/6f1c2c1e-0000-4000-8000-000000000001").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
-    let (status, again) = app
-        .post_as("alice", "/langgraph/threads", &json!({"thread_id": "6f1c2c1e-0000-4000-8000-000000000001"}))
-        .await;
+    let (status, again) =
+        app.post_as("alice", "/langgraph/threads", &json!({"thread_id": "6f1c2c1e-0000-4000-8000-000000000001"})).await;
     assert_eq!((status, again["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("THREAD_EXISTS")));
     let (status, same) = app
         .post_as(
@@ -121,7 +122,10 @@ async fn unknown_and_unsupported_options_are_named_in_a_422() {
     let cases = [
         (json!({"assistant_id": ASSISTANT, "input": restart_input(), "webhook": "https://example.com"}), "webhook"),
         (json!({"assistant_id": ASSISTANT, "input": restart_input(), "surprise": 1}), "surprise (unknown)"),
-        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "interrupt_before": ["tools"]}), "interrupt_before"),
+        (
+            json!({"assistant_id": ASSISTANT, "input": restart_input(), "interrupt_before": ["tools"]}),
+            "interrupt_before",
+        ),
         (json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": "events"}), "events"),
         (json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": "enqueue"}), "enqueue"),
         (json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": "rollback"}), "rollback"),
@@ -143,11 +147,17 @@ async fn unknown_and_unsupported_options_are_named_in_a_422() {
     assert_eq!(run["thread_id"], thread.as_str());
 
     let (status, error) = app.post(&runs, &json!({"input": restart_input()})).await;
-    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::UNPROCESSABLE_ENTITY, Some("VALIDATION_FAILED")));
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("VALIDATION_FAILED"))
+    );
     let (status, error) = app.post(&runs, &json!({"assistant_id": "nobody", "input": restart_input()})).await;
     assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("ASSISTANT_NOT_FOUND")));
     let (status, error) = app
-        .post("/langgraph/threads/conv_00000000000000000000000000000000/runs", &json!({"assistant_id": ASSISTANT, "input": restart_input()}))
+        .post(
+            "/langgraph/threads/conv_00000000000000000000000000000000/runs",
+            &json!({"assistant_id": ASSISTANT, "input": restart_input()}),
+        )
         .await;
     assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("CONVERSATION_NOT_FOUND")));
     // reject (the default) on a busy thread: Keel's RUN_ACTIVE.
@@ -159,7 +169,9 @@ async fn unknown_and_unsupported_options_are_named_in_a_422() {
 async fn a_resume_sent_twice_continues_once() {
     let app = TestApp::spawn().await;
     let thread = thread(&app).await;
-    let first = stream(&app, &thread, json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": ["updates"]})).await;
+    let first =
+        stream(&app, &thread, json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": ["updates"]}))
+            .await;
     assert_eq!(first[0].0, "metadata");
     assert_eq!(first.last().unwrap().0, "end");
     let interrupt = interrupt_of(&first);
@@ -174,9 +186,8 @@ async fn a_resume_sent_twice_continues_once() {
 
     // A decision list of the wrong length is refused, naming the rule; nothing ran.
     let wait = format!("/langgraph/threads/{thread}/runs/wait");
-    let (status, error) = app
-        .post(&wait, &json!({"assistant_id": ASSISTANT, "command": {"resume": {"decisions": []}}}))
-        .await;
+    let (status, error) =
+        app.post(&wait, &json!({"assistant_id": ASSISTANT, "command": {"resume": {"decisions": []}}})).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
     assert!(error["error"]["message"].as_str().unwrap().contains("1 expected"), "{error}");
 
@@ -191,10 +202,11 @@ async fn a_resume_sent_twice_continues_once() {
     assert_eq!(once, twice);
     assert_eq!(app.instance("pay-prod-2").await["restartCount"], 1);
     // Another decision under the key derived from the run and the interrupt is refused.
-    let (status, error) = app
-        .post(&wait, &json!({"assistant_id": ASSISTANT, "command": {"resume": "reject"}}))
-        .await;
-    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::UNPROCESSABLE_ENTITY, Some("IDEMPOTENCY_KEY_REUSED")));
+    let (status, error) = app.post(&wait, &json!({"assistant_id": ASSISTANT, "command": {"resume": "reject"}})).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("IDEMPOTENCY_KEY_REUSED"))
+    );
     let (_, got) = app.get(&format!("/langgraph/threads/{thread}/runs/{run}")).await;
     assert_eq!(got["status"], "success");
     let (_, listed) = app.get(&format!("/langgraph/threads/{thread}/runs")).await;
@@ -205,7 +217,9 @@ async fn a_resume_sent_twice_continues_once() {
 async fn a_resume_under_the_requests_idempotency_key() {
     let app = TestApp::spawn().await;
     let thread = thread(&app).await;
-    let first = stream(&app, &thread, json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": "updates"})).await;
+    let first =
+        stream(&app, &thread, json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": "updates"}))
+            .await;
     let _ = interrupt_of(&first);
     let body = json!({"assistant_id": ASSISTANT, "command": {"resume": {"decisions": [
         {"type": "edit", "edited_action": {"name": "restart_instance", "args": {"instanceId": "pay-prod-2"}}}]}}});
@@ -227,19 +241,28 @@ async fn a_resume_under_the_requests_idempotency_key() {
 async fn a_join_with_last_event_id_has_no_gap_and_no_duplicate() {
     let app = TestApp::spawn().await;
     let thread = thread(&app).await;
-    let (status, run) =
-        app.post(&format!("/langgraph/threads/{thread}/runs"), &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let (status, run) = app
+        .post(
+            &format!("/langgraph/threads/{thread}/runs"),
+            &json!({"assistant_id": ASSISTANT, "input": restart_input()}),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{run}");
     let run = run["run_id"].as_str().unwrap().to_owned();
     let whole = join(&app, &thread, &run, Some("0")).await;
     assert_eq!(whole.first().unwrap().0, "metadata");
     assert_eq!(whole.last().unwrap().0, "end");
     assert!(whole.iter().any(|p| p.0 == "messages"), "token chunks");
-    let without_metadata = |ps: &[Part]| ps.iter().filter(|p| p.0 != "metadata").map(|p| (p.0.clone(), p.1.clone())).collect::<Vec<_>>();
+    let without_metadata =
+        |ps: &[Part]| ps.iter().filter(|p| p.0 != "metadata").map(|p| (p.0.clone(), p.1.clone())).collect::<Vec<_>>();
     // Cut after every part with an id (`end` has none; an SSE parser carries the previous one to
     // it): what follows it is exactly the rest.
-    let ids: Vec<(usize, String)> =
-        whole.iter().enumerate().filter(|(_, p)| p.0 != "end").filter_map(|(n, p)| p.2.clone().map(|id| (n, id))).collect();
+    let ids: Vec<(usize, String)> = whole
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.0 != "end")
+        .filter_map(|(n, p)| p.2.clone().map(|id| (n, id)))
+        .collect();
     assert!(ids.len() > 5, "{ids:?}");
     for (n, id) in ids {
         let tail = join(&app, &thread, &run, Some(&id)).await;
@@ -267,7 +290,8 @@ async fn multitask_interrupt_cancels_the_active_run_in_both_apis() {
     // Keel's own API.
     let (conversation, run, _) = app.interrupted_run().await;
     let messages = format!("/v1/conversations/{conversation}/messages");
-    let (status, error) = app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "enqueue"})).await;
+    let (status, error) =
+        app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "enqueue"})).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
     assert!(error["error"]["message"].as_str().unwrap().contains("enqueue"));
     let (status, error) = app.post(&messages, &json!({"content": "list the services"})).await;
