@@ -703,10 +703,6 @@ async fn resume(
     Ok(Started { conversation, run_id: run.id, after: (accepted.resumed_sequence - 1).max(0) })
 }
 
-fn thread_id_of(thread: &str) -> String {
-    thread.to_owned()
-}
-
 fn with_location(mut response: Response, thread: &str, run: &RunId) -> Response {
     if let Ok(v) = HeaderValue::from_str(&format!("/threads/{thread}/runs/{run}")) {
         response.headers_mut().insert("content-location", v);
@@ -725,7 +721,7 @@ async fn create_run(
     let req = read_run_request(&body)?;
     let started = start(&state, &caller, &thread, &body, &req, &headers).await?;
     let run = state.engine.run(&caller.0, &started.run_id).await?;
-    let mut out = super::run_object(&run, &thread_id_of(&thread), state.engine.agents().default_id());
+    let mut out = super::run_object(&run, &thread, state.engine.agents().default_id());
     out["multitask_strategy"] = json!(req.strategy);
     Ok(with_location(Json(out).into_response(), &thread, &run.id))
 }
@@ -881,7 +877,12 @@ async fn join_run(
     State(state): State<AppState>,
     caller: Caller,
     Path((thread, run)): Path<(String, String)>,
+    params: Params,
 ) -> ApiResult<Response> {
+    check_params(&params, &["cancel_on_disconnect"])?;
+    if params.flag("cancel_on_disconnect")? {
+        return Err(refuse("cancel_on_disconnect: not supported on a join (set on_disconnect when the run starts)"));
+    }
     let (c, run) = run_in_thread(&state, &caller, &thread, &run).await?;
     // A run that runs now settles at its next pause or end: read from its last event before the
     // resume that woke it (the events after `after` include the pause or end to wait for).

@@ -143,7 +143,7 @@ async fn unknown_and_unsupported_options_are_named_in_a_422() {
                       "stream_resumable": false, "config": {}, "metadata": {}});
     let (status, run) = app.post(&runs, &body).await;
     assert_eq!(status, StatusCode::OK, "{run}");
-    assert_eq!(run["status"], "pending", "{run}");
+    assert!(["pending", "running"].contains(&run["status"].as_str().unwrap()), "{run}");
     assert_eq!(run["thread_id"], thread.as_str());
 
     let (status, error) = app.post(&runs, &json!({"input": restart_input()})).await;
@@ -321,4 +321,38 @@ async fn multitask_interrupt_cancels_the_active_run_in_both_apis() {
     let (status, values) = app.get(&format!("{runs}/{}/join", second["run_id"].as_str().unwrap())).await;
     assert_eq!(status, StatusCode::OK, "{values}");
     assert_eq!(values["messages"].as_array().unwrap().last().unwrap()["type"], "ai");
+}
+
+#[tokio::test]
+async fn values_and_messages_modes_and_on_disconnect_cancel() {
+    let app = TestApp::spawn().await;
+    let first = thread(&app).await;
+    let body = json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": ["values", "messages"]});
+    let all = stream(&app, &first, body).await;
+    let events: Vec<&str> = all.iter().map(|p| p.0.as_str()).collect();
+    assert_eq!(events[..2], ["metadata", "values"], "{events:?}");
+    assert_eq!(all[1].1["messages"][0]["type"], "human");
+    assert_eq!(all[1].1["messages"][0]["content"], RESTART_PROMPT);
+    assert!(events.contains(&"messages/metadata") && events.contains(&"messages/partial"), "{events:?}");
+    assert!(events.contains(&"messages/complete"), "{events:?}");
+    let last_values = all.iter().rev().find(|p| p.0 == "values").unwrap();
+    assert_eq!(last_values.1["__interrupt__"][0]["value"]["action_requests"][0]["name"], "restart_instance");
+    assert_eq!(last_values.1["facts"]["service"], "payment-api");
+
+    // `on_disconnect: cancel`: the client goes away, the run is cancelled.
+    let other = thread(&app).await;
+    let response = app
+        .client
+        .post(app.url(&format!("/langgraph/threads/{other}/runs/stream")))
+        .header(ACCEPT, "text/event-stream")
+        .json(&json!({"assistant_id": ASSISTANT, "input": restart_input(), "on_disconnect": "cancel"}))
+        .send()
+        .await
+        .unwrap();
+    let mut reader = SseReader::new(response);
+    let Some(SseFrame::Event { data, .. }) = reader.next_frame().await else { panic!("metadata first") };
+    let run = serde_json::from_str::<Value>(&data).unwrap()["run_id"].as_str().unwrap().to_owned();
+    reader.disconnect();
+    let cancelled = app.wait_for_status(&run, "cancelled").await;
+    assert_eq!(cancelled["reason"], "client_disconnected", "{cancelled}");
 }
