@@ -1030,16 +1030,24 @@ async fn feed(
         }
         // A run that waits for a human, or is over, with nothing after `after`: the stream is over
         // (a client that lost the `end` part gets it, instead of waiting for the next stretch).
-        match engine.store().get_run(&run_id).await {
-            Ok(Some(run)) if !matches!(run.status, RunStatus::Queued | RunStatus::Running) && run.last_sequence() <= after => {
+        let store = engine.store();
+        let conversation = match store.get_run(&run_id).await {
+            Ok(Some(run))
+                if !matches!(run.status, RunStatus::Queued | RunStatus::Running) && run.last_sequence() <= after =>
+            {
                 return send(super::frame("end", &Value::Null, None)).await.unwrap_or(End::Finished);
             }
-            Ok(_) => {}
-            Err(e) => {
-                tracing::error!(run_id = %run_id, error = %e, "reading the run for LangGraph failed");
+            Ok(Some(run)) => store.get_conversation(&run.conversation_id).await,
+            Ok(None) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let conversation = match conversation {
+            Ok(Some(c)) => c,
+            Ok(None) | Err(_) => {
+                tracing::error!(run_id = %run_id, "reading the run's conversation for LangGraph failed");
                 return write(&send, mapper.fail("INTERNAL", "internal error"), None, 0).await.unwrap_or(End::Finished);
             }
-        }
+        };
         let events = engine.events(&run_id, after, Until::PauseOrTerminal);
         tokio::pin!(events);
         let shutdown = state.shutdown.wait();
@@ -1058,7 +1066,7 @@ async fn feed(
                         tracing::error!(run_id = %run_id, error = ?e, "reading the run's events for LangGraph failed");
                         (mapper.fail("INTERNAL", "internal error"), None)
                     }
-                    Some(Ok(event)) => match map(&state, &mut mapper, &event).await {
+                    Some(Ok(event)) => match map(&state, &mut mapper, &conversation, &event).await {
                         Ok(parts) => (parts, Some(event.sequence)),
                         Err(e) => {
                             tracing::error!(run_id = %run_id, error = ?e, "reading a snapshot for LangGraph failed");
@@ -1134,21 +1142,21 @@ async fn catch_up(state: &AppState, mapper: &mut StreamMapper, run_id: &RunId, u
     Ok(())
 }
 
-async fn map(state: &AppState, mapper: &mut StreamMapper, event: &Event) -> ApiResult<Vec<(&'static str, Value)>> {
-    let run = state.engine.store().get_run(&event.run_id).await?.ok_or(EngineError::NotFound("run"))?;
+async fn map(
+    state: &AppState,
+    mapper: &mut StreamMapper,
+    conversation: &Conversation,
+    event: &Event,
+) -> ApiResult<Vec<(&'static str, Value)>> {
     let store = state.engine.store();
     let snapshot = if super::needs_snapshot(event, mapper.modes()) {
-        Some(snapshot(state, &run.conversation_id).await?)
+        Some(snapshot(state, &conversation.id).await?)
     } else {
         None
     };
     let interrupt = match &event.kind {
         EventKind::Interrupt { interrupt_id, .. } => match store.get_interrupt(interrupt_id).await? {
-            Some(i) => {
-                let c =
-                    store.get_conversation(&run.conversation_id).await?.ok_or(EngineError::NotFound("conversation"))?;
-                Some(interrupt_value(state, &c, &i))
-            }
+            Some(i) => Some(interrupt_value(state, conversation, &i)),
             None => None,
         },
         _ => None,

@@ -356,3 +356,23 @@ async fn values_and_messages_modes_and_on_disconnect_cancel() {
     let cancelled = app.wait_for_status(&run, "cancelled").await;
     assert_eq!(cancelled["reason"], "client_disconnected", "{cancelled}");
 }
+
+#[tokio::test]
+async fn a_server_without_keys_ignores_the_sdk_key_header() {
+    // The SDKs send whatever key the environment holds (LANGSMITH_API_KEY…) as `x-api-key`.
+    let server = keel_server::ServerConfig {
+        auth: keel_server::auth::AuthMode::SingleUser("demo".into()),
+        ..keel_server::ServerConfig::default()
+    };
+    let app = TestApp::with(Options { server, ..Options::default() }).await;
+    let response = reqwest::Client::new()
+        .post(app.url("/langgraph/assistants/search"))
+        .header("x-api-key", "lsv2_not_a_keel_key")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = to_json(response).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body[0]["assistant_id"], ASSISTANT);
+}
