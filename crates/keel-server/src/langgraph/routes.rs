@@ -1155,10 +1155,9 @@ async fn map(
         None
     };
     let interrupt = match &event.kind {
-        EventKind::Interrupt { interrupt_id, .. } => match store.get_interrupt(interrupt_id).await? {
-            Some(i) => Some(interrupt_value(state, conversation, &i)),
-            None => None,
-        },
+        EventKind::Interrupt { interrupt_id, .. } => {
+            store.get_interrupt(interrupt_id).await?.map(|i| interrupt_value(state, conversation, &i))
+        }
         _ => None,
     };
     Ok(mapper.map(event, Lookup { snapshot: snapshot.as_ref(), interrupt }))

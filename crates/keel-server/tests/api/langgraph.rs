@@ -302,6 +302,7 @@ async fn multitask_interrupt_cancels_the_active_run_in_both_apis() {
     assert_ne!(accepted["runId"], run.as_str());
     let old = app.run(&run).await;
     assert_eq!(old["status"], "cancelled", "{old}");
+    assert_eq!(old["reason"], "interrupted_by_new_message", "{old}");
     assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
 
     // LangGraph's: the interrupted run reads `interrupted`, with its reason.
@@ -317,7 +318,7 @@ async fn multitask_interrupt_cancels_the_active_run_in_both_apis() {
     assert_eq!(second["multitask_strategy"], "interrupt");
     let (_, old) = app.get(&format!("{runs}/{first}")).await;
     assert_eq!(old["status"], "interrupted");
-    assert!(old["cancel_reason"].is_string(), "{old}");
+    assert_eq!(old["cancel_reason"], "interrupted_by_new_message", "{old}");
     let (status, values) = app.get(&format!("{runs}/{}/join", second["run_id"].as_str().unwrap())).await;
     assert_eq!(status, StatusCode::OK, "{values}");
     assert_eq!(values["messages"].as_array().unwrap().last().unwrap()["type"], "ai");
