@@ -377,3 +377,26 @@ async fn a_server_without_keys_ignores_the_sdk_key_header() {
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body[0]["assistant_id"], ASSISTANT);
 }
+
+#[tokio::test]
+async fn multitask_interrupt_stops_a_running_run_at_its_next_checkpoint() {
+    // Slow words: the first run is still streaming when the second message comes.
+    let app = TestApp::with(Options { demo_delay: std::time::Duration::from_millis(40), ..Options::default() }).await;
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let (_, first) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let first = first["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_run(&first, "streaming", |r| r["status"] == "running" && r["lastSequence"].as_i64() > Some(4)).await;
+    let ask = json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "list the services"}]},
+                     "multitask_strategy": "interrupt"});
+    let (status, second) = app.post(&runs, &ask).await;
+    assert_eq!(status, StatusCode::OK, "{second}");
+    let old = app.run(&first).await;
+    assert_eq!(old["status"], "cancelled", "{old}");
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+    let (status, values) = app.get(&format!("{runs}/{}/join", second["run_id"].as_str().unwrap())).await;
+    assert_eq!(status, StatusCode::OK, "{values}");
+    let (_, listed) = app.get(&runs).await;
+    let statuses: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["success", "interrupted"], "{listed}");
+}
