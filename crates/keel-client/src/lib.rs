@@ -256,7 +256,7 @@ impl KeelClient {
         conversation_id: &ConversationId,
         content: &str,
     ) -> Result<SentMessage, ClientError> {
-        let body = PostMessage { content: content.to_owned(), cancel_on_disconnect: false };
+        let body = PostMessage { content: content.to_owned(), cancel_on_disconnect: false, multitask_strategy: None };
         let req = self.request(Method::POST, &format!("/v1/conversations/{conversation_id}/messages")).json(&body);
         send_json(req, "send_message").await
     }

@@ -38,6 +38,11 @@ pub struct PostMessage {
     /// Cancel the run when the client streaming it goes away.
     #[serde(default)]
     pub cancel_on_disconnect: bool,
+    /// While the conversation has a run that is not over: `reject` (409 `RUN_ACTIVE`, the
+    /// default) or `interrupt` (that run is cancelled, keeping what it did, and this message's run
+    /// starts once it has ended). `enqueue` and `rollback` are refused (422).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multitask_strategy: Option<String>,
 }
 
 /// `POST /v1/runs/{id}/resume`. Loosely typed on purpose: the server validates each field itself so

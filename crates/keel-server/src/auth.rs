@@ -193,7 +193,16 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
 pub async fn authenticate(State(state): State<AppState>, mut request: Request, next: Next) -> Response {
     // Owned copies: the request (its body is not `Sync`) must not be borrowed across an await.
     let credentials = Credentials {
-        authorization: request.headers().get(AUTHORIZATION).map(|v| v.to_str().map(str::to_owned).ok()),
+        // LangGraph's SDKs send the key as `x-api-key`: the same key, another header. Only a server
+        // with keys reads it: the SDKs send whatever key the environment holds (LANGSMITH_API_KEY…),
+        // which a server without keys must not refuse them for.
+        authorization: match (request.headers().get(AUTHORIZATION), &state.config.auth) {
+            (Some(v), _) => Some(v.to_str().map(str::to_owned).ok()),
+            (None, AuthMode::Keys) => {
+                request.headers().get("x-api-key").map(|v| v.to_str().ok().map(|k| format!("Bearer {k}")))
+            }
+            (None, _) => None,
+        },
         ticket: query_param(request.uri().query(), "ticket").map(str::to_owned),
         route: ticket_route(request.extensions().get::<MatchedPath>().map(MatchedPath::as_str), request.uri().path()),
     };

@@ -155,6 +155,10 @@ pub const ERROR_CODES: &[&str] = &[
     "UPGRADE_REQUIRED",
     "HOST_NOT_ALLOWED",
     "INTERNAL",
+    // LangGraph Server's API (docs/langgraph.md).
+    "UNSUPPORTED_OPTION",
+    "THREAD_EXISTS",
+    "ASSISTANT_NOT_FOUND",
 ];
 
 #[cfg(test)]

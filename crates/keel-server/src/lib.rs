@@ -8,6 +8,7 @@ pub mod error;
 pub mod extract;
 pub mod host;
 pub mod json_error;
+pub mod langgraph;
 pub mod limits;
 pub mod metrics;
 pub mod openapi;
@@ -48,9 +49,21 @@ pub fn router(state: AppState, extra: OpenApiRouter<AppState>) -> Router {
     // `route_layer`: only matched routes authenticate, so an unknown path is a plain 404.
     let v1 = v1.route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate));
     let (api, mut spec) = public.merge(v1).split_for_parts();
+    // LangGraph Server's API, for its SDKs (docs/langgraph.md): not in Keel's OpenAPI spec, which
+    // describes Keel's own API.
+    let langgraph = langgraph::routes::router()
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth::authenticate));
+    let api = api.nest("/langgraph", langgraph);
     openapi::finish(&mut spec);
     let _ = state.spec.set(openapi::to_json(&spec));
-    let templates = RouteTemplates::new(spec.paths.paths.keys().map(String::as_str).chain(page::PATHS.iter().copied()));
+    let templates = RouteTemplates::new(
+        spec.paths
+            .paths
+            .keys()
+            .map(String::as_str)
+            .chain(page::PATHS.iter().copied())
+            .chain(langgraph::routes::TEMPLATES.iter().copied()),
+    );
     api
         .merge(page::routes())
         .fallback(routes::not_found)

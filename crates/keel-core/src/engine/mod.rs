@@ -96,6 +96,33 @@ pub struct SendMessage {
     pub cancel_on_disconnect: bool,
 }
 
+/// What a new message does when its conversation has a run that is not over (LangGraph's
+/// `multitask_strategy`): `reject` it (`RunActive`, the default), or `interrupt` the active run —
+/// cancel it at its next checkpoint, keeping what it did, and start the new one once it has ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MultitaskStrategy {
+    #[default]
+    Reject,
+    Interrupt,
+}
+
+impl MultitaskStrategy {
+    /// The strategies LangGraph names that Keel does not run yet (they need a durable queue of
+    /// messages, and a way to remove a run's events): a request naming one is refused by name.
+    pub const UNSUPPORTED: &'static [&'static str] = &["enqueue", "rollback"];
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "reject" => Some(Self::Reject),
+            "interrupt" => Some(Self::Interrupt),
+            _ => None,
+        }
+    }
+}
+
+/// How long `interrupt` waits for the active run to end (a tool call in flight finishes first).
+const INTERRUPT_WAIT: Duration = Duration::from_secs(60);
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -423,6 +450,47 @@ impl Engine {
             None => tracing::debug!(run_id = %started.run.id, "at capacity; the run waits, queued"),
         }
         Ok(started)
+    }
+
+    /// [`Engine::send_message`] with a strategy for a conversation whose run is not over. With
+    /// `Interrupt`, the active run is cancelled (reason `interrupted_by_new_message`) and the new
+    /// one starts once it has ended; a run that does not end within a minute leaves `RunActive`.
+    pub async fn send_message_with(
+        &self,
+        user_id: &str,
+        conversation_id: &ConversationId,
+        message: SendMessage,
+        strategy: MultitaskStrategy,
+    ) -> EngineResult<StartedRun> {
+        // Another message may start a run between the cancel and the start: a few tries.
+        for _ in 0..3 {
+            let active = match self.send_message(user_id, conversation_id, message.clone()).await {
+                Err(EngineError::RunActive(active)) if strategy == MultitaskStrategy::Interrupt => active,
+                other => return other,
+            };
+            self.interrupt_run(&active).await?;
+        }
+        self.send_message(user_id, conversation_id, message).await
+    }
+
+    /// Cancels `run_id` for a new message and waits until it has ended.
+    async fn interrupt_run(&self, run_id: &RunId) -> EngineResult<()> {
+        let run = self.inner.cancel(run_id, "interrupted_by_new_message").await?;
+        if run.status.is_terminal() {
+            return Ok(());
+        }
+        let events = self.events(run_id, run.last_sequence(), Until::Terminal);
+        let drained = async {
+            let mut events = std::pin::pin!(events);
+            while let Some(e) = events.next().await {
+                e?;
+            }
+            Ok::<_, StoreError>(())
+        };
+        match tokio::time::timeout(INTERRUPT_WAIT, drained).await {
+            Ok(done) => Ok(done?),
+            Err(_) => Err(EngineError::RunActive(run_id.clone())),
+        }
     }
 
     // ---------------------------------------------------------------- runs

@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use keel_core::engine::{ConversationView, SendMessage};
+use keel_core::engine::{ConversationView, MultitaskStrategy, SendMessage};
 use keel_core::stream::Until;
 use keel_core::wire::{CreateConversation, MessageAccepted, PostMessage};
 use keel_core::{Conversation, ConversationId};
@@ -98,8 +98,8 @@ pub async fn get(
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
         (status = 404, description = "`CONVERSATION_NOT_FOUND`", body = ErrorBody),
-        (status = 409, description = "`RUN_ACTIVE`: the conversation has a run that is not over", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED`", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`: the conversation has a run that is not over (and `multitaskStrategy` is not `interrupt`)", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED` (also: `multitaskStrategy` `enqueue` or `rollback`, not supported yet)", body = ErrorBody),
     )
 )]
 pub async fn post_message(
@@ -111,10 +111,11 @@ pub async fn post_message(
     ApiJson(body): ApiJson<PostMessage>,
 ) -> ApiResult<Response> {
     let wait = params.flag("wait")?;
+    let strategy = multitask_strategy(body.multitask_strategy.as_deref())?;
     let message = SendMessage { content: body.content, cancel_on_disconnect: body.cancel_on_disconnect };
     // A stream's slot is taken before the run starts, so a refused stream starts nothing.
     let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
-    let started = state.engine.send_message(&caller.0, &id, message).await?;
+    let started = state.engine.send_message_with(&caller.0, &id, message, strategy).await?;
     let run_id = started.run.id;
     if let Some(permit) = permit {
         return Ok(sse::stream_run(&state, permit, run_id, 0, Until::PauseOrTerminal));
@@ -123,4 +124,18 @@ pub async fn post_message(
         return Ok(Json(super::settle_turn(&state, &caller, &run_id, 0).await?).into_response());
     }
     Ok((StatusCode::ACCEPTED, Json(MessageAccepted { message_id: started.message.id, run_id })).into_response())
+}
+
+/// `multitaskStrategy`: absent is `reject`; LangGraph's `enqueue` and `rollback` are refused by name.
+pub(crate) fn multitask_strategy(raw: Option<&str>) -> Result<MultitaskStrategy, crate::error::ApiError> {
+    let Some(raw) = raw else { return Ok(MultitaskStrategy::Reject) };
+    if let Some(strategy) = MultitaskStrategy::parse(raw) {
+        return Ok(strategy);
+    }
+    if MultitaskStrategy::UNSUPPORTED.contains(&raw) {
+        return Err(crate::error::ApiError::validation(format!(
+            "multitaskStrategy: {raw} is not supported yet (reject or interrupt)"
+        )));
+    }
+    Err(crate::error::ApiError::validation("multitaskStrategy: must be reject or interrupt"))
 }

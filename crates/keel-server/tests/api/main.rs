@@ -8,6 +8,7 @@ mod docs;
 mod errors;
 mod history;
 mod hitl;
+mod langgraph;
 mod metrics;
 mod security;
 mod streams;

@@ -1,0 +1,402 @@
+//! LangGraph Server's API under `/langgraph` (docs/langgraph.md), over HTTP against the real
+//! server: the SDK's key header and per-user isolation, the error shapes (unknown and unsupported
+//! options named in a 422), a resume sent twice that continues once, and a join with
+//! `Last-Event-ID` that has no gap and no duplicate. The real SDKs run in CI (e2e/langgraph/).
+
+use keel_client::sse::SseFrame;
+use reqwest::header::ACCEPT;
+use reqwest::StatusCode;
+use serde_json::{json, Value};
+
+use crate::common::*;
+
+const ASSISTANT: &str = "opspilot";
+
+fn restart_input() -> Value {
+    json!({"messages": [{"role": "user", "content": RESTART_PROMPT}]})
+}
+
+/// A LangGraph stream part: `(event, data, id)`.
+type Part = (String, Value, Option<String>);
+
+async fn parts(response: reqwest::Response) -> Vec<Part> {
+    let mut reader = SseReader::new(response);
+    reader.assert_sse();
+    let mut out = Vec::new();
+    while let Some(frame) = reader.next_frame().await {
+        if let SseFrame::Event { id, event, data } = frame {
+            out.push((event.expect("an event name"), serde_json::from_str(&data).expect("JSON data"), id));
+        }
+    }
+    out
+}
+
+async fn stream(app: &TestApp, thread: &str, body: Value) -> Vec<Part> {
+    let response = app
+        .client
+        .post(app.url(&format!("/langgraph/threads/{thread}/runs/stream")))
+        .header(ACCEPT, "text/event-stream")
+        .json(&body)
+        .send()
+        .await
+        .expect("POST runs/stream");
+    parts(response).await
+}
+
+async fn join(app: &TestApp, thread: &str, run: &str, last_event_id: Option<&str>) -> Vec<Part> {
+    let mut request =
+        app.client.get(app.url(&format!(
+            "/langgraph/threads/{thread}/runs/{run}/stream?stream_mode=updates&stream_mode=messages-tuple"
+        )));
+    if let Some(id) = last_event_id {
+        request = request.header("last-event-id", id);
+    }
+    parts(request.send().await.expect("GET runs/{id}/stream")).await
+}
+
+async fn thread(app: &TestApp) -> String {
+    let (status, body) = app.post("/langgraph/threads", &json!({})).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    body["thread_id"].as_str().expect("thread_id").to_owned()
+}
+
+fn interrupt_of(parts: &[Part]) -> Value {
+    parts
+        .iter()
+        .find_map(|(event, data, _)| (event == "updates").then(|| data.get("__interrupt__")).flatten())
+        .unwrap_or_else(|| panic!("no __interrupt__ in {:?}", parts.iter().map(|p| &p.0).collect::<Vec<_>>()))[0]
+        .clone()
+}
+
+#[tokio::test]
+async fn the_sdk_key_header_authenticates_and_threads_are_the_callers() {
+    let app = TestApp::spawn().await;
+    let plain = reqwest::Client::new();
+    let url = app.url("/langgraph/assistants/search");
+    let anonymous = plain.post(&url).json(&json!({})).send().await.unwrap();
+    assert_eq!(anonymous.status(), StatusCode::UNAUTHORIZED);
+    let key = app.bearer("alice").trim_start_matches("Bearer ").to_owned();
+    let (status, body) =
+        to_json(plain.post(&url).header("x-api-key", &key).json(&json!({})).send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body[0]["assistant_id"], ASSISTANT);
+    assert_eq!(body[0]["graph_id"], ASSISTANT);
+    let wrong = plain.post(&url).header("x-api-key", "keel_nope").json(&json!({})).send().await.unwrap();
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+
+    // alice's thread (a client-chosen id) is not bob's, under the same id or Keel's.
+    let threads = app.url("/langgraph/threads");
+    let created = plain
+        .post(&threads)
+        .header("x-api-key", &key)
+        .json(&json!({"thread_id": "6f1c2c1e-0000-4000-8000-000000000001", "metadata": {"team": "a"}}))
+        .send()
+        .await
+        .unwrap();
+    let (status, thread) = to_json(created).await;
+    assert_eq!(status, StatusCode::OK, "{thread}");
+    assert_eq!(thread["thread_id"], "6f1c2c1e-0000-4000-8000-000000000001");
+    assert_eq!(thread["metadata"]["team"], "a");
+    let (status, _) = app.get_as("bob", "/langgraph/threads/6f1c2c1e-0000-4000-8000-000000000001").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, again) =
+        app.post_as("alice", "/langgraph/threads", &json!({"thread_id": "6f1c2c1e-0000-4000-8000-000000000001"})).await;
+    assert_eq!((status, again["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("THREAD_EXISTS")));
+    let (status, same) = app
+        .post_as(
+            "alice",
+            "/langgraph/threads",
+            &json!({"thread_id": "6f1c2c1e-0000-4000-8000-000000000001", "if_exists": "do_nothing"}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{same}");
+    let (_, found) = app.post_as("bob", "/langgraph/threads/search", &json!({"metadata": {"team": "a"}})).await;
+    assert_eq!(found, json!([]));
+}
+
+#[tokio::test]
+async fn unknown_and_unsupported_options_are_named_in_a_422() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let cases = [
+        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "webhook": "https://example.com"}), "webhook"),
+        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "surprise": 1}), "surprise (unknown)"),
+        (
+            json!({"assistant_id": ASSISTANT, "input": restart_input(), "interrupt_before": ["tools"]}),
+            "interrupt_before",
+        ),
+        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": "events"}), "events"),
+        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": "enqueue"}), "enqueue"),
+        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": "rollback"}), "rollback"),
+        (json!({"assistant_id": ASSISTANT, "input": {"messages": [], "todo": 1}}), "input.todo"),
+        (json!({"assistant_id": ASSISTANT, "command": {"goto": "tools"}}), "command.goto"),
+    ];
+    for (body, named) in cases {
+        let (status, error) = app.post(&runs, &body).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {error}");
+        assert_eq!(error["error"]["code"], "UNSUPPORTED_OPTION", "{error}");
+        assert!(error["error"]["message"].as_str().unwrap().contains(named), "{named}: {error}");
+    }
+    // The defaults the SDKs always send are accepted.
+    let body = json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_subgraphs": false,
+                      "stream_resumable": false, "config": {}, "metadata": {}});
+    let (status, run) = app.post(&runs, &body).await;
+    assert_eq!(status, StatusCode::OK, "{run}");
+    assert!(["pending", "running"].contains(&run["status"].as_str().unwrap()), "{run}");
+    assert_eq!(run["thread_id"], thread.as_str());
+
+    let (status, error) = app.post(&runs, &json!({"input": restart_input()})).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("VALIDATION_FAILED"))
+    );
+    let (status, error) = app.post(&runs, &json!({"assistant_id": "nobody", "input": restart_input()})).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("ASSISTANT_NOT_FOUND")));
+    let (status, error) = app
+        .post(
+            "/langgraph/threads/conv_00000000000000000000000000000000/runs",
+            &json!({"assistant_id": ASSISTANT, "input": restart_input()}),
+        )
+        .await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("CONVERSATION_NOT_FOUND")));
+    // reject (the default) on a busy thread: Keel's RUN_ACTIVE.
+    let (status, error) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("RUN_ACTIVE")));
+}
+
+#[tokio::test]
+async fn a_resume_sent_twice_continues_once() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let first =
+        stream(&app, &thread, json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": ["updates"]}))
+            .await;
+    assert_eq!(first[0].0, "metadata");
+    assert_eq!(first.last().unwrap().0, "end");
+    let interrupt = interrupt_of(&first);
+    assert_eq!(interrupt["value"]["action_requests"][0]["args"], json!({"instanceId": "pay-prod-2"}));
+    assert!(interrupt["value"]["review_configs"][0]["args_schema"].is_object(), "{interrupt}");
+    let run = first[0].1["run_id"].as_str().unwrap().to_owned();
+
+    // The thread's state shows it, with its id.
+    let (_, state) = app.get(&format!("/langgraph/threads/{thread}/state")).await;
+    assert_eq!(state["next"], json!(["approval"]));
+    assert_eq!(state["interrupts"][0]["id"], interrupt["id"]);
+
+    // A decision list of the wrong length is refused, naming the rule; nothing ran.
+    let wait = format!("/langgraph/threads/{thread}/runs/wait");
+    let (status, error) =
+        app.post(&wait, &json!({"assistant_id": ASSISTANT, "command": {"resume": {"decisions": []}}})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
+    assert!(error["error"]["message"].as_str().unwrap().contains("1 expected"), "{error}");
+
+    // The resume, keyed by the interrupt's id, twice: one restart, the same values.
+    let id = interrupt["id"].as_str().unwrap();
+    let resume = json!({"assistant_id": ASSISTANT, "command": {"resume": {id: {"decisions": [{"type": "approve"}]}}}});
+    let (status, once) = app.post(&wait, &resume).await;
+    assert_eq!(status, StatusCode::OK, "{once}");
+    assert!(once.get("__interrupt__").is_none(), "{once}");
+    let (status, twice) = app.post(&wait, &resume).await;
+    assert_eq!(status, StatusCode::OK, "{twice}");
+    assert_eq!(once, twice);
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 1);
+    // Another decision under the key derived from the run and the interrupt is refused.
+    let (status, error) = app.post(&wait, &json!({"assistant_id": ASSISTANT, "command": {"resume": "reject"}})).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("IDEMPOTENCY_KEY_REUSED"))
+    );
+    let (_, got) = app.get(&format!("/langgraph/threads/{thread}/runs/{run}")).await;
+    assert_eq!(got["status"], "success");
+    let (_, listed) = app.get(&format!("/langgraph/threads/{thread}/runs")).await;
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn a_resume_under_the_requests_idempotency_key() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let first =
+        stream(&app, &thread, json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": "updates"}))
+            .await;
+    let _ = interrupt_of(&first);
+    let body = json!({"assistant_id": ASSISTANT, "command": {"resume": {"decisions": [
+        {"type": "edit", "edited_action": {"name": "restart_instance", "args": {"instanceId": "pay-prod-2"}}}]}}});
+    let send = || {
+        app.client
+            .post(app.url(&format!("/langgraph/threads/{thread}/runs/wait")))
+            .header("idempotency-key", "edit-once")
+            .json(&body)
+            .send()
+    };
+    let (status, once) = to_json(send().await.unwrap()).await;
+    assert_eq!(status, StatusCode::OK, "{once}");
+    let (status, twice) = to_json(send().await.unwrap()).await;
+    assert_eq!((status, &once), (StatusCode::OK, &twice));
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 1);
+}
+
+#[tokio::test]
+async fn a_join_with_last_event_id_has_no_gap_and_no_duplicate() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let (status, run) = app
+        .post(
+            &format!("/langgraph/threads/{thread}/runs"),
+            &json!({"assistant_id": ASSISTANT, "input": restart_input()}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{run}");
+    let run = run["run_id"].as_str().unwrap().to_owned();
+    let whole = join(&app, &thread, &run, Some("0")).await;
+    assert_eq!(whole.first().unwrap().0, "metadata");
+    assert_eq!(whole.last().unwrap().0, "end");
+    assert!(whole.iter().any(|p| p.0 == "messages"), "token chunks");
+    let without_metadata =
+        |ps: &[Part]| ps.iter().filter(|p| p.0 != "metadata").map(|p| (p.0.clone(), p.1.clone())).collect::<Vec<_>>();
+    // Cut after every part with an id (`end` has none; an SSE parser carries the previous one to
+    // it): what follows it is exactly the rest.
+    let ids: Vec<(usize, String)> = whole
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.0 != "end")
+        .filter_map(|(n, p)| p.2.clone().map(|id| (n, id)))
+        .collect();
+    assert!(ids.len() > 5, "{ids:?}");
+    for (n, id) in ids {
+        let tail = join(&app, &thread, &run, Some(&id)).await;
+        assert_eq!(without_metadata(&tail), without_metadata(&whole[n + 1..]), "after id {id}");
+    }
+    // After the last part: the run waits for a human, the stream is over at once.
+    let last = &whole[whole.len() - 2].2.clone().unwrap();
+    let rest = join(&app, &thread, &run, Some(last)).await;
+    assert_eq!(rest.iter().map(|p| p.0.as_str()).collect::<Vec<_>>(), ["metadata", "end"]);
+    let (status, error) = to_json(
+        app.client
+            .get(app.url(&format!("/langgraph/threads/{thread}/runs/{run}/stream")))
+            .header("last-event-id", "99999")
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::BAD_REQUEST, Some("CURSOR_OUT_OF_RANGE")));
+}
+
+#[tokio::test]
+async fn multitask_interrupt_cancels_the_active_run_in_both_apis() {
+    let app = TestApp::spawn().await;
+    // Keel's own API.
+    let (conversation, run, _) = app.interrupted_run().await;
+    let messages = format!("/v1/conversations/{conversation}/messages");
+    let (status, error) =
+        app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "enqueue"})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
+    assert!(error["error"]["message"].as_str().unwrap().contains("enqueue"));
+    let (status, error) = app.post(&messages, &json!({"content": "list the services"})).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("RUN_ACTIVE")));
+    let (status, accepted) =
+        app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "interrupt"})).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{accepted}");
+    assert_ne!(accepted["runId"], run.as_str());
+    let old = app.run(&run).await;
+    assert_eq!(old["status"], "cancelled", "{old}");
+    assert_eq!(old["reason"], "interrupted_by_new_message", "{old}");
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+
+    // LangGraph's: the interrupted run reads `interrupted`, with its reason.
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let (_, first) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let first = first["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&first, "interrupted").await;
+    let ask = json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "list the services"}]},
+                     "multitask_strategy": "interrupt"});
+    let (status, second) = app.post(&runs, &ask).await;
+    assert_eq!(status, StatusCode::OK, "{second}");
+    assert_eq!(second["multitask_strategy"], "interrupt");
+    let (_, old) = app.get(&format!("{runs}/{first}")).await;
+    assert_eq!(old["status"], "interrupted");
+    assert_eq!(old["cancel_reason"], "interrupted_by_new_message", "{old}");
+    let (status, values) = app.get(&format!("{runs}/{}/join", second["run_id"].as_str().unwrap())).await;
+    assert_eq!(status, StatusCode::OK, "{values}");
+    assert_eq!(values["messages"].as_array().unwrap().last().unwrap()["type"], "ai");
+}
+
+#[tokio::test]
+async fn values_and_messages_modes_and_on_disconnect_cancel() {
+    let app = TestApp::spawn().await;
+    let first = thread(&app).await;
+    let body = json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": ["values", "messages"]});
+    let all = stream(&app, &first, body).await;
+    let events: Vec<&str> = all.iter().map(|p| p.0.as_str()).collect();
+    assert_eq!(events[..2], ["metadata", "values"], "{events:?}");
+    assert_eq!(all[1].1["messages"][0]["type"], "human");
+    assert_eq!(all[1].1["messages"][0]["content"], RESTART_PROMPT);
+    assert!(events.contains(&"messages/metadata") && events.contains(&"messages/partial"), "{events:?}");
+    assert!(events.contains(&"messages/complete"), "{events:?}");
+    let last_values = all.iter().rev().find(|p| p.0 == "values").unwrap();
+    assert_eq!(last_values.1["__interrupt__"][0]["value"]["action_requests"][0]["name"], "restart_instance");
+    assert_eq!(last_values.1["facts"]["service"], "payment-api");
+
+    // `on_disconnect: cancel`: the client goes away, the run is cancelled.
+    let other = thread(&app).await;
+    let response = app
+        .client
+        .post(app.url(&format!("/langgraph/threads/{other}/runs/stream")))
+        .header(ACCEPT, "text/event-stream")
+        .json(&json!({"assistant_id": ASSISTANT, "input": restart_input(), "on_disconnect": "cancel"}))
+        .send()
+        .await
+        .unwrap();
+    let mut reader = SseReader::new(response);
+    let Some(SseFrame::Event { data, .. }) = reader.next_frame().await else { panic!("metadata first") };
+    let run = serde_json::from_str::<Value>(&data).unwrap()["run_id"].as_str().unwrap().to_owned();
+    reader.disconnect();
+    let cancelled = app.wait_for_status(&run, "cancelled").await;
+    assert_eq!(cancelled["reason"], "client_disconnected", "{cancelled}");
+}
+
+#[tokio::test]
+async fn a_server_without_keys_ignores_the_sdk_key_header() {
+    // The SDKs send whatever key the environment holds (LANGSMITH_API_KEY…) as `x-api-key`.
+    let server = keel_server::ServerConfig {
+        auth: keel_server::auth::AuthMode::SingleUser("demo".into()),
+        ..keel_server::ServerConfig::default()
+    };
+    let app = TestApp::with(Options { server, ..Options::default() }).await;
+    let response = reqwest::Client::new()
+        .post(app.url("/langgraph/assistants/search"))
+        .header("x-api-key", "lsv2_not_a_keel_key")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    let (status, body) = to_json(response).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body[0]["assistant_id"], ASSISTANT);
+}
+
+#[tokio::test]
+async fn multitask_interrupt_stops_a_running_run_at_its_next_checkpoint() {
+    // Slow words: the first run is still streaming when the second message comes.
+    let app = TestApp::with(Options { demo_delay: std::time::Duration::from_millis(40), ..Options::default() }).await;
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let (_, first) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let first = first["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_run(&first, "streaming", |r| r["status"] == "running" && r["lastSequence"].as_i64() > Some(4)).await;
+    let ask = json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "list the services"}]},
+                     "multitask_strategy": "interrupt"});
+    let (status, second) = app.post(&runs, &ask).await;
+    assert_eq!(status, StatusCode::OK, "{second}");
+    let old = app.run(&first).await;
+    assert_eq!(old["status"], "cancelled", "{old}");
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+    let (status, values) = app.get(&format!("{runs}/{}/join", second["run_id"].as_str().unwrap())).await;
+    assert_eq!(status, StatusCode::OK, "{values}");
+    let (_, listed) = app.get(&runs).await;
+    let statuses: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["status"].as_str().unwrap()).collect();
+    assert_eq!(statuses, ["success", "interrupted"], "{listed}");
+}

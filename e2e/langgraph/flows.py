@@ -1,0 +1,197 @@
+"""The real langgraph-sdk (PyPI, pinned in run.sh) against a live `keel demo` under /langgraph.
+
+Each step asserts what the SDK got back; any exception or failed assertion fails CI.
+Usage: python flows.py http://127.0.0.1:PORT
+"""
+
+import asyncio
+import json
+import sys
+import urllib.request
+
+from langgraph_sdk import get_client
+from langgraph_sdk.errors import ConflictError, UnprocessableEntityError
+from langgraph_sdk.schema import Command
+
+RESTART = "Restart the abnormal instance of payment-api"
+
+
+def step(label):
+    print(f"-- {label}", flush=True)
+
+
+def http(base, method, path, body=None):
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(base + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        raw = r.read()
+        return json.loads(raw) if raw else None
+
+
+def restart_count(base, instance):
+    return next(i for i in http(base, "GET", "/v1/demo/instances") if i["id"] == instance)["restartCount"]
+
+
+async def collect(parts):
+    out = []
+    async for p in parts:
+        out.append(p)
+    return out
+
+
+def check_envelope(parts):
+    events = [p.event for p in parts]
+    assert events[0] == "metadata", events[:3]
+    assert events[-1] == "end", events[-3:]
+    assert "run_id" in parts[0].data
+
+
+async def main(base):
+    client = get_client(url=base + "/langgraph")
+    http(base, "POST", "/v1/demo/reset")
+
+    step("assistants: search, get, graph, schemas")
+    assistants = await client.assistants.search()
+    assert [a["assistant_id"] for a in assistants] == ["opspilot"], assistants
+    aid = assistants[0]["assistant_id"]
+    assert (await client.assistants.get(aid))["graph_id"] == aid
+    graph = await client.assistants.get_graph(aid)
+    assert {n["id"] for n in graph["nodes"]} >= {"model", "tools", "approval"}, graph
+    schemas = await client.assistants.get_schemas(aid)
+    assert schemas["graph_id"] == aid and "messages" in schemas["input_schema"]["properties"]
+
+    step("threads: create, get, search")
+    thread = await client.threads.create(metadata={"team": "ops-e2e"})
+    tid = thread["thread_id"]
+    assert thread["status"] == "idle" and thread["metadata"]["team"] == "ops-e2e"
+    assert (await client.threads.get(tid))["thread_id"] == tid
+    found = await client.threads.search(metadata={"team": "ops-e2e"})
+    assert [t["thread_id"] for t in found] == [tid], found
+
+    step("stream a run in updates + messages-tuple until the restart interrupt")
+    parts = await collect(
+        client.runs.stream(
+            tid, aid, input={"messages": [{"role": "user", "content": RESTART}]}, stream_mode=["updates", "messages-tuple"]
+        )
+    )
+    check_envelope(parts)
+    run_id = parts[0].data["run_id"]
+    assert any(p.event == "messages" and p.data[0]["type"] == "AIMessageChunk" for p in parts), "no token chunks"
+    interrupts = [p.data["__interrupt__"] for p in parts if p.event == "updates" and "__interrupt__" in p.data]
+    assert len(interrupts) == 1, [p.event for p in parts]
+    interrupt = interrupts[0][0]
+    value = interrupt["value"]
+    assert value["action_requests"][0]["name"] == "restart_instance", value
+    assert value["action_requests"][0]["args"] == {"instanceId": "pay-prod-2"}, value
+    assert "approve" in value["review_configs"][0]["allowed_decisions"], value
+    assert interrupt["id"].startswith("int_")
+
+    step("the thread's state names the interrupt")
+    state = await client.threads.get_state(tid)
+    assert state["next"] == ["approval"], state["next"]
+    assert [i["id"] for i in state["interrupts"]] == [interrupt["id"]], state["interrupts"]
+    assert state["tasks"][0]["interrupts"][0]["id"] == interrupt["id"]
+    assert (await client.threads.get(tid))["status"] == "interrupted"
+
+    step("resume with Command(resume=...) and stream to the end")
+    resume = Command(resume={"decisions": [{"type": "approve"}]})
+    first = await collect(client.runs.stream(tid, aid, command=resume, stream_mode="updates"))
+    check_envelope(first)
+    assert first[0].data["run_id"] == run_id
+    tool_results = [
+        m for p in first if p.event == "updates" for node in p.data.values() if isinstance(node, dict)
+        for m in node.get("messages", []) if m["type"] == "tool"
+    ]
+    assert tool_results, [p.data for p in first]
+    assert restart_count(base, "pay-prod-2") == 1
+
+    step("the same resume again restarts nothing twice")
+    again = await collect(client.runs.stream(tid, aid, command=resume, stream_mode="updates"))
+    check_envelope(again)
+    assert [p.data for p in again[1:]] == [p.data for p in first[1:]], "a retried resume streams the same run"
+    assert restart_count(base, "pay-prod-2") == 1
+    state = await client.threads.get_state(tid)
+    assert state["next"] == [] and state["interrupts"] == []
+    assert (await client.runs.get(tid, run_id))["status"] == "success"
+
+    step("join a running run after a cut with Last-Event-ID: no gap, no duplicate")
+    http(base, "POST", "/v1/demo/reset")
+    busy = await client.threads.create()
+    btid = busy["thread_id"]
+    run = await client.runs.create(btid, aid, input={"messages": [{"role": "user", "content": RESTART}]})
+    assert run["status"] in ("pending", "running"), run
+    head, last_id = [], None
+    async for p in client.runs.join_stream(btid, run["run_id"], stream_mode=["updates", "messages-tuple"]):
+        head.append(p)
+        if p.id is not None:
+            last_id = p.id
+        if len(head) >= 6 and p.id is not None:
+            break  # the cut
+    assert last_id is not None, [p.event for p in head]
+    tail = await collect(
+        client.runs.join_stream(btid, run["run_id"], stream_mode=["updates", "messages-tuple"], last_event_id=last_id)
+    )
+    whole = await collect(
+        client.runs.join_stream(btid, run["run_id"], stream_mode=["updates", "messages-tuple"], last_event_id="0")
+    )
+    strip = lambda ps: [(p.event, p.data) for p in ps if p.event != "metadata"]
+    assert strip(head) + strip(tail) == strip(whole), "the joined stream has a gap or a duplicate"
+    assert whole[-1].event == "end"
+
+    step("multitask strategies on a busy thread (a run waiting for approval)")
+    ask = {"messages": [{"role": "user", "content": "list the services"}]}
+    try:
+        await client.runs.create(btid, aid, input=ask, multitask_strategy="reject")
+        raise AssertionError("reject: a second run started")
+    except ConflictError as e:
+        assert e.response.json()["error"]["code"] == "RUN_ACTIVE"
+    for strategy in ("enqueue", "rollback"):
+        try:
+            await client.runs.create(btid, aid, input=ask, multitask_strategy=strategy)
+            raise AssertionError(f"{strategy}: accepted")
+        except UnprocessableEntityError as e:
+            assert strategy in e.response.json()["error"]["message"]
+    second = await client.runs.create(btid, aid, input=ask, multitask_strategy="interrupt")
+    assert second["run_id"] != run["run_id"]
+    old = await client.runs.get(btid, run["run_id"])
+    assert old["status"] == "interrupted" and old.get("cancel_reason"), old
+    assert restart_count(base, "pay-prod-2") == 0, "the interrupted run's restart never ran"
+    values = await client.runs.join(btid, second["run_id"])
+    assert values["messages"][-1]["type"] == "ai", values["messages"][-1]
+    runs = await client.runs.list(btid)
+    assert {r["run_id"] for r in runs} == {run["run_id"], second["run_id"]}, runs
+
+    step("runs.wait answers with the thread's values")
+    waited_thread = await client.threads.create()
+    values = await client.runs.wait(
+        waited_thread["thread_id"], aid, input={"messages": [{"role": "user", "content": RESTART}]}
+    )
+    assert values["__interrupt__"][0]["value"]["action_requests"][0]["name"] == "restart_instance", values
+
+    step("cancel the waiting run")
+    wrun = (await client.runs.list(waited_thread["thread_id"]))[0]
+    await client.runs.cancel(waited_thread["thread_id"], wrun["run_id"], wait=True)
+    cancelled = await client.runs.get(waited_thread["thread_id"], wrun["run_id"])
+    assert cancelled["status"] == "interrupted" and cancelled["cancel_reason"], cancelled
+    assert (await client.threads.get(waited_thread["thread_id"]))["status"] == "idle"
+
+    step("an unsupported option is a 422 that names it")
+    try:
+        await client.runs.create(btid, aid, input=ask, webhook="https://example.com/hook")
+        raise AssertionError("webhook accepted")
+    except UnprocessableEntityError as e:
+        assert "webhook" in e.response.json()["error"]["message"]
+
+    step("threads: delete")
+    await client.threads.delete(waited_thread["thread_id"])
+    try:
+        await client.threads.get(waited_thread["thread_id"])
+        raise AssertionError("a deleted thread is still there")
+    except Exception as e:  # NotFoundError
+        assert getattr(e, "response", None) is not None and e.response.status_code == 404
+
+    print("langgraph-sdk flows: ok")
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
