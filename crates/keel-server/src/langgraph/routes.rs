@@ -102,7 +102,7 @@ fn page(body: &Map<String, Value>) -> ApiResult<(usize, usize)> {
 
 // ------------------------------------------------------------------ assistants
 
-fn agent_or_404<'a>(state: &'a AppState, id: &str) -> ApiResult<&'a std::sync::Arc<keel_core::agent::Agent>> {
+fn agent_or_404(state: &AppState, id: &str) -> ApiResult<std::sync::Arc<keel_core::agent::Agent>> {
     state.engine.agents().get(id).ok_or_else(ApiError::not_found)
 }
 
@@ -125,6 +125,7 @@ async fn search_assistants(
     let list: Vec<Value> = state
         .engine
         .agents()
+        .all()
         .iter()
         .filter(|a| graph.is_none_or(|g| a.id == g))
         .filter(|a| name.as_deref().is_none_or(|n| a.name.to_lowercase().contains(n)))
@@ -137,7 +138,7 @@ async fn search_assistants(
 
 async fn get_assistant(State(state): State<AppState>, Path(id): Path<String>) -> ApiResult<Response> {
     let agent = agent_or_404(&state, &id)?;
-    Ok(Json(super::assistant(agent, &created(&state))).into_response())
+    Ok(Json(super::assistant(&agent, &created(&state))).into_response())
 }
 
 /// The agent loop's nodes and edges, as LangGraph draws a graph.
@@ -229,7 +230,7 @@ async fn snapshot(state: &AppState, id: &ConversationId) -> ApiResult<Snapshot> 
 }
 
 fn interrupt_value(state: &AppState, conversation: &Conversation, i: &Interrupt) -> Value {
-    let agent = state.engine.agent_of(conversation).cloned();
+    let agent = state.engine.agent_of(conversation);
     let schema_of = move |tool: &str| -> Option<Value> {
         agent.as_ref().and_then(|a| a.tools.get(tool)).map(|t| t.spec().parameters.clone())
     };
@@ -609,7 +610,7 @@ async fn start(
             Some(_) => return Err(ApiError::validation("if_not_exists: must be create or reject")),
         },
     };
-    if engine.agent_of(&conversation).map(|a| a.id.as_str()) != Some(req.assistant.as_str()) {
+    if engine.agent_of(&conversation).map(|a| a.id.clone()).as_deref() != Some(req.assistant.as_str()) {
         return Err(ApiError::validation("assistant_id: the thread's conversation talks to another assistant"));
     }
     let input = body.get("input").filter(|v| !v.is_null());
