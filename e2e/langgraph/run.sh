@@ -10,12 +10,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/keel-target}"
 SDK_VERSION=0.4.14
-VENV="${KEEL_LANGGRAPH_VENV:-/var/tmp/keel-langgraph-venv-$SDK_VERSION}"
+# The SDK and its dependencies, pinned in requirements.txt; the venv is named by its hash.
+VENV="${KEEL_LANGGRAPH_VENV:-/var/tmp/keel-langgraph-venv-$(sha256sum e2e/langgraph/requirements.txt | cut -c1-12)}"
 
 echo "== langgraph-sdk $SDK_VERSION (pip, in $VENV)"
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import langgraph_sdk' 2>/dev/null; then
   python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --disable-pip-version-check "langgraph-sdk==$SDK_VERSION"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -r e2e/langgraph/requirements.txt
 fi
 
 echo "== npm ci (e2e/langgraph/)"
