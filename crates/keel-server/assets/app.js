@@ -9,6 +9,7 @@ const ui = {
   form: $('composer'), input: $('input'), send: $('send'), stop: $('stop'), graph: $('graph'),
   caption: $('graph-caption'), facts: $('facts'), newConv: $('new-conv'), scrim: $('scrim'),
   sidebar: $('sidebar'), inspector: $('inspector'), agentTag: $('conv-agent'), brandAgent: $('brand-agent'),
+  demoTools: $('demo-tools'), resetDemo: $('reset-demo'), resetStatus: $('reset-status'),
   toggles: { sidebar: $('toggle-sidebar'), inspector: $('toggle-inspector') },
 };
 const LEAVE = 'leaving this conversation';
@@ -999,6 +1000,30 @@ ui.stop.addEventListener('click', async () => {
   }
 });
 ui.newConv.addEventListener('click', () => { history.pushState(null, '', location.pathname); showDraft(); ui.input.focus(); });
+
+// ------------------------------------------------------------------ the demo's reset
+
+// A server that routes `POST /v1/demo/reset` (`keel demo`; its served OpenAPI spec says so) gets a
+// control for it: after a walk-through or an approved restart, the seeded data comes back without
+// a terminal. Conversations and runs stay. Any other server shows nothing.
+async function offerDemoReset() {
+  const spec = await api('GET', '/v1/openapi.json').catch(() => null);
+  ui.demoTools.hidden = !spec?.paths?.['/v1/demo/reset']?.post;
+}
+
+ui.resetDemo.addEventListener('click', async () => {
+  ui.resetDemo.disabled = true;
+  ui.resetStatus.textContent = 'Resetting…';
+  try {
+    await api('POST', '/v1/demo/reset');
+    ui.resetStatus.textContent = 'The demo is back as it was seeded.';
+  } catch (e) {
+    ui.resetStatus.textContent = `Could not reset the demo: ${e.message}`;
+  } finally {
+    ui.resetDemo.disabled = false;
+  }
+});
+offerDemoReset();
 
 function route() {
   const id = decodeURIComponent(location.hash.slice(1));

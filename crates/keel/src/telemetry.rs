@@ -45,8 +45,10 @@ pub fn init(format: LogFormat, otlp: Option<&OtlpEndpoint>) -> anyhow::Result<Te
     for directive in keel_server::QUIET_LOG_TARGETS {
         filter = filter.add_directive(directive.parse().context("a built-in log directive")?);
     }
-    // Colours only for a terminal: a file or a pipe gets plain text.
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // Colours only for a terminal, and not there either when NO_COLOR is set (no-color.org: any
+    // non-empty value): a file or a pipe gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi);
     let logs = match format {
         LogFormat::Json => logs.json().boxed(),

@@ -523,3 +523,38 @@ fn a_server_with_configured_agents_starts() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// Logs carry colour codes on a terminal only, and not even there when `NO_COLOR` is set: a file,
+/// a pipe or the journal gets plain text. The terminal is a pseudo-terminal from util-linux's
+/// `script`; each server is stopped by `timeout`'s SIGTERM after its start-up lines.
+#[cfg(target_os = "linux")]
+#[test]
+fn logs_have_colour_codes_only_on_a_terminal_without_no_color() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = |terminal: bool, no_color: bool| -> String {
+        let data = dir.path().join(format!("data-{terminal}-{no_color}"));
+        let serve = format!("{KEEL} serve --listen 127.0.0.1:0 --data-dir {}", data.display());
+        let mut cmd = Command::new("timeout");
+        if terminal {
+            cmd.args(["3", "script", "-qec", &serve, "/dev/null"]);
+        } else {
+            cmd.args(["3", "sh", "-c", &serve]);
+        }
+        for (key, _) in std::env::vars() {
+            if key.starts_with("KEEL_") {
+                cmd.env_remove(key);
+            }
+        }
+        cmd.current_dir(dir.path()).env("RUST_LOG", "info").env_remove("NO_COLOR");
+        if no_color {
+            cmd.env("NO_COLOR", "1");
+        }
+        let output = cmd.output().unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).into_owned() + &String::from_utf8_lossy(&output.stderr);
+        assert!(text.contains("serving"), "the start-up log line: {text}");
+        text
+    };
+    assert!(!logs(false, false).contains('\x1b'), "a pipe gets no colour codes");
+    assert!(!logs(true, true).contains('\x1b'), "NO_COLOR: no colour codes on a terminal either");
+    assert!(logs(true, false).contains('\x1b'), "a terminal without NO_COLOR gets colours");
+}
