@@ -89,6 +89,37 @@ fn check_params(params: &Params, supported: &[&str]) -> ApiResult<()> {
     }
 }
 
+const ASSISTANT_SORT_KEYS: &[&str] = &["assistant_id", "graph_id", "name", "created_at", "updated_at"];
+
+/// The fields a `select` names (a list of strings, or one string of names separated by commas);
+/// `None` for all of them.
+fn selected(select: Option<&Value>) -> ApiResult<Option<Vec<String>>> {
+    match select {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(a)) if a.is_empty() => Ok(None),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned).ok_or_else(|| ApiError::validation("select: must list field names")))
+            .collect::<ApiResult<Vec<_>>>()
+            .map(Some),
+        Some(Value::String(s)) => {
+            Ok(Some(s.split(',').map(|f| f.trim().to_owned()).filter(|f| !f.is_empty()).collect()))
+        }
+        Some(_) => Err(ApiError::validation("select: must list field names")),
+    }
+}
+
+/// `object` with only the `select`ed fields (all of them without a `select`).
+fn only_fields(object: Value, select: &Option<Vec<String>>) -> Value {
+    match (object, select) {
+        (Value::Object(mut map), Some(fields)) => {
+            map.retain(|k, _| fields.iter().any(|f| f == k));
+            Value::Object(map)
+        }
+        (object, _) => object,
+    }
+}
+
 fn page(body: &Map<String, Value>) -> ApiResult<(usize, usize)> {
     let number = |key: &str, default: usize| match body.get(key) {
         None | Some(Value::Null) => Ok(default),
@@ -122,17 +153,37 @@ async fn search_assistants(
     let graph = body.get("graph_id").and_then(Value::as_str);
     let name = body.get("name").and_then(Value::as_str).map(str::to_lowercase);
     let created = created(&state);
-    let list: Vec<Value> = state
+    let sort_by = match body.get("sort_by") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if ASSISTANT_SORT_KEYS.contains(&s.as_str()) => Some(s.as_str()),
+        Some(_) => {
+            return Err(ApiError::validation(format!("sort_by: must be one of {}", ASSISTANT_SORT_KEYS.join(", "))))
+        }
+    };
+    let descending = match body.get("sort_order") {
+        None | Some(Value::Null) => false,
+        Some(Value::String(s)) if s == "asc" => false,
+        Some(Value::String(s)) if s == "desc" => true,
+        Some(_) => return Err(ApiError::validation("sort_order: must be asc or desc")),
+    };
+    let select = selected(body.get("select"))?;
+    let mut list: Vec<Value> = state
         .engine
         .agents()
         .all()
         .iter()
         .filter(|a| graph.is_none_or(|g| a.id == g))
         .filter(|a| name.as_deref().is_none_or(|n| a.name.to_lowercase().contains(n)))
-        .skip(offset)
-        .take(limit)
         .map(|a| super::assistant(a, &created))
         .collect();
+    if let Some(key) = sort_by {
+        // Every value sorted on is a string; the sort is stable, so ties keep the configured order.
+        list.sort_by(|a, b| a[key].as_str().cmp(&b[key].as_str()));
+    }
+    if descending {
+        list.reverse();
+    }
+    let list: Vec<Value> = list.into_iter().skip(offset).take(limit).map(|a| only_fields(a, &select)).collect();
     Ok(Json(list).into_response())
 }
 
@@ -213,12 +264,13 @@ async fn thread_or_404(state: &AppState, caller: &Caller, thread: &str) -> ApiRe
 }
 
 /// The conversation's newest run.
-async fn latest_run(state: &AppState, caller: &Caller, id: &ConversationId) -> ApiResult<Option<keel_core::Run>> {
+async fn latest_run(state: &AppState, id: &ConversationId) -> ApiResult<Option<keel_core::Run>> {
     let store = state.engine.store();
     if let Some(run) = store.active_run(id).await? {
         return Ok(Some(run));
     }
-    Ok(store.list_runs(&caller.0, None, 100).await?.into_iter().find(|r| &r.conversation_id == id))
+    // The conversation's own runs: the newest is the last.
+    Ok(store.list_conversation_runs(id).await?.pop())
 }
 
 async fn snapshot(state: &AppState, id: &ConversationId) -> ApiResult<Snapshot> {
@@ -249,7 +301,7 @@ async fn metadata(state: &AppState, caller: &Caller, conversation: &Conversation
 }
 
 async fn thread_object(state: &AppState, caller: &Caller, thread_id: &str, c: &Conversation) -> ApiResult<Value> {
-    let latest = latest_run(state, caller, &c.id).await?;
+    let latest = latest_run(state, &c.id).await?;
     let snapshot = snapshot(state, &c.id).await?;
     let mut interrupts = Map::new();
     if let Some(run) = latest.as_ref().filter(|r| r.status == RunStatus::Interrupted) {
@@ -399,7 +451,7 @@ async fn search_threads(
 /// The thread's state: `values`, `next` (the node a paused run waits in), `tasks` (with the
 /// interrupt), `interrupts` with their ids, a checkpoint naming the newest run and its last event.
 async fn state_object(state: &AppState, caller: &Caller, thread_id: &str, c: &Conversation) -> ApiResult<Value> {
-    let latest = latest_run(state, caller, &c.id).await?;
+    let latest = latest_run(state, &c.id).await?;
     let snapshot = snapshot(state, &c.id).await?;
     let mut interrupts = Vec::new();
     let mut tasks = Vec::new();
@@ -686,7 +738,7 @@ async fn resume(
         let i = store.get_interrupt(&id).await?.ok_or(EngineError::NotFound("interrupt"))?;
         (i, value)
     } else {
-        let run = latest_run(state, caller, &conversation.id).await?.ok_or(EngineError::RunNotInterrupted)?;
+        let run = latest_run(state, &conversation.id).await?.ok_or(EngineError::RunNotInterrupted)?;
         let i = store.list_interrupts(&run.id).await?.pop().ok_or(EngineError::RunNotInterrupted)?;
         (i, value)
     };
@@ -813,18 +865,20 @@ async fn list_runs(
     let limit = params.0.get("limit").and_then(|l| l.parse::<usize>().ok()).unwrap_or(10);
     let offset = params.0.get("offset").and_then(|l| l.parse::<usize>().ok()).unwrap_or(0);
     let status = params.0.get("status").cloned();
+    let select = selected(params.0.get("select").map(|s| Value::String(s.clone())).as_ref())?;
     let default = state.engine.agents().default_id().to_owned();
     let runs: Vec<Value> = state
         .engine
         .store()
-        .list_runs(&caller.0, None, 100)
+        .list_conversation_runs(&c.id)
         .await?
         .into_iter()
-        .filter(|r| r.conversation_id == c.id)
+        .rev()
         .map(|r| super::run_object(&r, &thread, &default))
         .filter(|r| status.as_deref().is_none_or(|s| r["status"] == s))
         .skip(offset)
         .take(limit)
+        .map(|r| only_fields(r, &select))
         .collect();
     Ok(Json(runs).into_response())
 }

@@ -400,3 +400,38 @@ async fn multitask_interrupt_stops_a_running_run_at_its_next_checkpoint() {
     let statuses: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["status"].as_str().unwrap()).collect();
     assert_eq!(statuses, ["success", "interrupted"], "{listed}");
 }
+
+#[tokio::test]
+async fn searches_and_lists_sort_and_select_or_refuse_what_they_cannot() {
+    let app = TestApp::spawn().await;
+    let (status, body) = app
+        .post(
+            "/langgraph/assistants/search",
+            &json!({"sort_by": "name", "sort_order": "desc", "select": ["assistant_id"]}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let list = body.as_array().expect("a list");
+    assert!(!list.is_empty());
+    assert!(list.iter().all(|a| a.as_object().unwrap().keys().eq(["assistant_id"])), "{body}");
+    let (status, body) = app.post("/langgraph/assistants/search", &json!({"sort_by": "metadata"})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("sort_by"), "{body}");
+    let (status, body) = app.post("/langgraph/assistants/search", &json!({"sort_order": "sideways"})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+
+    // A thread's runs, newest first, with only the selected fields.
+    let thread = thread(&app).await;
+    let body =
+        json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "what can you do?"}]}});
+    for _ in 0..2 {
+        let (status, run) = app.post(&format!("/langgraph/threads/{thread}/runs/wait"), &body).await;
+        assert_eq!(status, StatusCode::OK, "{run}");
+    }
+    let (status, runs) = app.get(&format!("/langgraph/threads/{thread}/runs?select=run_id,status")).await;
+    assert_eq!(status, StatusCode::OK, "{runs}");
+    let runs = runs.as_array().expect("a list");
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert!(runs.iter().all(|r| r.as_object().unwrap().len() == 2 && r["status"] == "success"), "{runs:?}");
+    assert!(runs[0]["run_id"].as_str() > runs[1]["run_id"].as_str(), "newest first: {runs:?}");
+}
