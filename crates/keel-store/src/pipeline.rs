@@ -421,10 +421,6 @@ async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fen
     // A paused or finished run has no worker.
     let release = change.is_some_and(|ch| ch.to == RunStatus::Interrupted || ch.to.is_terminal());
     let checkpoint = c.checkpoint.as_ref().map(|cp| T::encode("checkpoint", cp)).transpose()?;
-    // A status move is allowed only from the statuses it may follow.
-    let transition = change.map_or_else(|| "TRUE".to_owned(), |ch| status_is_one_of(&RunStatus::sources_of(ch.to)));
-    const COMMON: &str = "next_sequence = next_sequence + $1, updated_at = $2, status = COALESCE($4, status), \
-         reason = CASE WHEN $4 IS NULL THEN reason ELSE $5 END, checkpoint = COALESCE($6, checkpoint)";
     let worker;
     let mut args = vec![
         Arg::Int(Some(n)),
@@ -435,32 +431,15 @@ async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fen
         Arg::Encoded(checkpoint.as_ref()),
         Arg::Bool(release),
     ];
-    let sql = match &c.fence {
-        Fence::Lease { owner, lease_until } => {
-            args.extend([time(*lease_until), text(owner)]);
-            format!(
-                "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
-                 lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END \
-                 WHERE id = $3 AND lease_owner = $9 AND {ACTIVE} AND {transition}"
-            )
-        }
-        Fence::Acquire { owner, from, lease_until } => {
+    match &c.fence {
+        Fence::Lease { owner, lease_until } => args.extend([time(*lease_until), text(owner)]),
+        Fence::Acquire { owner, lease_until, .. } => {
             worker = lease_holder(owner);
             args.extend([time(*lease_until), text(owner), text(worker)]);
-            format!(
-                "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE $9 END, \
-                 lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END, worker = $10 \
-                 WHERE id = $3 AND {} AND {transition}",
-                status_is_one_of(from)
-            )
         }
-        Fence::Unowned { from } => format!(
-            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
-             lease_expires_at = CASE WHEN $7 THEN NULL ELSE lease_expires_at END \
-             WHERE id = $3 AND {} AND {transition}",
-            status_is_one_of(from)
-        ),
-    };
+        Fence::Unowned { .. } => {}
+    }
+    let sql = fence_sql(T::DIALECT, &c.fence, change.map(|ch| ch.to));
     let refused = |e: DbError| {
         if e.unique {
             // only a move back to an active status can collide with another active run
@@ -470,12 +449,9 @@ async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fen
         }
     };
     let row = match T::DIALECT {
-        Dialect::Postgres => {
-            let sql = format!("{sql} RETURNING conversation_id, next_sequence, cancel_requested");
-            tx.row(&sql, &args, &FENCED).await.map_err(refused)?
-        }
+        Dialect::Postgres => tx.row(sql, &args, &FENCED).await.map_err(refused)?,
         Dialect::Sqlite => {
-            let changed = tx.execute(&T::DIALECT.text(sql), &args).await.map_err(refused)?;
+            let changed = tx.execute(sql, &args).await.map_err(refused)?;
             if changed == 0 {
                 None
             } else {
@@ -496,6 +472,57 @@ async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fen
         first_sequence: next_sequence.int("next_sequence")? - n,
         cancel_requested: cancel_requested.bool("cancel_requested")?,
     })
+}
+
+/// The fence's statement for its shape — the kind of fence, the statuses it takes the run from,
+/// the status it moves the run to — in `dialect`, made once per shape and kept for the process (a
+/// handful of shapes, a few hundred bytes each), so a commit neither formats nor converts it.
+fn fence_sql(dialect: Dialect, fence: &Fence, to: Option<RunStatus>) -> &'static str {
+    type Shapes = std::collections::HashMap<u32, &'static str>;
+    static SHAPES: OnceLock<std::sync::Mutex<Shapes>> = OnceLock::new();
+    let mask = |statuses: &[RunStatus]| -> u32 {
+        statuses.iter().map(|s| 1u32 << RunStatus::ALL.iter().position(|a| a == s).unwrap_or(31)).fold(0, |a, b| a | b)
+    };
+    let (kind, from) = match fence {
+        Fence::Lease { .. } => (0u32, 0),
+        Fence::Acquire { from, .. } => (1, mask(from)),
+        Fence::Unowned { from } => (2, mask(from)),
+    };
+    let to_bits = to.map_or(0, |t| 1 + RunStatus::ALL.iter().position(|a| *a == t).unwrap_or(30) as u32);
+    let key = (dialect as u32) << 28 | kind << 24 | to_bits << 16 | from;
+    let mut shapes = SHAPES.get_or_init(Default::default).lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    shapes.entry(key).or_insert_with(|| Box::leak(make_fence_sql(dialect, fence, to).into_boxed_str()))
+}
+
+fn make_fence_sql(dialect: Dialect, fence: &Fence, to: Option<RunStatus>) -> String {
+    // A status move is allowed only from the statuses it may follow.
+    let transition = to.map_or_else(|| "TRUE".to_owned(), |to| status_is_one_of(&RunStatus::sources_of(to)));
+    const COMMON: &str = "next_sequence = next_sequence + $1, updated_at = $2, status = COALESCE($4, status), \
+         reason = CASE WHEN $4 IS NULL THEN reason ELSE $5 END, checkpoint = COALESCE($6, checkpoint)";
+    let sql = match fence {
+        Fence::Lease { .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END \
+             WHERE id = $3 AND lease_owner = $9 AND {ACTIVE} AND {transition}"
+        ),
+        Fence::Acquire { from, .. } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE $9 END, \
+             lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END, worker = $10 \
+             WHERE id = $3 AND {} AND {transition}",
+            status_is_one_of(from)
+        ),
+        Fence::Unowned { from } => format!(
+            "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
+             lease_expires_at = CASE WHEN $7 THEN NULL ELSE lease_expires_at END \
+             WHERE id = $3 AND {} AND {transition}",
+            status_is_one_of(from)
+        ),
+    };
+    match dialect {
+        // The row comes back with the update: one statement, one round trip.
+        Dialect::Postgres => format!("{sql} RETURNING conversation_id, next_sequence, cancel_requested"),
+        Dialect::Sqlite => dialect.text(sql),
+    }
 }
 
 static READ_FENCE_ROW: Sql = Sql::new("SELECT status, lease_owner FROM runs WHERE id = $1");
@@ -814,6 +841,22 @@ mod tests {
             status_is_one_of(&[RunStatus::Queued, RunStatus::Running]),
             "(status = 'queued' OR status = 'running')"
         );
+    }
+
+    #[test]
+    fn a_fence_shape_is_made_once_per_dialect() {
+        let lease = Fence::Lease { owner: "w".into(), lease_until: chrono::Utc::now() };
+        let a = fence_sql(Dialect::Sqlite, &lease, Some(RunStatus::Completed));
+        assert!(std::ptr::eq(a, fence_sql(Dialect::Sqlite, &lease, Some(RunStatus::Completed))));
+        assert!(!a.contains('$') && a.contains("lease_owner = ?9") && !a.contains("RETURNING"), "{a}");
+        let pg = fence_sql(Dialect::Postgres, &lease, Some(RunStatus::Completed));
+        assert!(pg.contains("lease_owner = $9") && pg.ends_with("cancel_requested"), "{pg}");
+        assert_ne!(a, fence_sql(Dialect::Sqlite, &lease, None));
+        let from_queued = Fence::Unowned { from: vec![RunStatus::Queued] };
+        let from_both = Fence::Unowned { from: vec![RunStatus::Queued, RunStatus::Interrupted] };
+        let one = fence_sql(Dialect::Sqlite, &from_queued, Some(RunStatus::Cancelled));
+        let two = fence_sql(Dialect::Sqlite, &from_both, Some(RunStatus::Cancelled));
+        assert!(!one.contains("'interrupted' AND") && two.contains("status = 'interrupted')"), "{one}\n{two}");
     }
 
     #[test]
