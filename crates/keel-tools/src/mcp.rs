@@ -330,6 +330,9 @@ pub struct McpServer {
     config: McpServerConfig,
     link: Mutex<Link>,
     on_change: Option<OnToolsChanged>,
+    /// Held while the tools are listed again and handed over, so that two listings (a
+    /// notification, a restart) hand over their lists in the order they read them: the newest wins.
+    relisting: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for McpServer {
@@ -376,7 +379,8 @@ impl McpServer {
             Ok(Ok(tools)) => tools,
         };
         let link = Link::Up { session: 0, peer: running.peer().clone(), stop: Some(running.cancellation_token()) };
-        let server = Arc::new(McpServer { link: Mutex::new(link), config, on_change });
+        let server =
+            Arc::new(McpServer { link: Mutex::new(link), config, on_change, relisting: tokio::sync::Mutex::new(()) });
         let _ = handler.started.set(Arc::downgrade(&server));
         let tools = server.select(listed);
         if tools.is_empty() {
@@ -448,6 +452,7 @@ impl McpServer {
     /// Lists the tools again on `peer` and hands what the table selects to `on_change`, if any.
     async fn relist(self: Arc<Self>, peer: Peer<RoleClient>) {
         let Some(on_change) = &self.on_change else { return };
+        let _one_at_a_time = self.relisting.lock().await;
         match tokio::time::timeout(CONNECT_TIMEOUT, peer.list_all_tools()).await {
             Ok(Ok(listed)) => {
                 let tools = self.select(listed);
