@@ -320,6 +320,9 @@ pub trait RunStore: Send + Sync {
     async fn first_held_sequence(&self, run_id: &RunId) -> StoreResult<Option<i64>>;
     /// Every run of the conversation, oldest first (exports).
     async fn list_conversation_runs(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Run>>;
+    /// The conversation's newest runs, newest first (by creation, then id), at most `limit`: a
+    /// bounded read, by the index on the conversation's runs, whatever the conversation's length.
+    async fn newest_conversation_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>>;
 }
 
 /// Which finished runs a retention rule covers: those whose last change (their end) came before

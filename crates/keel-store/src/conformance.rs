@@ -1799,6 +1799,12 @@ pub async fn exports_find_conversations_and_their_runs(store: SharedStore) {
     let second = start(&store, &store.get_conversation(&first.conversation_id).await.unwrap().unwrap(), at(20)).await;
     let runs = store.list_conversation_runs(&first.conversation_id).await.expect("runs");
     assert_eq!(runs.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), [first.id.clone(), second.run.id.clone()]);
+    let newest = store.newest_conversation_runs(&first.conversation_id, 1).await.expect("newest");
+    assert_eq!(newest.len(), 1);
+    assert_eq!(newest[0].id, second.run.id);
+    let newest = store.newest_conversation_runs(&first.conversation_id, 10).await.expect("newest");
+    assert_eq!(newest.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), [second.run.id.clone(), first.id.clone()]);
+    assert!(store.newest_conversation_runs(&bob.id, 10).await.expect("newest").is_empty());
     let all = store.find_conversations(None, None).await.expect("find");
     assert_eq!(all.len(), 2);
     let alice = store.find_conversations(Some("alice"), None).await.expect("find");

@@ -898,6 +898,10 @@ impl RunStore for PostgresStore {
     async fn list_conversation_runs(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Run>> {
         self.conversation_runs(conversation_id).await
     }
+
+    async fn newest_conversation_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>> {
+        self.newest_runs(conversation_id, limit).await
+    }
 }
 
 #[async_trait]

@@ -89,6 +89,9 @@ fn check_params(params: &Params, supported: &[&str]) -> ApiResult<()> {
     }
 }
 
+/// The most runs of a thread `runs.list` looks at (the newest): its pages stay within them.
+const RUNS_LISTED: u32 = 1000;
+
 const ASSISTANT_SORT_KEYS: &[&str] = &["assistant_id", "graph_id", "name", "created_at", "updated_at"];
 
 /// The fields a `select` names (a list of strings, or one string of names separated by commas);
@@ -269,8 +272,7 @@ async fn latest_run(state: &AppState, id: &ConversationId) -> ApiResult<Option<k
     if let Some(run) = store.active_run(id).await? {
         return Ok(Some(run));
     }
-    // The conversation's own runs: the newest is the last.
-    Ok(store.list_conversation_runs(id).await?.pop())
+    Ok(store.newest_conversation_runs(id, 1).await?.pop())
 }
 
 async fn snapshot(state: &AppState, id: &ConversationId) -> ApiResult<Snapshot> {
@@ -870,10 +872,9 @@ async fn list_runs(
     let runs: Vec<Value> = state
         .engine
         .store()
-        .list_conversation_runs(&c.id)
+        .newest_conversation_runs(&c.id, RUNS_LISTED)
         .await?
         .into_iter()
-        .rev()
         .map(|r| super::run_object(&r, &thread, &default))
         .filter(|r| status.as_deref().is_none_or(|s| r["status"] == s))
         .skip(offset)

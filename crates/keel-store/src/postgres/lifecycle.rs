@@ -105,6 +105,17 @@ impl PostgresStore {
         all(&rows, run_from)
     }
 
+    pub(super) async fn newest_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>> {
+        let rows =
+            sqlx::query("SELECT * FROM runs WHERE conversation_id = $1 ORDER BY created_at DESC, id DESC LIMIT $2")
+                .bind(conversation_id.as_str())
+                .bind(i64::from(limit))
+                .fetch_all(self.pool())
+                .await
+                .map_err(db("list a conversation's newest runs"))?;
+        all(&rows, run_from)
+    }
+
     pub(super) async fn conversations_for(
         &self,
         user_id: Option<&str>,

@@ -164,6 +164,21 @@ impl SqliteStore {
             .await
     }
 
+    pub(super) async fn newest_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>> {
+        let id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list a conversation's newest runs",
+                    "SELECT * FROM runs WHERE conversation_id = ? ORDER BY created_at DESC, id DESC LIMIT ?",
+                    params![id.as_str(), limit],
+                    run_from,
+                )
+            })
+            .await
+    }
+
     pub(super) async fn conversations_for(
         &self,
         user_id: Option<&str>,
