@@ -26,26 +26,9 @@ echo "== cargo build -p keel"
 cargo build -q -p keel --locked
 BIN="$CARGO_TARGET_DIR/debug/keel"
 
-DATA=$(mktemp -d "${TMPDIR:-/tmp}/keel-langgraph.XXXXXX")
-LOG="$DATA/keel.log"
-"$BIN" demo --listen 127.0.0.1:0 --data-dir "$DATA/data" --demo-delay-ms 5 >"$LOG" 2>&1 &
-PID=$!
-cleanup() {
-  kill "$PID" 2>/dev/null || true
-  wait "$PID" 2>/dev/null || true
-  rm -rf "$DATA"
-}
-trap cleanup EXIT
-
-# The server prints the address it bound (port 0: any free port), then answers /healthz.
-URL=""
-deadline=$((SECONDS + 60))
-until [ -n "$URL" ] && curl -sf "$URL/healthz" >/dev/null; do
-  URL=$(grep -o 'http://127\.0\.0\.1:[0-9]*' "$LOG" | head -n 1 || true)
-  kill -0 "$PID" 2>/dev/null || { echo "keel demo exited:"; cat "$LOG"; exit 1; }
-  [ "$SECONDS" -lt "$deadline" ] || { echo "keel demo did not come up within 60 s:"; cat "$LOG"; exit 1; }
-  sleep 0.2
-done
+# shellcheck source=e2e/demo.sh
+source e2e/demo.sh
+start_demo langgraph --demo-delay-ms 5
 
 status=0
 echo "== langgraph-sdk (Python): assistants, threads, streams, interrupt and resume, join, multitask, wait, cancel"
