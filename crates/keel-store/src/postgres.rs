@@ -525,20 +525,6 @@ fn all<T>(rows: &[PgRow], from: fn(&PgRow) -> StoreResult<T>) -> StoreResult<Vec
     rows.iter().map(from).collect()
 }
 
-// --- writes shared by several operations, on one transaction
-
-async fn active_run_id<'e, E>(conn: E, conversation_id: &ConversationId) -> StoreResult<Option<RunId>>
-where
-    E: sqlx::Executor<'e, Database = Postgres>,
-{
-    let row = sqlx::query(&format!("SELECT id FROM runs WHERE conversation_id = $1 AND status IN {ACTIVE} LIMIT 1"))
-        .bind(conversation_id.as_str())
-        .fetch_optional(conn)
-        .await
-        .map_err(db("find the active run"))?;
-    row.map(|r| Cols::new(&r, "runs").id("id")).transpose()
-}
-
 /// One commit in a transaction of its own: the answer a commit refused inside a group gets, and the
 /// one the others of that group get when they are written again without it ([`group`]).
 async fn commit_alone(pool: &PgPool, commit: &Commit) -> StoreResult<Committed> {
@@ -566,7 +552,8 @@ impl RunStore for PostgresStore {
             // Another run became active between the check and the insert (the unique index saw
             // it): the transaction is aborted; the winner, read afresh, is the answer.
             tx.rollback().await.map_err(db("start a run"))?;
-            if let Some(active) = active_run_id(&self.pool, &new.conversation_id).await? {
+            let mut conn = self.pool.acquire().await.map_err(db("start a run"))?;
+            if let Some(active) = pipeline::active_run_id(&mut PgTx(&mut conn), &new.conversation_id).await? {
                 return Err(StoreError::RunActive(active));
             }
             // ... unless it is over already: start again.

@@ -24,6 +24,7 @@ use keel_core::agent::Agent;
 use keel_core::context::ContextConfig;
 use keel_core::model::Model;
 use keel_core::store::{RunStore, Store};
+use keel_core::tool::ToolRegistry;
 use keel_models::{DemoModel, OpenAiCompatible};
 use keel_opspilot::{Fleet, FleetSeed, PostgresFleet, SqliteFleet};
 use keel_runtime::{Backend, Builder};
@@ -282,23 +283,26 @@ async fn configured_agents(settings: &Settings) -> anyhow::Result<(Vec<Agent>, V
         let choice = config.model.as_ref().unwrap_or(&settings.model);
         let model = model_of(choice, settings.demo_delay)?;
         let groups = ToolGroups::new(&config.id);
-        for tool in &config.tools {
+        let mut tools = ToolRegistry::new();
+        for (index, tool) in config.tools.iter().enumerate() {
             // Checked when the settings were read; built here for this process (an MCP server is
-            // started, and its tools listed, now). Its group is the next one.
-            let slot = Arc::new(std::sync::OnceLock::<usize>::new());
-            let (watcher, at) = (Arc::downgrade(&groups), slot.clone());
+            // started, and its tools listed, now). Its group is the table's place in the list.
+            let watcher = Arc::downgrade(&groups);
             let on_change: keel_tools::OnToolsChanged = Box::new(move |tools| {
-                if let (Some(groups), Some(&i)) = (watcher.upgrade(), at.get()) {
-                    groups.replace(i, tools);
+                if let Some(groups) = watcher.upgrade() {
+                    groups.replace(index, tools);
                 }
             });
             let built = config::agents::build_tools_watched(&tool.table, &config::process_env, on_change)
                 .await
                 .map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
-            let _ = slot.set(groups.push(built));
-            groups.registry().map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
+            for one in &built {
+                tools
+                    .register(one.clone())
+                    .map_err(|e| anyhow::anyhow!("agent {:?}: tool {:?}: {e}", config.id, tool.name))?;
+            }
+            groups.built(index, built);
         }
-        let tools = groups.registry().map_err(|e| anyhow::anyhow!("agent {:?}: {e}", config.id))?;
         all_groups.push(groups);
         let mut context = context_for(choice, &config.system_prompt);
         if let Some(budget) = config.context.budget_tokens {

@@ -118,6 +118,7 @@ async fn pruning_leaves_active_runs_whole_and_a_pruned_replay_is_gone() {
     let finished_last = last_sequence(&api.run(&finished).await);
     let interrupted_last = last_sequence(&api.run(&interrupted).await);
     assert!(server.terminate().success());
+    // The runs must be older than the retention's 100 ms by the wall clock the keel processes read.
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let policy = ["--retention-events-after", "100ms"];
@@ -188,8 +189,9 @@ async fn a_backup_taken_under_load_restores_to_a_server_whose_runs_continue() {
 
     // Load: runs started and streamed one after another while the backup is taken.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let made = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let load = {
-        let (base, stop) = (server.url(), stop.clone());
+        let (base, stop, made) = (server.url(), stop.clone(), made.clone());
         tokio::spawn(async move {
             let api = Client { base, http: reqwest::Client::new() };
             let mut runs = 0;
@@ -197,11 +199,15 @@ async fn a_backup_taken_under_load_restores_to_a_server_whose_runs_continue() {
                 let conversation = api.conversation().await;
                 api.say(&conversation, "Look at the recent errors of payment-api").await;
                 runs += 1;
+                made.store(runs, std::sync::atomic::Ordering::Relaxed);
             }
             runs
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually("the load to be under way", || async {
+        (made.load(std::sync::atomic::Ordering::Relaxed) >= 1).then_some(())
+    })
+    .await;
     let backup = dir.path().join("keel-backup.db");
     let taken = ok(&run_keel(&["backup", backup.to_str().unwrap()], &data));
     assert!(taken.starts_with("Backed up "), "{taken}");
