@@ -188,6 +188,39 @@ impl Commit {
         self.events.push(kind);
         self
     }
+
+    /// Whether `next` can be written in one transaction with this commit ([`Commit::then`]): the
+    /// same run, and at most one of them moves its status (the fence checks one move).
+    pub fn joins(&self, next: &Commit) -> bool {
+        self.run_id == next.run_id && (self.run.is_none() || next.run.is_none())
+    }
+
+    /// This commit and `next` as one, as if `next` were made right after this one: `next`'s events,
+    /// text, rows and changes follow this one's; `next`'s status move, checkpoint, summary and time
+    /// win where it has them; the fence is this one's (the first commit of a worker takes the
+    /// lease), renewed to `next`'s lease time. Check [`Commit::joins`] first.
+    pub fn then(mut self, next: Commit) -> Commit {
+        debug_assert!(self.joins(&next), "commits that can't be joined");
+        match (&mut self.fence, &next.fence) {
+            (Fence::Lease { lease_until, .. }, Fence::Lease { lease_until: later, .. })
+            | (Fence::Acquire { lease_until, .. }, Fence::Lease { lease_until: later, .. }) => *lease_until = *later,
+            _ => {}
+        }
+        self.now = next.now;
+        self.run = next.run.or(self.run);
+        self.checkpoint = next.checkpoint.or(self.checkpoint);
+        self.text.extend(next.text);
+        self.messages.extend(next.messages);
+        self.discard_messages.extend(next.discard_messages);
+        self.tool_calls.extend(next.tool_calls);
+        self.new_interrupts.extend(next.new_interrupts);
+        self.interrupt_changes.extend(next.interrupt_changes);
+        self.facts.extend(next.facts);
+        self.summary = next.summary.or(self.summary);
+        self.events.extend(next.events);
+        self.idempotency = next.idempotency.or(self.idempotency);
+        self
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -466,4 +499,58 @@ pub trait Store: RunStore + ConversationStore + IdentityStore + BindingStore + '
 /// keel_core::store::prelude::*;`).
 pub mod prelude {
     pub use super::{BindingStore, ConversationStore, IdentityStore, RunStore, Store};
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::domain::{Checkpoint, NextStep};
+
+    fn at(secs: i64) -> Timestamp {
+        chrono::DateTime::from_timestamp(secs, 0).unwrap()
+    }
+
+    #[test]
+    fn a_joined_commit_is_the_first_then_the_second() {
+        let run = RunId::new();
+        let acquire = Fence::Acquire { owner: "w".into(), from: vec![RunStatus::Queued], lease_until: at(10) };
+        let mut first = Commit::new(run.clone(), acquire, at(1))
+            .event(EventKind::NodeStarted { node: "context".into() });
+        first.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        first.checkpoint = Some(Checkpoint::start(1));
+        let mut second = Commit::new(run.clone(), Fence::Lease { owner: "w".into(), lease_until: at(20) }, at(2))
+            .event(EventKind::NodeStarted { node: "model".into() });
+        let mut cp = Checkpoint::start(1);
+        cp.next_step = NextStep::Finalize;
+        second.checkpoint = Some(cp.clone());
+        assert!(first.joins(&second));
+
+        let joined = first.then(second);
+        // the first takes the lease, renewed to the second's time; the second's state wins
+        assert!(matches!(joined.fence, Fence::Acquire { lease_until, .. } if lease_until == at(20)));
+        assert_eq!(joined.now, at(2));
+        assert_eq!(joined.run.as_ref().map(|c| c.to), Some(RunStatus::Running));
+        assert_eq!(joined.checkpoint, Some(cp));
+        let nodes: Vec<_> = joined
+            .events
+            .iter()
+            .map(|e| match e {
+                EventKind::NodeStarted { node } => node.as_str(),
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(nodes, ["context", "model"]);
+    }
+
+    #[test]
+    fn two_status_moves_or_two_runs_do_not_join() {
+        let lease = || Fence::Lease { owner: "w".into(), lease_until: at(10) };
+        let run = RunId::new();
+        let mut a = Commit::new(run.clone(), lease(), at(1));
+        a.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        let mut b = Commit::new(run.clone(), lease(), at(2));
+        b.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+        assert!(!a.joins(&b));
+        assert!(!Commit::new(run, lease(), at(1)).joins(&Commit::new(RunId::new(), lease(), at(2))));
+    }
 }

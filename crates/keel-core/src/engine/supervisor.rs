@@ -134,7 +134,9 @@ impl Inner {
         }
         let inner = self.clone();
         let key = self.next_worker.fetch_add(1, Ordering::Relaxed);
-        let handle = tokio::spawn(async move {
+        // Boxed: the worker's future is large (every step's state), and a task moves its future
+        // by value a few times on the way in unless it is behind a pointer.
+        let handle = tokio::spawn(Box::pin(async move {
             let _slot = slot;
             let Ok(Some(mut run)) = inner.store.get_run(&run_id).await else {
                 tracing::warn!(run_id = %run_id, "run vanished before its worker started");
@@ -156,7 +158,7 @@ impl Inner {
             }
             run.checkpoint.trace_id = Some(trace_id);
             inner.clone().work(run, lease).instrument(span).await;
-        });
+        }));
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         workers.retain(|_, h| !h.is_finished());
         workers.insert(key, handle);
@@ -202,6 +204,9 @@ impl Inner {
             cancel_signal,
             deferred: Vec::new(),
             deferred_text: Vec::new(),
+            held: None,
+            held_acquires: false,
+            planned_calls: None,
         };
         let outcome = match worker.drive().await {
             Ok(Stop::Settled) => "settled",

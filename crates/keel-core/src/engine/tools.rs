@@ -26,7 +26,11 @@ impl Worker {
     pub(super) async fn execute_tools(&mut self) -> Result<bool, WorkerError> {
         let started = Instant::now();
         let pending = self.run.checkpoint.pending_call_ids.clone();
-        let all_calls = self.store().list_tool_calls(&self.run.id).await?;
+        let all_calls = match self.planned_calls.take() {
+            // the model's calls, in the held commit that the first commit below writes
+            Some(planned) => planned,
+            None => self.store().list_tool_calls(&self.run.id).await?,
+        };
         let calls: Vec<ToolCall> =
             pending.iter().filter_map(|id| all_calls.iter().find(|c| &c.id == id).cloned()).collect();
         let role = self.inner.role_of(&self.run.user_id).await?;
@@ -157,7 +161,8 @@ impl Worker {
         cp.next_step = NextStep::CallModel;
         cp.pending_call_ids = Vec::new();
         c.checkpoint = Some(cp);
-        self.commit(c).await?;
+        // Written with the model call's start: only a read of the context comes in between.
+        self.hold(c).await?;
         Ok(true)
     }
 

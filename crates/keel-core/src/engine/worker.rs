@@ -55,6 +55,13 @@ pub(super) struct Worker {
     /// next commit loses only announcements of work that another worker does again.
     pub(super) deferred: Vec<EventKind>,
     pub(super) deferred_text: Vec<TextAppend>,
+    /// A whole commit held back to be written with the worker's next one ([`Worker::hold`]).
+    pub(super) held: Option<Commit>,
+    /// The held commit takes the lease: a refusal means another worker has the run, not an error.
+    pub(super) held_acquires: bool,
+    /// The tool calls a held model commit inserts, for the tools step that follows (it can't read
+    /// them back from the store before they are written).
+    pub(super) planned_calls: Option<Vec<ToolCall>>,
 }
 
 impl Worker {
@@ -79,11 +86,63 @@ impl Worker {
         commit
     }
 
-    /// Commits, publishes, and keeps the worker's view of the run current.
+    /// Keeps `commit` to be written with the worker's next commit, in one transaction, and makes
+    /// the worker's view of the run what it will be once written.
+    ///
+    /// Only for a commit whose next one follows with no wait on anything outside — no model call,
+    /// no tool call, no sleep — in between, only reads: the worker's first commit (a read of the
+    /// context comes next), a model call's end (the tools step's first commit, or the run's end,
+    /// comes next), and the tools step's end (a read of the context, then the model call's
+    /// start). Until then nothing of it is announced, and a crash loses only work the
+    /// next worker does again from the same checkpoint: it costs no more than the reads in between,
+    /// and saves a transaction, and its WAL pages and flush, per step. A commit held already is
+    /// joined with this one (or, if both move the run's status, written first).
+    pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
+        let commit = match self.held.take() {
+            Some(held) if held.joins(&commit) => held.then(commit),
+            Some(held) => {
+                self.commit_now(held).await?;
+                commit
+            }
+            None => commit,
+        };
+        if let Some(cp) = &commit.checkpoint {
+            self.run.checkpoint = cp.clone();
+        }
+        if let Some(change) = &commit.run {
+            self.run.status = change.to;
+        }
+        self.held_acquires = matches!(commit.fence, Fence::Acquire { .. });
+        self.held = Some(commit);
+        Ok(())
+    }
+
+    /// Writes the held commit, if there is one, on its own: before a wait.
+    pub(super) async fn flush_held(&mut self) -> Result<(), StoreError> {
+        match self.held.take() {
+            Some(held) => self.commit_now(held).await.map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// Commits (with the held commit, if any, in front: one transaction when they can be joined),
+    /// publishes, and keeps the worker's view of the run current.
+    pub(super) async fn commit(&mut self, commit: Commit) -> Result<Committed, StoreError> {
+        let commit = match self.held.take() {
+            Some(held) if held.joins(&commit) => held.then(commit),
+            Some(held) => {
+                self.commit_now(held).await?;
+                commit
+            }
+            None => commit,
+        };
+        self.commit_now(commit).await
+    }
+
     /// Commits, waiting out an overloaded store: a write it refused as `Overloaded` was not
     /// written at all, so the same commit is sent again after a pause (doubling, up to
     /// [`OVERLOAD_PATIENCE`] in all) instead of failing the run.
-    pub(super) async fn commit(&mut self, commit: Commit) -> Result<Committed, StoreError> {
+    async fn commit_now(&mut self, commit: Commit) -> Result<Committed, StoreError> {
         let checkpoint = commit.checkpoint.clone();
         let status = commit.run.as_ref().map(|c| c.to);
         let started = Instant::now();
@@ -99,6 +158,7 @@ impl Worker {
             }
         };
         self.inner.committed(self.run.created_at, &committed.events);
+        self.held_acquires = false;
         if let Some(cp) = checkpoint {
             self.run.checkpoint = cp;
         }
@@ -129,11 +189,9 @@ impl Worker {
             cp.next_step = NextStep::CallModel;
             first.checkpoint = Some(cp);
         }
-        match self.commit(first).await {
-            Ok(_) => {}
-            Err(StoreError::Conflict(_)) => return Ok(Stop::NotOurs),
-            Err(e) => return Err(e.into()),
-        }
+        // Written with the next commit: what comes first is a read of the context (or of the
+        // step's tool calls), and a refusal of the lease is seen there.
+        self.hold(first).await?;
         if self.agent_missing {
             return Err(WorkerError::UnknownAgent);
         }
@@ -143,6 +201,7 @@ impl Worker {
                 return Ok(Stop::Settled);
             }
             if self.inner.shutting_down.load(Ordering::SeqCst) {
+                self.flush_held().await?;
                 return Ok(Stop::Shutdown);
             }
             let step = self.run.checkpoint.next_step;
@@ -151,11 +210,21 @@ impl Worker {
                 NextStep::ExecuteTools => self.execute_tools().instrument(node_span(nodes::TOOLS)).await,
                 NextStep::Finalize => self.finalize().instrument(node_span(nodes::FINALIZE)).await,
                 // A paused run has no worker; one that got here was resumed elsewhere.
-                NextStep::AwaitInterrupt | NextStep::AwaitExternal => return Ok(Stop::Settled),
+                NextStep::AwaitInterrupt | NextStep::AwaitExternal => {
+                    self.flush_held().await?;
+                    return Ok(Stop::Settled);
+                }
             };
             match result {
                 Ok(true) => continue,
-                Ok(false) => return Ok(Stop::Settled),
+                Ok(false) => {
+                    self.flush_held().await?;
+                    return Ok(Stop::Settled);
+                }
+                Err(WorkerError::Store(StoreError::Conflict(_))) if std::mem::take(&mut self.held_acquires) => {
+                    // The held first commit lost the lease: another worker took the run first.
+                    return Ok(Stop::NotOurs);
+                }
                 Err(WorkerError::Store(StoreError::Conflict(msg))) => {
                     tracing::warn!(run_id = %self.run.id, %msg, "lost the run's lease; stopping");
                     return Ok(Stop::NotOurs);
@@ -227,7 +296,8 @@ impl Worker {
         // One bounded read: the summary, the turns after it, their calls, the facts.
         let window = self.store().context_window(&self.run.conversation_id).await?;
         let facts = &window.facts;
-        let config = &self.agent.context;
+        let agent = self.agent.clone();
+        let config = &agent.context;
         let plan = plan_context(
             config,
             ContextInput {
@@ -238,7 +308,7 @@ impl Worker {
             },
         );
         let summary_text = match plan.summary_request() {
-            Some(request) if config.summarize_with_model => match self.summarize(request).await {
+            Some(request) if config.summarize_with_model => match self.flush_and_summarize(request).await? {
                 Ok(Some(text)) => Some(text),
                 Ok(None) => {
                     self.run.cancel_requested = true;
@@ -283,7 +353,10 @@ impl Worker {
             let mut cp = self.run.checkpoint.clone();
             cp.streaming_message_id = Some(message_id.clone());
             c.checkpoint = Some(cp);
-            self.commit(c).await?;
+            if self.commit(c).await?.cancel_requested {
+                // cancelled before the call: the loop ends the run without making it
+                return Ok(true);
+            }
             let model_started = Instant::now();
             let call_span = tracing::info_span!(
                 "model_call",
@@ -331,6 +404,7 @@ impl Worker {
                         node: nodes::MODEL.into(),
                         duration_ms: model_started.elapsed().as_millis() as u64,
                     });
+                    let mut planned = Vec::new();
                     if tool_calls.is_empty() {
                         cp.next_step = NextStep::Finalize;
                         cp.pending_call_ids = Vec::new();
@@ -345,7 +419,7 @@ impl Worker {
                             // protocol asks of it.
                             let id = CallId::new();
                             cp.pending_call_ids.push(id.clone());
-                            c.tool_calls.push(ToolCallChange::Insert(ToolCall {
+                            let call = ToolCall {
                                 id,
                                 run_id: self.run.id.clone(),
                                 name: truncate(&tc.name, 100),
@@ -356,15 +430,29 @@ impl Worker {
                                 attempts: 0,
                                 started_at: None,
                                 finished_at: None,
-                            }));
+                            };
+                            planned.push(call.clone());
+                            c.tool_calls.push(ToolCallChange::Insert(call));
                         }
                     }
                     c.checkpoint = Some(cp);
-                    self.commit(c).await?;
+                    // Written with the next step's first commit (the tools step classifies the
+                    // calls, reading only, then commits; or the run ends), which follows at once.
+                    self.hold(c).await?;
+                    self.planned_calls = (!planned.is_empty()).then_some(planned);
                     return Ok(true);
                 }
             }
         }
+    }
+
+    /// [`Worker::summarize`], after writing the held commit: the summary is a model call, a wait.
+    async fn flush_and_summarize(
+        &mut self,
+        messages: Vec<crate::model::ModelMessage>,
+    ) -> Result<Result<Option<String>, ModelError>, StoreError> {
+        self.flush_held().await?;
+        Ok(self.summarize(messages).await)
     }
 
     /// The model's summary of older turns: a separate call without tools, its text collected.
@@ -550,17 +638,28 @@ impl UnsavedText {
         self.text.len() >= Self::MIN_APPEND.max(self.saved / 2)
     }
 
-    /// Turns the buffered deltas into `text_delta` events; their text waits here for its append.
+    /// Turns the buffered deltas into one `text_delta` event; its text waits here for its append.
+    ///
+    /// The deltas of one commit are stored and announced together, so a client could not see them
+    /// apart: one event carries them all, and a fast model's answer costs a row, a frame and a
+    /// sequence per commit instead of per token.
     pub(super) fn take_deltas(
         &mut self,
         message_id: &MessageId,
         buffer: &mut Vec<String>,
         events: &mut Vec<EventKind>,
     ) {
-        for delta in buffer.drain(..) {
-            self.text.push_str(&delta);
-            events.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
-        }
+        let delta = match buffer.len() {
+            0 => return,
+            1 => buffer.pop().unwrap_or_default(),
+            _ => {
+                let joined = buffer.concat();
+                buffer.clear();
+                joined
+            }
+        };
+        self.text.push_str(&delta);
+        events.push(EventKind::TextDelta { message_id: message_id.clone(), delta });
     }
 
     pub(super) fn take(&mut self, message_id: &MessageId) -> TextAppend {
