@@ -98,7 +98,7 @@ impl Worker {
                 other => break other?,
             }
         };
-        self.inner.committed(self.run.created_at, &committed.events);
+        self.inner.committed(&self.run, &committed.events);
         if let Some(cp) = checkpoint {
             self.run.checkpoint = cp;
         }
