@@ -20,7 +20,8 @@ use crate::mask::Masked;
 pub enum StoreError {
     #[error("{0} not found")]
     NotFound(&'static str),
-    /// The conversation already has a queued, running or interrupted run.
+    /// The conversation already has a run that is not over: a queued, running or interrupted one, or
+    /// messages waiting their turn (the id is the active run's, else the oldest waiting one's).
     #[error("conversation already has an active run {0}")]
     RunActive(RunId),
     /// A conditional write matched nothing: the writer lost its lease, or another request moved the
