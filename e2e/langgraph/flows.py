@@ -10,7 +10,7 @@ import sys
 import urllib.request
 
 from langgraph_sdk import get_client
-from langgraph_sdk.errors import ConflictError, UnprocessableEntityError
+from langgraph_sdk.errors import ConflictError, NotFoundError, UnprocessableEntityError
 from langgraph_sdk.schema import Command
 
 RESTART = "Restart the abnormal instance of payment-api"
@@ -138,28 +138,70 @@ async def main(base):
     assert strip(head) + strip(tail) == strip(whole), "the joined stream has a gap or a duplicate"
     assert whole[-1].event == "end"
 
-    step("multitask strategies on a busy thread (a run waiting for approval)")
+    step("multitask reject on a busy thread (a run waiting for approval): 409")
     ask = {"messages": [{"role": "user", "content": "list the services"}]}
     try:
         await client.runs.create(btid, aid, input=ask, multitask_strategy="reject")
         raise AssertionError("reject: a second run started")
     except ConflictError as e:
         assert e.response.json()["error"]["code"] == "RUN_ACTIVE"
-    for strategy in ("enqueue", "rollback"):
-        try:
-            await client.runs.create(btid, aid, input=ask, multitask_strategy=strategy)
-            raise AssertionError(f"{strategy}: accepted")
-        except UnprocessableEntityError as e:
-            assert strategy in e.response.json()["error"]["message"]
+    try:
+        await client.runs.create(btid, aid, input=ask, multitask_strategy="eventually")
+        raise AssertionError("an unknown strategy was accepted")
+    except UnprocessableEntityError as e:
+        assert "multitask_strategy" in e.response.json()["error"]["message"]
+
+    step("multitask enqueue: the run waits its turn, then runs once the first is resolved")
+    queued = await client.runs.create(btid, aid, input=ask, multitask_strategy="enqueue")
+    assert queued["status"] == "pending" and queued["multitask_strategy"] == "enqueue", queued
+    assert queued["run_id"] != run["run_id"]
+    assert (await client.runs.get(btid, queued["run_id"]))["status"] == "pending"
+    assert (await client.threads.get(btid))["status"] == "interrupted", "the first run still waits for a human"
+    state = await client.threads.get_state(btid)
+    assert [m["content"] for m in state["values"]["messages"] if m["type"] == "human"] == [RESTART], state["values"]
+    first_done = await client.runs.wait(btid, aid, command=Command(resume={"decisions": [{"type": "approve"}]}))
+    assert "__interrupt__" not in first_done, first_done
+    assert restart_count(base, "pay-prod-2") == 1
+    values = await client.runs.join(btid, queued["run_id"])
+    assert values["messages"][-1]["type"] == "ai", values["messages"][-1]
+    assert [m["content"] for m in values["messages"] if m["type"] == "human"] == [RESTART, "list the services"]
+    assert (await client.runs.get(btid, queued["run_id"]))["status"] == "success"
+    assert (await client.runs.get(btid, run["run_id"]))["status"] == "success"
+
+    step("multitask rollback: the run it replaces is gone from the thread")
+    http(base, "POST", "/v1/demo/reset")
+    doomed = await client.runs.create(btid, aid, input={"messages": [{"role": "user", "content": RESTART}]})
+    paused = await client.runs.join(btid, doomed["run_id"])
+    assert paused["__interrupt__"], paused
+    doomed_ids = {m["id"] for m in paused["messages"]} - {m["id"] for m in values["messages"]}
+    assert doomed_ids, "the replaced run wrote messages"
+    look = {"messages": [{"role": "user", "content": "Look at the recent errors of payment-api"}]}
+    replacing = await client.runs.create(btid, aid, input=look, multitask_strategy="rollback")
+    after = await client.runs.join(btid, replacing["run_id"])
+    assert after["messages"][-1]["type"] == "ai", after["messages"][-1]
+    humans = [m["content"] for m in after["messages"] if m["type"] == "human"]
+    assert humans == [RESTART, "list the services", look["messages"][0]["content"]], humans
+    assert not doomed_ids & {m["id"] for m in after["messages"]}, "the rolled-back run's messages are still there"
+    try:
+        await client.runs.get(btid, doomed["run_id"])
+        raise AssertionError("a rolled-back run is still there")
+    except NotFoundError:
+        pass
+    assert restart_count(base, "pay-prod-2") == 0, "the rolled-back run's restart never ran"
+
+    step("multitask interrupt: the run it replaces stops, what it did stays")
+    doomed = await client.runs.create(btid, aid, input={"messages": [{"role": "user", "content": RESTART}]})
+    assert (await client.runs.join(btid, doomed["run_id"]))["__interrupt__"]
     second = await client.runs.create(btid, aid, input=ask, multitask_strategy="interrupt")
-    assert second["run_id"] != run["run_id"]
-    old = await client.runs.get(btid, run["run_id"])
+    assert second["run_id"] != doomed["run_id"]
+    old = await client.runs.get(btid, doomed["run_id"])
     assert old["status"] == "interrupted" and old.get("cancel_reason"), old
     assert restart_count(base, "pay-prod-2") == 0, "the interrupted run's restart never ran"
     values = await client.runs.join(btid, second["run_id"])
     assert values["messages"][-1]["type"] == "ai", values["messages"][-1]
     runs = await client.runs.list(btid)
-    assert {r["run_id"] for r in runs} == {run["run_id"], second["run_id"]}, runs
+    expected = {run["run_id"], queued["run_id"], replacing["run_id"], doomed["run_id"], second["run_id"]}
+    assert {r["run_id"] for r in runs} == expected, runs
 
     step("runs.wait answers with the thread's values")
     waited_thread = await client.threads.create()
@@ -174,6 +216,23 @@ async def main(base):
     cancelled = await client.runs.get(waited_thread["thread_id"], wrun["run_id"])
     assert cancelled["status"] == "interrupted" and cancelled["cancel_reason"], cancelled
     assert (await client.threads.get(waited_thread["thread_id"]))["status"] == "idle"
+
+    step("cancel with action=rollback: the run and its messages are gone")
+    rolled_thread = await client.threads.create()
+    rtid = rolled_thread["thread_id"]
+    values = await client.runs.wait(rtid, aid, input={"messages": [{"role": "user", "content": RESTART}]})
+    assert values["__interrupt__"], values
+    rrun = (await client.runs.list(rtid))[0]
+    await client.runs.cancel(rtid, rrun["run_id"], action="rollback")
+    try:
+        await client.runs.get(rtid, rrun["run_id"])
+        raise AssertionError("a rolled-back run is still there")
+    except NotFoundError:
+        pass
+    assert (await client.runs.list(rtid)) == []
+    state = await client.threads.get_state(rtid)
+    assert state["values"]["messages"] == [] and state["next"] == [], state
+    assert (await client.threads.get(rtid))["status"] == "idle"
 
     step("an unsupported option is a 422 that names it")
     try:

@@ -54,7 +54,10 @@ macro_rules! string_enum {
 }
 
 string_enum!(
-    /// `queued → running → (interrupted → running)* → completed | failed | cancelled`.
+    /// `(waiting →) queued → running → (interrupted → running)* → completed | failed | cancelled
+    /// (→ rolled_back)`. A run `waiting` is a message queued behind the conversation's active run
+    /// (LangGraph's `enqueue`); a `rolled_back` run is one whose messages and events were removed
+    /// (LangGraph's `rollback`), its tool calls and interrupts kept for the audit.
     RunStatus {
         Queued => "queued",
         Running => "running",
@@ -62,6 +65,8 @@ string_enum!(
         Completed => "completed",
         Failed => "failed",
         Cancelled => "cancelled",
+        Waiting => "waiting",
+        RolledBack => "rolled_back",
     }
 );
 
@@ -81,6 +86,13 @@ impl RunStatus {
                 | (Interrupted, Running)
                 | (Interrupted, Cancelled)
                 | (Interrupted, Failed)
+                // its turn came (the active run ended), or it was cancelled before it ran
+                | (Waiting, Queued)
+                | (Waiting, Cancelled)
+                // a finished run removed from its conversation
+                | (Completed, RolledBack)
+                | (Failed, RolledBack)
+                | (Cancelled, RolledBack)
         )
     }
 
@@ -97,13 +109,16 @@ impl RunStatus {
         RunStatus::ALL.iter().copied().filter(|from| from.can_transition_to(to)).collect()
     }
 
+    /// The run is over: nothing runs in it any more (completed, failed, cancelled, or rolled back).
+    /// A finished run may still be rolled back, once; nothing follows `rolled_back`.
     pub fn is_terminal(self) -> bool {
-        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled)
+        matches!(self, RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled | RunStatus::RolledBack)
     }
 
-    /// Queued, running or interrupted: the conversation has an active run and refuses another.
+    /// Queued, running or interrupted: the run holds its conversation (one at a time), and a new
+    /// message either waits behind it, replaces it or is refused.
     pub fn is_active(self) -> bool {
-        !self.is_terminal()
+        matches!(self, RunStatus::Queued | RunStatus::Running | RunStatus::Interrupted)
     }
 }
 
@@ -417,12 +432,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn terminal_runs_go_nowhere() {
-        for from in [RunStatus::Completed, RunStatus::Failed, RunStatus::Cancelled] {
+    fn terminal_runs_go_nowhere_but_to_a_rollback() {
+        for from in [RunStatus::Completed, RunStatus::Failed, RunStatus::Cancelled, RunStatus::RolledBack] {
             for to in RunStatus::ALL {
-                assert!(from.transition(*to).is_err(), "{from} -> {to}");
+                let allowed = *to == RunStatus::RolledBack && from != RunStatus::RolledBack;
+                assert_eq!(from.transition(*to).is_ok(), allowed, "{from} -> {to}");
             }
         }
+    }
+
+    #[test]
+    fn a_waiting_run_is_neither_active_nor_over() {
+        let waiting = RunStatus::Waiting;
+        assert!(!waiting.is_active() && !waiting.is_terminal());
+        assert_eq!(RunStatus::sources_of(RunStatus::Queued), vec![RunStatus::Waiting]);
+        assert_eq!(
+            RunStatus::sources_of(RunStatus::RolledBack),
+            vec![RunStatus::Completed, RunStatus::Failed, RunStatus::Cancelled]
+        );
     }
 
     #[test]
@@ -436,7 +463,7 @@ mod tests {
     #[test]
     fn sources_follow_the_machine() {
         assert_eq!(RunStatus::sources_of(RunStatus::Interrupted), vec![RunStatus::Running]);
-        assert!(RunStatus::sources_of(RunStatus::Queued).is_empty());
+        assert!(RunStatus::sources_of(RunStatus::Waiting).is_empty());
     }
 }
 

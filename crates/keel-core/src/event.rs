@@ -71,6 +71,11 @@ pub struct GraphEdge {
 pub enum EventKind {
     #[serde(rename_all = "camelCase")]
     RunStarted { conversation_id: crate::ids::ConversationId, trace_id: Option<String> },
+    /// The run's message waits behind the conversation's active run (`multitaskStrategy`
+    /// `enqueue`): the first event of a run created `waiting`; `run_started` follows when its turn
+    /// comes.
+    #[serde(rename_all = "camelCase")]
+    RunWaiting { conversation_id: crate::ids::ConversationId },
     #[serde(rename_all = "camelCase")]
     GraphTopology { nodes: Vec<GraphNode>, edges: Vec<GraphEdge> },
     #[serde(rename_all = "camelCase")]
@@ -137,6 +142,7 @@ pub enum EventKind {
 impl EventKind {
     pub const TYPES: &'static [&'static str] = &[
         "run_started",
+        "run_waiting",
         "graph_topology",
         "node_started",
         "node_finished",
@@ -155,6 +161,7 @@ impl EventKind {
     pub fn type_name(&self) -> &'static str {
         match self {
             EventKind::RunStarted { .. } => "run_started",
+            EventKind::RunWaiting { .. } => "run_waiting",
             EventKind::GraphTopology { .. } => "graph_topology",
             EventKind::NodeStarted { .. } => "node_started",
             EventKind::NodeFinished { .. } => "node_finished",

@@ -20,7 +20,8 @@ use crate::mask::Masked;
 pub enum StoreError {
     #[error("{0} not found")]
     NotFound(&'static str),
-    /// The conversation already has a queued, running or interrupted run.
+    /// The conversation already has a run that is not over: a queued, running or interrupted one, or
+    /// messages waiting their turn (the id is the active run's, else the oldest waiting one's).
     #[error("conversation already has an active run {0}")]
     RunActive(RunId),
     /// A conditional write matched nothing: the writer lost its lease, or another request moved the
@@ -240,15 +241,36 @@ pub struct NewRun {
     pub content: Masked<String>,
     pub cancel_on_disconnect: bool,
     pub now: Timestamp,
-    /// The run's first events (`run_started`, `graph_topology`), written with it.
+    /// The run's first events (`run_started`, `graph_topology`), written with it when it starts at
+    /// once.
     pub events: Vec<EventKind>,
+    /// `Some`: a message that waits its turn (LangGraph's `enqueue`). While the conversation has a
+    /// run that is not over (an active one, or others waiting already), the new run is created
+    /// `waiting` behind them, with these first events (`run_waiting`), instead of being refused
+    /// with `RunActive`; its message is kept on the run and joins the conversation when the run
+    /// starts ([`RunStore::promote_waiting`]). With nothing ahead of it, it starts at once, as
+    /// without.
+    pub enqueue: Option<Vec<EventKind>>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct StartedRun {
+    /// The user message; for a run created `waiting`, the message as it will be stored when the
+    /// run starts (under this id), not yet in the conversation.
     pub message: Message,
     pub run: Run,
     pub events: Vec<Event>,
+}
+
+/// What [`RunStore::roll_back_run`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RolledBack {
+    /// The run's messages deleted (its user message, the assistant's text, its tool results).
+    pub messages: u64,
+    /// The run's events deleted.
+    pub events: u64,
+    /// The conversation's summary was deleted: it covered one of those messages.
+    pub summary: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -268,10 +290,36 @@ pub enum IdempotencyBegin {
 #[async_trait]
 pub trait RunStore: Send + Sync {
     /// Stores the user message, bumps the conversation's version and creates a `queued` run with its
-    /// first events, in one transaction. `RunActive` if the conversation has an active run.
+    /// first events, in one transaction. `RunActive` (naming the active run, or the oldest waiting
+    /// one) if the conversation has a run that is not over — unless [`NewRun::enqueue`] asks to
+    /// wait: then the run is created `waiting` behind them, and nothing else is written.
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun>;
     async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>>;
+    /// The conversation's queued, running or interrupted run (at most one).
     async fn active_run(&self, conversation_id: &ConversationId) -> StoreResult<Option<Run>>;
+    /// The conversation's `waiting` runs, oldest first (the order they start in), at most `limit`.
+    async fn waiting_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>>;
+    /// Starts the conversation's oldest `waiting` run when the conversation has no active run, in
+    /// one transaction: `waiting → queued` (conditional, so of concurrent promoters one wins), its
+    /// message stored (the conversation's version bumped, the run's checkpoint made from it) and
+    /// `events` (`run_started`, `graph_topology`) appended after its `run_waiting`. `None` when there
+    /// is nothing to start: no waiting run, an active run, or another promoter got there first.
+    async fn promote_waiting(
+        &self,
+        conversation_id: &ConversationId,
+        events: Vec<EventKind>,
+        now: Timestamp,
+    ) -> StoreResult<Option<StartedRun>>;
+    /// Conversations (at most `limit`) that have a `waiting` run and no active one: runs whose turn
+    /// came while nobody promoted them (a crash between a run's end and the promotion).
+    async fn stranded_conversations(&self, limit: u32) -> StoreResult<Vec<ConversationId>>;
+    /// Rolls back a finished run (`completed`, `failed` or `cancelled`), in one transaction, so that
+    /// its conversation reads as if it never ran: its messages and events are deleted (the run
+    /// records, as retention does, that it holds no event), the conversation's summary too when it
+    /// covers one of those messages, its checkpoint is reset, and it becomes `rolled_back`. Its row,
+    /// tool calls and interrupts stay: the audit of what it did. A run rolled back already: nothing
+    /// more is removed. `Conflict` for a run that is not over; `NotFound` for none.
+    async fn roll_back_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<RolledBack>;
     /// Claims up to `limit` runs that need a worker — `queued`, or `running` with no lease or an
     /// expired one (or any lease, when `steal`) — for `owner` until `lease_until`; queued runs become
     /// running. Returns the claimed runs.
@@ -288,7 +336,8 @@ pub trait RunStore: Send + Sync {
     /// Lets go of the lease without changing the status (graceful shutdown): another worker may
     /// continue the run from its checkpoint at once.
     async fn release_lease(&self, run_id: &RunId, owner: &str) -> StoreResult<()>;
-    /// Sets the durable cancel flag of an active run; returns the run as it is now.
+    /// Sets the durable cancel flag of a run that is not over (an active or a waiting one); returns
+    /// the run as it is now.
     async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run>;
     /// One transaction: see [`Commit`]. On any error nothing was written.
     async fn commit(&self, commit: Commit) -> StoreResult<Committed>;
@@ -319,7 +368,9 @@ pub trait RunStore: Send + Sync {
     async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>>;
 
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>>;
-    /// Every call of every run of the conversation, in the order they were requested.
+    /// Every call of every run of the conversation, in the order they were requested, but those of
+    /// rolled-back runs (no longer part of the conversation; [`RunStore::list_tool_calls`] of the run
+    /// still has them).
     async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>>;
     /// Calls of the tool `name` waiting for a human (`asking`), over every run: what a tool looks at
     /// to leave out the resources another run is about to act on.

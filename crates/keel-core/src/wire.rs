@@ -39,8 +39,10 @@ pub struct PostMessage {
     #[serde(default)]
     pub cancel_on_disconnect: bool,
     /// While the conversation has a run that is not over: `reject` (409 `RUN_ACTIVE`, the
-    /// default) or `interrupt` (that run is cancelled, keeping what it did, and this message's run
-    /// starts once it has ended). `enqueue` and `rollback` are refused (422).
+    /// default), `interrupt` (that run is cancelled, keeping what it did, and this message's run
+    /// starts once it has ended), `enqueue` (this message waits its turn, durably, and its run
+    /// starts once the runs ahead of it have ended) or `rollback` (as `interrupt`, then the
+    /// cancelled run's messages and events are removed; its tool calls and interrupts are kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub multitask_strategy: Option<String>,
 }
@@ -113,6 +115,11 @@ fn decision_schema() -> utoipa::openapi::schema::Object {
 pub struct MessageAccepted {
     pub message_id: MessageId,
     pub run_id: RunId,
+    /// The run's status: `queued` (it starts now), or `waiting` (`multitaskStrategy` `enqueue`:
+    /// it waits its turn behind the conversation's run, and its message joins the conversation when
+    /// it starts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<RunStatus>,
 }
 
 /// `GET /v1/runs/{id}`: what a refreshed page needs, and the run's history of decisions. Never a

@@ -16,15 +16,18 @@ fn step<S: Copy + PartialEq>(state: &mut S, to: S, allowed: bool, result: Result
     }
 }
 
-/// The lifecycle, written independently of the code: queued → running → (interrupted → running)*
-/// → completed | failed | cancelled; queued and interrupted runs may also be cancelled or failed.
+/// The lifecycle, written independently of the code: (waiting →) queued → running → (interrupted →
+/// running)* → completed | failed | cancelled (→ rolled_back); queued and interrupted runs may also
+/// be cancelled or failed, a waiting one cancelled.
 fn run_allowed(from: RunStatus, to: RunStatus) -> bool {
     use RunStatus::*;
     match from {
+        Waiting => matches!(to, Queued | Cancelled),
         Queued => matches!(to, Running | Cancelled | Failed),
         Running => matches!(to, Interrupted | Completed | Failed | Cancelled),
         Interrupted => matches!(to, Running | Cancelled | Failed),
-        Completed | Failed | Cancelled => false,
+        Completed | Failed | Cancelled => to == RolledBack,
+        RolledBack => false,
     }
 }
 
@@ -44,8 +47,9 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(2000))]
 
     #[test]
-    fn runs_follow_the_lifecycle(moves in prop::collection::vec(run_status(), 1..40)) {
-        let mut state = RunStatus::Queued;
+    fn runs_follow_the_lifecycle(waits in any::<bool>(), moves in prop::collection::vec(run_status(), 1..40)) {
+        // A run starts queued, or waiting behind another (an enqueued message).
+        let mut state = if waits { RunStatus::Waiting } else { RunStatus::Queued };
         let mut path = vec![state];
         for to in moves {
             let before = state;
@@ -54,17 +58,24 @@ proptest! {
                 path.push(state);
             }
         }
-        // Nothing leaves a terminal state; an active state never follows a terminal one.
+        // A terminal state is left only for a rollback, which nothing leaves; an active state never
+        // follows a terminal one.
         if let Some(pos) = path.iter().position(|s| s.is_terminal()) {
-            prop_assert_eq!(pos, path.len() - 1);
+            prop_assert!(path[pos + 1..].iter().all(|s| *s == RunStatus::RolledBack), "{:?}", path);
+            prop_assert!(path.len() - pos <= 2, "{:?}", path);
         }
-        // interrupted is always entered from running and left to running or an end.
+        // interrupted is always entered from running and left to running or an end; queued only
+        // ever follows waiting (a queued message whose turn came), and nothing goes back to waiting.
         for w in path.windows(2) {
             if w[1] == RunStatus::Interrupted {
                 prop_assert_eq!(w[0], RunStatus::Running);
             }
             if w[1] == RunStatus::Queued {
-                prop_assert!(false, "nothing goes back to queued");
+                prop_assert_eq!(w[0], RunStatus::Waiting);
+            }
+            prop_assert!(w[1] != RunStatus::Waiting, "nothing goes back to waiting");
+            if w[1] == RunStatus::RolledBack {
+                prop_assert!(matches!(w[0], RunStatus::Completed | RunStatus::Failed | RunStatus::Cancelled));
             }
         }
     }

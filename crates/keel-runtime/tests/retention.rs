@@ -29,6 +29,7 @@ async fn finished(store: &SqliteStore, agent: &str, ended: DateTime<Utc>) -> Run
             cancel_on_disconnect: false,
             now: at(1),
             events: vec![EventKind::RunStarted { conversation_id: conversation.id.clone(), trace_id: None }],
+            enqueue: None,
         })
         .await
         .unwrap()

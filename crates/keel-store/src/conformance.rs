@@ -80,6 +80,11 @@ macro_rules! conformance_tests {
             retention_prunes_the_events_of_finished_runs_only,
             retention_rules_are_per_agent_and_bounded,
             exports_find_conversations_and_their_runs,
+            enqueued_messages_wait_and_start_in_order,
+            concurrent_promoters_start_one_waiting_run,
+            a_waiting_run_is_cancelled_without_running,
+            a_rollback_removes_messages_and_events_and_keeps_the_audit,
+            a_rollback_removes_the_summary_that_covers_the_run,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -151,6 +156,7 @@ async fn start(store: &SharedStore, conversation: &Conversation, now: Timestamp)
             cancel_on_disconnect: false,
             now,
             events: first_events(&conversation.id),
+            enqueue: None,
         })
         .await
         .expect("start run")
@@ -394,6 +400,7 @@ pub async fn start_run_needs_a_conversation(store: SharedStore) {
             cancel_on_disconnect: true,
             now: at(1),
             events: vec![],
+            enqueue: None,
         })
         .await;
     assert!(matches!(result, Err(StoreError::NotFound("conversation"))), "{result:?}");
@@ -410,6 +417,7 @@ pub async fn one_active_run_per_conversation(store: SharedStore) {
             cancel_on_disconnect: false,
             now: at(2),
             events: first_events(&conversation.id),
+            enqueue: None,
         })
         .await;
     match refused {
@@ -437,6 +445,7 @@ pub async fn one_active_run_per_conversation(store: SharedStore) {
             cancel_on_disconnect: false,
             now: at(5),
             events: vec![],
+            enqueue: None,
         })
         .await
         .expect_err("interrupted run is active");
@@ -468,6 +477,7 @@ pub async fn concurrent_starts_create_one_run(store: SharedStore) {
                         cancel_on_disconnect: false,
                         now: at(i),
                         events: vec![],
+                        enqueue: None,
                     })
                     .await
             })
@@ -1814,4 +1824,310 @@ pub async fn exports_find_conversations_and_their_runs(store: SharedStore) {
     let recent = store.find_conversations(None, Some(at(15))).await.expect("find");
     assert_eq!(recent.iter().map(|c| &c.id).collect::<Vec<_>>(), [&first.conversation_id]);
     assert!(store.find_conversations(None, Some(at(100))).await.expect("find").is_empty());
+}
+
+// --- multitask: enqueue and rollback
+
+/// A message for `conversation` that waits its turn when a run is not over (`enqueue`).
+async fn enqueue(store: &SharedStore, conversation: &Conversation, content: &str, now: Timestamp) -> StartedRun {
+    store
+        .start_run(NewRun {
+            conversation_id: conversation.id.clone(),
+            agent_id: "ops".into(),
+            user_id: conversation.user_id.clone(),
+            content: content.into(),
+            cancel_on_disconnect: false,
+            now,
+            events: first_events(&conversation.id),
+            enqueue: Some(vec![EventKind::RunWaiting { conversation_id: conversation.id.clone() }]),
+        })
+        .await
+        .expect("enqueue a message")
+}
+
+/// Ends a queued run (cancelled, as nobody works on it).
+async fn end_queued(store: &SharedStore, run_id: &RunId, now: Timestamp) {
+    let mut c = Commit::new(run_id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, now);
+    c.run = to(RunStatus::Cancelled);
+    c.events.push(EventKind::Cancelled { reason: "cancelled_by_user".into() });
+    commit_ok(store, c).await;
+}
+
+async fn contents(store: &SharedStore, conversation_id: &ConversationId) -> Vec<String> {
+    let messages = store.list_messages(conversation_id).await.expect("messages");
+    messages.iter().map(|m| m.content.as_str().to_owned()).collect()
+}
+
+/// Enqueued messages wait behind the active run (a `waiting` run with a `run_waiting` event; the
+/// message kept off the conversation, its version unchanged), hold back a message that would not
+/// wait, and start one at a time, oldest first, once nothing runs: their messages join the
+/// conversation in that order, each with a new version.
+pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
+    let (conversation, first) = queued(&store).await;
+    let mut waiting = Vec::new();
+    for (n, text) in ["second", "third", "fourth"].into_iter().enumerate() {
+        let started = enqueue(&store, &conversation, text, at(2 + n as i64)).await;
+        assert_eq!(started.run.status, RunStatus::Waiting);
+        assert_eq!(started.run.user_message_id, started.message.id);
+        assert_eq!(started.message.content.as_str(), text);
+        assert_eq!(started.events.len(), 1);
+        assert_eq!((started.events[0].sequence, started.events[0].type_name()), (1, "run_waiting"));
+        assert_eq!(get_run(&store, &started.run.id).await, started.run);
+        waiting.push(started);
+    }
+    assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2"], "waiting messages are not in it");
+    let version = |store: SharedStore, id: ConversationId| async move {
+        store.get_conversation(&id).await.expect("get").expect("exists").version
+    };
+    assert_eq!(version(store.clone(), conversation.id.clone()).await, 1);
+    let ids = |runs: Vec<Run>| runs.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    let order: Vec<RunId> = waiting.iter().map(|s| s.run.id.clone()).collect();
+    assert_eq!(ids(store.waiting_runs(&conversation.id, 10).await.expect("waiting")), order);
+    assert_eq!(ids(store.waiting_runs(&conversation.id, 1).await.expect("waiting")), order[..1]);
+    // a waiting run is not claimable, and does not hold the conversation
+    assert_eq!(store.active_run(&conversation.id).await.expect("active").map(|r| r.id), Some(first.id.clone()));
+    let claimed = store.claim_runs("w0", at(5), at(60), false, 10).await.expect("claim");
+    assert_eq!(ids(claimed), vec![first.id.clone()]);
+    let mut c = Commit::new(first.id.clone(), Fence::Unowned { from: vec![RunStatus::Running] }, at(5));
+    c.run = to(RunStatus::Cancelled);
+    commit_ok(&store, c).await;
+
+    // nothing runs and messages wait: a message that would not wait is refused, naming the oldest
+    let refused = store
+        .start_run(NewRun {
+            conversation_id: conversation.id.clone(),
+            agent_id: "ops".into(),
+            user_id: "alice".into(),
+            content: "me first".into(),
+            cancel_on_disconnect: false,
+            now: at(6),
+            events: first_events(&conversation.id),
+            enqueue: None,
+        })
+        .await;
+    assert!(matches!(refused, Err(StoreError::RunActive(ref id)) if *id == order[0]), "{refused:?}");
+    assert_eq!(store.stranded_conversations(10).await.expect("stranded"), vec![conversation.id.clone()]);
+
+    // one at a time, in order: each starts once the one before it is over
+    for (n, expected) in waiting.iter().enumerate() {
+        let now = at(10 + 10 * n as i64);
+        let promoted = store
+            .promote_waiting(&conversation.id, first_events(&conversation.id), now)
+            .await
+            .expect("promote")
+            .expect("a waiting run starts");
+        assert_eq!(promoted.run.id, expected.run.id);
+        assert_eq!(promoted.run.status, RunStatus::Queued);
+        assert_eq!(promoted.message, Message { created_at: promoted.message.created_at, ..expected.message.clone() });
+        assert_eq!(promoted.run.checkpoint.conversation_version, 2 + n as i64);
+        assert_eq!(version(store.clone(), conversation.id.clone()).await, 2 + n as i64);
+        let types: Vec<(i64, &str)> = promoted.events.iter().map(|e| (e.sequence, e.type_name())).collect();
+        assert_eq!(types, [(2, "run_started"), (3, "graph_topology")]);
+        assert_eq!(sequences(&store, &expected.run.id).await, [1, 2, 3]);
+        assert_eq!(get_run(&store, &expected.run.id).await, promoted.run);
+        assert_eq!(store.active_run(&conversation.id).await.expect("active").map(|r| r.id), Some(promoted.run.id));
+        // while it is active, nothing else starts
+        let again = store.promote_waiting(&conversation.id, first_events(&conversation.id), now).await;
+        assert!(matches!(again, Ok(None)), "{again:?}");
+        assert!(store.stranded_conversations(10).await.expect("stranded").is_empty());
+        end_queued(&store, &expected.run.id, now).await;
+    }
+    assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2", "second", "third", "fourth"]);
+    let nothing = store.promote_waiting(&conversation.id, first_events(&conversation.id), at(50)).await;
+    assert!(matches!(nothing, Ok(None)), "{nothing:?}");
+    assert!(store.stranded_conversations(10).await.expect("stranded").is_empty());
+
+    // with nothing ahead of it, an enqueued message starts at once, like any
+    let now_run = enqueue(&store, &conversation, "fifth", at(60)).await;
+    assert_eq!(now_run.run.status, RunStatus::Queued);
+    assert_eq!(now_run.events.iter().map(|e| e.type_name()).collect::<Vec<_>>(), ["run_started", "graph_topology"]);
+    assert_eq!(contents(&store, &conversation.id).await.last().map(String::as_str), Some("fifth"));
+    assert_eq!(version(store.clone(), conversation.id.clone()).await, 5);
+    let missing = ConversationId::new();
+    assert!(matches!(
+        store.promote_waiting(&missing, first_events(&missing), at(61)).await,
+        Err(StoreError::NotFound("conversation"))
+    ));
+}
+
+/// Of promoters racing for one conversation (instances that saw its run end), exactly one starts
+/// its oldest waiting run; the others find the run active and start nothing.
+pub async fn concurrent_promoters_start_one_waiting_run(store: SharedStore) {
+    let (conversation, first) = queued(&store).await;
+    let oldest = enqueue(&store, &conversation, "second", at(2)).await;
+    enqueue(&store, &conversation, "third", at(3)).await;
+    end_queued(&store, &first.id, at(4)).await;
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let store = store.clone();
+            let id = conversation.id.clone();
+            tokio::spawn(async move { store.promote_waiting(&id, first_events(&id), at(5)).await })
+        })
+        .collect();
+    let mut started = Vec::new();
+    for task in tasks {
+        if let Some(s) = task.await.expect("task").expect("promote") {
+            started.push(s.run.id);
+        }
+    }
+    assert_eq!(started, vec![oldest.run.id.clone()], "exactly one promoter wins, with the oldest");
+    assert_eq!(store.active_run(&conversation.id).await.expect("active").map(|r| r.id), Some(oldest.run.id.clone()));
+    assert_eq!(store.waiting_runs(&conversation.id, 10).await.expect("waiting").len(), 1);
+    assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2", "second"]);
+    assert_eq!(sequences(&store, &oldest.run.id).await, [1, 2, 3]);
+}
+
+/// A waiting run is cancelled without ever running: the cancel flag is set on it, it ends
+/// `cancelled` from `waiting`, its message never joins the conversation, and the next one starts
+/// in its place.
+pub async fn a_waiting_run_is_cancelled_without_running(store: SharedStore) {
+    let (conversation, first) = queued(&store).await;
+    let doomed = enqueue(&store, &conversation, "never mind", at(2)).await;
+    let next = enqueue(&store, &conversation, "this one", at(3)).await;
+    let flagged = store.request_cancel(&doomed.run.id, at(4)).await.expect("request cancel");
+    assert!(flagged.cancel_requested);
+    assert_eq!(flagged.status, RunStatus::Waiting);
+    // a lease fence never writes on a waiting run: nobody works on it
+    assert_conflict(store.commit(Commit::new(doomed.run.id.clone(), lease("w1", at(60)), at(4))).await);
+    let mut c = Commit::new(doomed.run.id.clone(), Fence::Unowned { from: vec![RunStatus::Waiting] }, at(4));
+    c.run = to(RunStatus::Cancelled);
+    c.events.push(EventKind::Cancelled { reason: "cancelled_by_user".into() });
+    let committed = commit_ok(&store, c).await;
+    assert_eq!(committed.events[0].sequence, 2);
+    assert_eq!(get_run(&store, &doomed.run.id).await.status, RunStatus::Cancelled);
+    // waiting may only become queued or cancelled
+    let mut c = Commit::new(next.run.id.clone(), Fence::Unowned { from: vec![RunStatus::Waiting] }, at(5));
+    c.run = to(RunStatus::Completed);
+    assert_conflict(store.commit(c).await);
+
+    end_queued(&store, &first.id, at(6)).await;
+    let promoted =
+        store.promote_waiting(&conversation.id, first_events(&conversation.id), at(7)).await.expect("promote");
+    assert_eq!(promoted.map(|s| s.run.id), Some(next.run.id));
+    assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2", "this one"]);
+}
+
+/// A run that ran — text, a tool call and its result, an interrupt, events — is rolled back once
+/// it is over: its messages and events are gone (a replay is told they are, as after retention),
+/// its checkpoint names nothing it did, a summary of earlier turns stays, and its row, tool calls
+/// and interrupts stay (the audit), out of the conversation's calls. Only a finished run is rolled
+/// back; a second rollback removes nothing more.
+pub async fn a_rollback_removes_messages_and_events_and_keeps_the_audit(store: SharedStore) {
+    let (conversation, before) = running(&store, "w1").await;
+    let answer = message(&before, Role::Assistant, "ord-2 is late", None, 3);
+    let mut c = Commit::new(before.id.clone(), lease("w1", at(60)), at(3));
+    c.messages.push(answer.clone());
+    c.summary = Some(Summary {
+        conversation_id: conversation.id.clone(),
+        through_message_id: answer.id.clone(),
+        text: "ord-2 is late".into(),
+    });
+    c.run = to(RunStatus::Completed);
+    c.events.push(EventKind::Done { message_id: Some(answer.id.clone()) });
+    commit_ok(&store, c).await;
+    let kept_messages = store.list_messages(&conversation.id).await.expect("messages");
+
+    let run = start(&store, &conversation, at(4)).await.run;
+    let call = tool_call(&run.id, "cancel_order", "ord-2", ToolCallState::Asking);
+    let asked = interrupt(&run.id, vec![call.id.clone()], at(500));
+    let streamed = MessageId::new();
+    let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(5));
+    c.run = to(RunStatus::Running);
+    c.text.push(TextAppend { message_id: streamed.clone(), text: "Cancelling ord-2.".into() });
+    c.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    c.messages.push(message(&run, Role::Tool, "{\"asked\":true}", Some(&call.id), 5));
+    c.facts.push(fact("order", "ord-2", FactSource::ToolResult, at(5)));
+    c.checkpoint = Some(Checkpoint {
+        pending_call_ids: vec![call.id.clone()],
+        answer_message_id: Some(streamed.clone()),
+        trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".into()),
+        ..run.checkpoint.clone()
+    });
+    c.events.push(node("model"));
+    commit_ok(&store, c).await;
+    let mut c = Commit::new(run.id.clone(), lease("w2", at(60)), at(6));
+    c.run = to(RunStatus::Interrupted);
+    c.new_interrupts.push(asked.clone());
+    commit_ok(&store, c).await;
+
+    // not over: refused, and nothing removed
+    assert_conflict(store.roll_back_run(&run.id, at(7)).await);
+    assert_eq!(store.list_run_messages(&run.id).await.expect("messages").len(), 3);
+    assert!(matches!(store.roll_back_run(&RunId::new(), at(7)).await, Err(StoreError::NotFound("run"))));
+
+    let mut c = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, at(8));
+    c.run = to(RunStatus::Cancelled);
+    c.interrupt_changes.push(InterruptChange {
+        id: asked.id.clone(),
+        to: InterruptStatus::Cancelled,
+        decision: None,
+        note: None,
+        resolved_by: None,
+    });
+    c.tool_calls.push(ToolCallChange::transition(&call.id, ToolCallState::Asking, ToolCallState::Denied));
+    c.events.push(EventKind::Cancelled { reason: "interrupted_by_new_message".into() });
+    commit_ok(&store, c).await;
+    let next_sequence = get_run(&store, &run.id).await.next_sequence;
+    assert!(next_sequence > 3);
+
+    let removed = store.roll_back_run(&run.id, at(9)).await.expect("roll back");
+    assert_eq!(removed.messages, 3, "the user message, the streamed text, the tool result");
+    assert_eq!(removed.events as i64, next_sequence - 1);
+    assert!(!removed.summary, "the summary covers an earlier run only");
+
+    // the conversation reads as if it never ran
+    assert_eq!(store.list_messages(&conversation.id).await.expect("messages"), kept_messages);
+    assert!(store.list_run_messages(&run.id).await.expect("messages").is_empty());
+    let window = store.context_window(&conversation.id).await.expect("window");
+    assert!(window.messages.iter().all(|m| m.run_id.as_ref() != Some(&run.id)));
+    assert!(window.summary.is_some());
+    assert!(store.list_conversation_tool_calls(&conversation.id).await.expect("calls").is_empty());
+    assert!(events(&store, &run.id).await.is_empty());
+    assert_eq!(store.first_held_sequence(&run.id).await.expect("first held"), Some(next_sequence));
+
+    // the audit stays: the run, its calls and interrupts
+    let rolled_back = get_run(&store, &run.id).await;
+    assert_eq!(rolled_back.status, RunStatus::RolledBack);
+    assert_eq!(rolled_back.reason, None, "the reason it ended with");
+    assert_eq!(rolled_back.next_sequence, next_sequence);
+    assert_eq!(rolled_back.lease_owner, None);
+    assert!(rolled_back.checkpoint.pending_call_ids.is_empty());
+    assert_eq!(rolled_back.checkpoint.answer_message_id, None);
+    assert_eq!(rolled_back.checkpoint.trace_id.as_deref(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
+    let calls = store.list_tool_calls(&run.id).await.expect("calls");
+    assert_eq!(calls.iter().map(|c| (c.id.clone(), c.state)).collect::<Vec<_>>(), [(call.id, ToolCallState::Denied)]);
+    let interrupts = store.list_interrupts(&run.id).await.expect("interrupts");
+    assert_eq!(interrupts.iter().map(|i| i.status).collect::<Vec<_>>(), [InterruptStatus::Cancelled]);
+    let listed = store.list_runs("alice", Some(RunStatus::RolledBack), 10).await.expect("runs");
+    assert_eq!(listed.into_iter().map(|r| r.id).collect::<Vec<_>>(), vec![run.id.clone()]);
+    assert_eq!(store.list_facts(&conversation.id).await.expect("facts").len(), 1, "facts stay");
+
+    // once is enough; a rolled-back run is over, and its conversation takes a new run
+    assert_eq!(store.roll_back_run(&run.id, at(10)).await.expect("again"), Default::default());
+    assert_eq!(get_run(&store, &run.id).await, rolled_back);
+    let mut c = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Cancelled] }, at(10));
+    c.run = to(RunStatus::Cancelled);
+    assert_conflict(store.commit(c).await);
+    assert_eq!(store.active_run(&conversation.id).await.expect("active"), None);
+    start(&store, &conversation, at(11)).await;
+}
+
+/// A summary that covers a message of the rolled-back run (it was extended during that run) is
+/// removed with it: the next step summarises again from what is left.
+pub async fn a_rollback_removes_the_summary_that_covers_the_run(store: SharedStore) {
+    let (conversation, run) = running(&store, "w1").await;
+    let answer = message(&run, Role::Assistant, "ord-2 is late", None, 3);
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(3));
+    c.messages.push(answer.clone());
+    c.summary = Some(Summary {
+        conversation_id: conversation.id.clone(),
+        through_message_id: run.user_message_id.clone(),
+        text: "asked about ord-2".into(),
+    });
+    c.run = to(RunStatus::Failed);
+    commit_ok(&store, c).await;
+    let removed = store.roll_back_run(&run.id, at(4)).await.expect("roll back");
+    assert_eq!((removed.messages, removed.summary), (2, true));
+    assert_eq!(store.get_summary(&conversation.id).await.expect("summary"), None);
+    assert_eq!(store.context_window(&conversation.id).await.expect("window"), ContextWindow::default());
 }

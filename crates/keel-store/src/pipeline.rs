@@ -24,9 +24,10 @@ use keel_core::domain::{
 };
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
+use keel_core::mask::Masked;
 use keel_core::store::{
-    Commit, Committed, Fence, InterruptChange, NewRun, StartedRun, StoreError, StoreResult, TextAppend, ToolCallChange,
-    ToolCallUpdate,
+    Commit, Committed, Fence, InterruptChange, NewRun, RolledBack, StartedRun, StoreError, StoreResult, TextAppend,
+    ToolCallChange, ToolCallUpdate,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -283,13 +284,14 @@ async fn insert_message<T: Tx>(tx: &mut T, m: &Message) -> StoreResult<()> {
 static INSERT_RUN: Sql = Sql::new(
     "INSERT INTO runs (id, conversation_id, user_message_id, user_id, agent_id, status, reason, \
      cancel_on_disconnect, cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, \
-     created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)",
+     created_at, updated_at, pending_content) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
 );
 
-/// Inserts the run; `Ok(false)` if a unique index refused it: the one-active-run index (another run
-/// of the conversation is active), or, where the backend does not name the index, possibly the id.
-/// The caller tells them apart.
-async fn insert_run<T: Tx>(tx: &mut T, run: &Run, one_active_run: &str) -> StoreResult<bool> {
+/// Inserts the run (with the text of its message while it waits, `pending`); `Ok(false)` if a
+/// unique index refused it: the one-active-run index (another run of the conversation is active),
+/// or, where the backend does not name the index, possibly the id. The caller tells them apart.
+async fn insert_run<T: Tx>(tx: &mut T, run: &Run, pending: Option<&str>, one_active_run: &str) -> StoreResult<bool> {
     let checkpoint = T::encode("checkpoint", &run.checkpoint)?;
     let args = [
         text(run.id.as_str()),
@@ -307,6 +309,7 @@ async fn insert_run<T: Tx>(tx: &mut T, run: &Run, one_active_run: &str) -> Store
         Arg::Encoded(Some(&checkpoint)),
         time(run.created_at),
         time(run.updated_at),
+        Arg::Text(pending),
     ];
     match tx.execute(INSERT_RUN.text(T::DIALECT), &args).await {
         Ok(_) => Ok(true),
@@ -317,19 +320,43 @@ async fn insert_run<T: Tx>(tx: &mut T, run: &Run, one_active_run: &str) -> Store
 
 static BUMP_CONVERSATION: Sql =
     Sql::new("UPDATE conversations SET version = version + 1 WHERE id = $1 RETURNING version");
+/// Locks the conversation's row (PostgreSQL) without a new version: an enqueued message that may
+/// wait, and a promotion that may find nothing to start, bump the version only once they know
+/// their message joins the conversation.
+static LOCK_CONVERSATION: Sql = Sql::new("UPDATE conversations SET version = version WHERE id = $1 RETURNING version");
 static ACTIVE_RUN: Sql = Sql::new(
     "SELECT id FROM runs WHERE conversation_id = $1 \
      AND (status = 'queued' OR status = 'running' OR status = 'interrupted') LIMIT 1",
 );
+/// The run a new message of the conversation would come after: its active run, else its oldest
+/// waiting one. One row, of two scalar probes of two partial indexes (the one-active-run index,
+/// `runs_waiting`): no sort, so SQLite builds no temporary b-tree for it (a `UNION ALL … ORDER BY`
+/// built two at every start).
+static BLOCKING_RUN: Sql = Sql::new(
+    "SELECT COALESCE((SELECT id FROM runs WHERE conversation_id = $1 \
+     AND (status = 'queued' OR status = 'running' OR status = 'interrupted') LIMIT 1), \
+     (SELECT id FROM runs WHERE conversation_id = $1 AND status = 'waiting' ORDER BY created_at, id LIMIT 1))",
+);
+
+fn run_id_of(row: Vec<Cell>) -> StoreResult<RunId> {
+    only(row)?.text("id")?.parse().map_err(|_| StoreError::Backend("column runs.id: not a run id".into()))
+}
 
 /// The conversation's active run, if any.
 pub(crate) async fn active_run_id<T: Tx>(tx: &mut T, conversation_id: &ConversationId) -> StoreResult<Option<RunId>> {
     match row(tx, "find the active run", &ACTIVE_RUN, &[text(conversation_id.as_str())], &[Ty::Text]).await? {
-        Some(row) => only(row)?
-            .text("id")?
-            .parse()
-            .map(Some)
-            .map_err(|_| StoreError::Backend("column runs.id: not a run id".into())),
+        Some(row) => run_id_of(row).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The run a new message of the conversation comes after, if any: its active run, else its oldest
+/// waiting one.
+pub(crate) async fn blocking_run_id<T: Tx>(tx: &mut T, conversation_id: &ConversationId) -> StoreResult<Option<RunId>> {
+    let found =
+        row(tx, "find the runs not over", &BLOCKING_RUN, &[text(conversation_id.as_str())], &[Ty::OptText]).await?;
+    match found.map(only).transpose()?.map(|id| id.opt_text("id")).transpose()?.flatten() {
+        Some(id) => id.parse().map(Some).map_err(|_| StoreError::Backend("column runs.id: not a run id".into())),
         None => Ok(None),
     }
 }
@@ -339,9 +366,15 @@ pub(crate) async fn active_run_id<T: Tx>(tx: &mut T, conversation_id: &Conversat
 /// refused the run: another run of the conversation became active between the check and the insert
 /// (or, where the backend does not name the index, the run id was taken); the caller tells which.
 ///
-/// Bumping the conversation's version first locks its row on PostgreSQL: starts on one
-/// conversation are serialised, and the active-run check sees the run of a start that committed
-/// while this one waited. The version is the run's checkpoint's: what the context was built from.
+/// A conversation with a run that is not over (active, or waiting) refuses it with `RunActive`,
+/// unless `new.enqueue` asks it to wait: then the run is `waiting`, its message's text kept on it
+/// (`pending_content`), with the enqueue's first events, and neither the message nor a new version
+/// is written (both come with [`promote`]).
+///
+/// Bumping (or, for an enqueued message, locking) the conversation's version first locks its row on
+/// PostgreSQL: starts and promotions on one conversation are serialised, and the check sees the run
+/// of a start that committed while this one waited. The version is the run's checkpoint's: what
+/// the context was built from.
 pub(crate) async fn start_run<T: Tx>(
     tx: &mut T,
     new: &NewRun,
@@ -350,21 +383,36 @@ pub(crate) async fn start_run<T: Tx>(
     one_active_run: &str,
 ) -> StoreResult<Option<StartedRun>> {
     let now = T::stored(new.now);
-    let version = row(tx, "start a run", &BUMP_CONVERSATION, &[text(new.conversation_id.as_str())], &[Ty::Int])
-        .await?
-        .ok_or(StoreError::NotFound("conversation"))?;
-    let version = only(version)?.int("version")?;
-    if let Some(active) = active_run_id(tx, &new.conversation_id).await? {
-        return Err(StoreError::RunActive(active));
-    }
-    let events_len = i64::try_from(new.events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let conversation = [text(new.conversation_id.as_str())];
+    let lock = if new.enqueue.is_some() { &LOCK_CONVERSATION } else { &BUMP_CONVERSATION };
+    let version =
+        row(tx, "start a run", lock, &conversation, &[Ty::Int]).await?.ok_or(StoreError::NotFound("conversation"))?;
+    let mut version = only(version)?.int("version")?;
+    let waits = match (blocking_run_id(tx, &new.conversation_id).await?, &new.enqueue) {
+        (Some(blocking), None) => return Err(StoreError::RunActive(blocking)),
+        (Some(_), Some(_)) => true,
+        (None, Some(_)) => {
+            // nothing ahead: it starts now, as a message that would not wait
+            let bumped = row(tx, "start a run", &BUMP_CONVERSATION, &conversation, &[Ty::Int])
+                .await?
+                .ok_or(StoreError::NotFound("conversation"))?;
+            version = only(bumped)?.int("version")?;
+            false
+        }
+        (None, None) => false,
+    };
+    let first_events = match &new.enqueue {
+        Some(waiting_events) if waits => waiting_events,
+        _ => &new.events,
+    };
+    let events_len = i64::try_from(first_events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
     let run = Run {
         id: run_id,
         conversation_id: new.conversation_id.clone(),
         user_message_id: message_id,
         user_id: new.user_id.clone(),
         agent_id: Some(new.agent_id.clone()),
-        status: RunStatus::Queued,
+        status: if waits { RunStatus::Waiting } else { RunStatus::Queued },
         reason: None,
         cancel_on_disconnect: new.cancel_on_disconnect,
         cancel_requested: false,
@@ -386,12 +434,167 @@ pub(crate) async fn start_run<T: Tx>(
         created_at: now,
     };
     // the run first: the message refers to it
-    if !insert_run(tx, &run, one_active_run).await? {
+    let pending = waits.then(|| new.content.as_str());
+    if !insert_run(tx, &run, pending, one_active_run).await? {
         return Ok(None);
     }
-    insert_message(tx, &message).await?;
-    let events = tx.insert_events(&run.id, 1, &new.events, now).await?;
+    if !waits {
+        insert_message(tx, &message).await?;
+    }
+    let events = tx.insert_events(&run.id, 1, first_events, now).await?;
     Ok(Some(StartedRun { message, run, events }))
+}
+
+static OLDEST_WAITING: Sql = Sql::new(
+    "SELECT id, user_message_id, pending_content, next_sequence FROM runs \
+     WHERE conversation_id = $1 AND status = 'waiting' ORDER BY created_at, id LIMIT 1",
+);
+static PROMOTE: Sql = Sql::new(
+    "UPDATE runs SET status = 'queued', pending_content = NULL, next_sequence = next_sequence + $2, \
+     checkpoint = $3, updated_at = $4 WHERE id = $1 AND status = 'waiting'",
+);
+
+/// A waiting run that [`promote`] started: its id, its message (now stored) and the events it was
+/// given.
+pub(crate) struct Promoted {
+    pub run_id: RunId,
+    pub message: Message,
+    pub events: Vec<Event>,
+}
+
+/// Starts the conversation's oldest waiting run if the conversation has no active run: `waiting →
+/// queued` (conditional on `waiting`), its message stored with a new conversation version (the
+/// run's checkpoint's), `events` appended after the ones it has. `Ok(None)` when there is nothing
+/// to start; then nothing was written but the lock. `Conflict` when the run was promoted by another
+/// writer after all (the caller rolls back the version it bumped; the one-active-run index refuses
+/// a second active run the same way).
+///
+/// The conversation's row is locked first (PostgreSQL), as [`start_run`] locks it: a promotion and
+/// a new message on one conversation are serialised, so of two instances promoting the same run one
+/// waits for the other and then finds the run active.
+pub(crate) async fn promote<T: Tx>(
+    tx: &mut T,
+    conversation_id: &ConversationId,
+    events: &[EventKind],
+    now: Timestamp,
+    one_active_run: &str,
+) -> StoreResult<Option<Promoted>> {
+    let now = T::stored(now);
+    let conversation = [text(conversation_id.as_str())];
+    row(tx, "promote a waiting run", &LOCK_CONVERSATION, &conversation, &[Ty::Int])
+        .await?
+        .ok_or(StoreError::NotFound("conversation"))?;
+    if active_run_id(tx, conversation_id).await?.is_some() {
+        return Ok(None);
+    }
+    let shape = [Ty::Text, Ty::Text, Ty::OptText, Ty::Int];
+    let Some(oldest) = row(tx, "promote a waiting run", &OLDEST_WAITING, &conversation, &shape).await? else {
+        return Ok(None);
+    };
+    let [id, message_id, content, next_sequence] =
+        <[Cell; 4]>::try_from(oldest).map_err(|_| StoreError::Backend("promote a waiting run: a short row".into()))?;
+    let run_id: RunId =
+        id.text("id")?.parse().map_err(|_| StoreError::Backend("column runs.id: not a run id".into()))?;
+    let message_id: MessageId = message_id
+        .text("user_message_id")?
+        .parse()
+        .map_err(|_| StoreError::Backend("column runs.user_message_id: not a message id".into()))?;
+    let content = content.opt_text("pending_content")?.unwrap_or_default();
+    let first_sequence = next_sequence.int("next_sequence")?;
+    let version = row(tx, "promote a waiting run", &BUMP_CONVERSATION, &conversation, &[Ty::Int])
+        .await?
+        .ok_or(StoreError::NotFound("conversation"))?;
+    let version = only(version)?.int("version")?;
+    let checkpoint = T::encode("checkpoint", &Checkpoint::start(version))?;
+    let n = i64::try_from(events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let args = [text(run_id.as_str()), Arg::Int(Some(n)), Arg::Encoded(Some(&checkpoint)), time(now)];
+    match tx.execute(PROMOTE.text(T::DIALECT), &args).await {
+        Ok(0) => return Err(StoreError::Conflict(format!("run {run_id} is no longer waiting"))),
+        Ok(_) => {}
+        Err(e) if e.unique && e.constraint.as_deref().is_none_or(|c| c == one_active_run) => {
+            return Err(StoreError::Conflict(format!("run {run_id}: the conversation has another active run")))
+        }
+        Err(e) => return Err(e.backend("promote a waiting run")),
+    }
+    let message = Message {
+        id: message_id,
+        conversation_id: conversation_id.clone(),
+        run_id: Some(run_id.clone()),
+        role: Role::User,
+        content: Masked::from_store(content),
+        tool_call_id: None,
+        created_at: now,
+    };
+    insert_message(tx, &message).await?;
+    let events = tx.insert_events(&run_id, first_sequence, events, now).await?;
+    Ok(Some(Promoted { run_id, message, events }))
+}
+
+static READ_ROLLBACK: Sql =
+    Sql::new("SELECT status, CAST(checkpoint AS TEXT), next_sequence, conversation_id FROM runs WHERE id = $1");
+static ROLL_BACK: Sql = Sql::new(
+    "UPDATE runs SET status = 'rolled_back', checkpoint = $2, updated_at = $3, lease_owner = NULL, \
+     lease_expires_at = NULL WHERE id = $1 AND (status = 'completed' OR status = 'failed' OR status = 'cancelled')",
+);
+/// The conversation's summary, when the last message it covers comes at or after the run's first
+/// message (so it covers one of the run's messages).
+static DROP_COVERING_SUMMARY: Sql = Sql::new(
+    "DELETE FROM summaries WHERE conversation_id = $1 \
+     AND (SELECT seq FROM messages WHERE id = summaries.through_message_id) \
+         >= (SELECT MIN(seq) FROM messages WHERE run_id = $2)",
+);
+static DELETE_RUN_MESSAGES: Sql = Sql::new("DELETE FROM messages WHERE run_id = $1");
+static DELETE_RUN_EVENTS: Sql = Sql::new("DELETE FROM run_events WHERE run_id = $1");
+static HOLDS_NO_EVENT: Sql = Sql::new(
+    "INSERT INTO run_prunes (run_id, first_held_sequence, pruned_at) VALUES ($1, $2, $3) \
+     ON CONFLICT (run_id) DO UPDATE SET first_held_sequence = excluded.first_held_sequence, \
+     pruned_at = excluded.pruned_at",
+);
+
+/// [`keel_core::store::RunStore::roll_back_run`]: a finished run's messages, events and checkpoint
+/// removed (and the summary that covers one of those messages), the run `rolled_back`, in the
+/// caller's transaction.
+pub(crate) async fn roll_back<T: Tx>(tx: &mut T, run_id: &RunId, now: Timestamp) -> StoreResult<RolledBack> {
+    let now = T::stored(now);
+    let id = [text(run_id.as_str())];
+    let shape = [Ty::Text, Ty::Text, Ty::Int, Ty::Text];
+    let Some(found) = row(tx, "roll back a run", &READ_ROLLBACK, &id, &shape).await? else {
+        return Err(StoreError::NotFound("run"));
+    };
+    let [status, checkpoint, next_sequence, conversation_id] =
+        <[Cell; 4]>::try_from(found).map_err(|_| StoreError::Backend("roll back a run: a short row".into()))?;
+    let status = status.text("status")?;
+    match RunStatus::parse(&status) {
+        Some(RunStatus::RolledBack) => return Ok(RolledBack::default()),
+        Some(s) if s.can_transition_to(RunStatus::RolledBack) => {}
+        _ => return Err(StoreError::Conflict(format!("run {run_id} is {status}: only a finished run is rolled back"))),
+    }
+    // What it did is gone: a checkpoint that names none of it, with the run's trace id (its logs
+    // and spans stay joinable to it).
+    let old: Checkpoint = serde_json::from_str(&checkpoint.text("checkpoint")?)
+        .map_err(|_| StoreError::Backend("column runs.checkpoint: not a checkpoint".into()))?;
+    let cleared = Checkpoint { trace_id: old.trace_id, ..Checkpoint::start(old.conversation_version) };
+    let cleared = T::encode("checkpoint", &cleared)?;
+    let args = [text(run_id.as_str()), Arg::Encoded(Some(&cleared)), time(now)];
+    if execute(tx, "roll back a run", &ROLL_BACK, &args).await? == 0 {
+        // Moved since it was read (PostgreSQL: another rollback of it committed meanwhile).
+        let now_status = row(tx, "roll back a run", &READ_ROLLBACK, &id, &shape).await?;
+        return match now_status.map(|r| r.into_iter().next().map(|s| s.text("status"))) {
+            Some(Some(Ok(s))) if s == RunStatus::RolledBack.as_str() => Ok(RolledBack::default()),
+            _ => Err(StoreError::Conflict(format!("run {run_id} changed while it was rolled back"))),
+        };
+    }
+    let conversation_id = conversation_id.text("conversation_id")?;
+    let summary =
+        execute(tx, "roll back a run", &DROP_COVERING_SUMMARY, &[text(&conversation_id), text(run_id.as_str())])
+            .await?
+            > 0;
+    let messages = execute(tx, "roll back a run", &DELETE_RUN_MESSAGES, &id).await?;
+    let events = execute(tx, "roll back a run", &DELETE_RUN_EVENTS, &id).await?;
+    let next_sequence = next_sequence.int("next_sequence")?;
+    execute(tx, "roll back a run", &HOLDS_NO_EVENT, &[text(run_id.as_str()), Arg::Int(Some(next_sequence)), time(now)])
+        .await?;
+    Ok(RolledBack { messages, events, summary })
 }
 
 /// What the fence read of the run row as the commit leaves it.

@@ -25,7 +25,7 @@ use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult,
+    PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -550,11 +550,14 @@ impl RunStore for PostgresStore {
                 return Ok(started);
             }
             // Another run became active between the check and the insert (the unique index saw
-            // it): the transaction is aborted; the winner, read afresh, is the answer.
+            // it): the transaction is aborted; the winner, read afresh, is the answer (an enqueued
+            // message starts again, and waits behind it).
             tx.rollback().await.map_err(db("start a run"))?;
             let mut conn = self.pool.acquire().await.map_err(db("start a run"))?;
             if let Some(active) = pipeline::active_run_id(&mut PgTx(&mut conn), &new.conversation_id).await? {
-                return Err(StoreError::RunActive(active));
+                if new.enqueue.is_none() {
+                    return Err(StoreError::RunActive(active));
+                }
             }
             // ... unless it is over already: start again.
         }
@@ -593,6 +596,65 @@ impl RunStore for PostgresStore {
             .await
             .map_err(db("get the active run"))?;
         row.as_ref().map(run_from).transpose()
+    }
+
+    async fn waiting_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>> {
+        let rows = sqlx::query(
+            "SELECT * FROM runs WHERE conversation_id = $1 AND status = 'waiting' ORDER BY created_at, id LIMIT $2",
+        )
+        .bind(conversation_id.as_str())
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list waiting runs"))?;
+        all(&rows, run_from)
+    }
+
+    async fn promote_waiting(
+        &self,
+        conversation_id: &ConversationId,
+        events: Vec<EventKind>,
+        now: Timestamp,
+    ) -> StoreResult<Option<StartedRun>> {
+        let mut tx = self.begin().await?;
+        // On an error the transaction is dropped, which rolls it back.
+        let promoted = match pipeline::promote(&mut PgTx(&mut tx), conversation_id, &events, now, ONE_ACTIVE_RUN).await
+        {
+            Ok(Some(promoted)) => promoted,
+            Ok(None) => return Ok(None),
+            // promoted by another instance after all: this transaction is rolled back
+            Err(StoreError::Conflict(_)) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
+            .bind(promoted.run_id.as_str())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db("promote a waiting run"))?;
+        let run = run_from(&row)?;
+        tx.commit().await.map_err(db("promote a waiting run"))?;
+        Ok(Some(StartedRun { message: promoted.message, run, events: promoted.events }))
+    }
+
+    async fn stranded_conversations(&self, limit: u32) -> StoreResult<Vec<ConversationId>> {
+        let rows = sqlx::query(&format!(
+            "SELECT w.conversation_id FROM runs w WHERE w.status = 'waiting' AND NOT EXISTS \
+             (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND a.status IN {ACTIVE}) \
+             GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT $1"
+        ))
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("find stranded waiting runs"))?;
+        all(&rows, |row| Cols::new(row, "runs").id("conversation_id"))
+    }
+
+    async fn roll_back_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<RolledBack> {
+        let mut tx = self.begin().await?;
+        // On an error the transaction is dropped, which rolls it back.
+        let rolled_back = pipeline::roll_back(&mut PgTx(&mut tx), run_id, now).await?;
+        tx.commit().await.map_err(db("roll back a run"))?;
+        Ok(rolled_back)
     }
 
     async fn claim_runs(
@@ -655,7 +717,8 @@ impl RunStore for PostgresStore {
     async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
         let mut tx = self.begin().await?;
         let updated = sqlx::query(&format!(
-            "UPDATE runs SET cancel_requested = true, updated_at = $1 WHERE id = $2 AND status IN {ACTIVE} RETURNING *"
+            "UPDATE runs SET cancel_requested = true, updated_at = $1 WHERE id = $2 \
+             AND (status IN {ACTIVE} OR status = 'waiting') RETURNING *"
         ))
         .bind(now)
         .bind(run_id.as_str())
@@ -761,11 +824,14 @@ impl RunStore for PostgresStore {
     }
 
     async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>> {
-        let rows = sqlx::query("SELECT * FROM tool_calls WHERE conversation_id = $1 ORDER BY seq")
-            .bind(conversation_id.as_str())
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db("list tool calls"))?;
+        let rows = sqlx::query(
+            "SELECT * FROM tool_calls t WHERE conversation_id = $1 AND NOT EXISTS \
+             (SELECT 1 FROM runs r WHERE r.id = t.run_id AND r.status = 'rolled_back') ORDER BY seq",
+        )
+        .bind(conversation_id.as_str())
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list tool calls"))?;
         all(&rows, tool_call_from)
     }
 

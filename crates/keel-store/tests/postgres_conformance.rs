@@ -92,6 +92,7 @@ fn new_run(conversation_id: &keel_core::ids::ConversationId) -> NewRun {
         cancel_on_disconnect: false,
         now: now(),
         events: vec![],
+        enqueue: None,
     }
 }
 

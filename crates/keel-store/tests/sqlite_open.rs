@@ -57,6 +57,7 @@ async fn an_unreadable_row_is_a_backend_error() {
             cancel_on_disconnect: false,
             now: now(),
             events: vec![],
+            enqueue: None,
         })
         .await
         .expect("start");
@@ -110,6 +111,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0007_run_worker.sql"),
         include_str!("../migrations/sqlite/0008_checks_without_in_lists.sql"),
         include_str!("../migrations/sqlite/0009_retention.sql"),
+        include_str!("../migrations/sqlite/0010_multitask.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {
@@ -197,6 +199,7 @@ async fn after_close_the_database_file_alone_holds_every_write() {
                             cancel_on_disconnect: false,
                             now: now(),
                             events: vec![],
+                            enqueue: None,
                         })
                         .await?;
                     Ok::<_, StoreError>(started.run.id)
@@ -245,6 +248,13 @@ async fn the_constraints_refuse_bad_values_without_temporary_btrees() {
          VALUES (?1, ?1, ?1, ?1, '{}', '[]', ?1, ?1)",
         "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at) \
          VALUES (?1, ?1, ?1, ?1, ?1, '{}', ?1, ?1)",
+        // a new message's look for a run it comes after (in every start's transaction), and the
+        // start of a waiting run
+        "SELECT COALESCE((SELECT id FROM runs WHERE conversation_id = ?1 \
+         AND (status = 'queued' OR status = 'running' OR status = 'interrupted') LIMIT 1), \
+         (SELECT id FROM runs WHERE conversation_id = ?1 AND status = 'waiting' ORDER BY created_at, id LIMIT 1))",
+        "UPDATE runs SET status = 'queued', pending_content = NULL, next_sequence = next_sequence + ?1, \
+         checkpoint = ?1, updated_at = ?1 WHERE id = ?1 AND status = 'waiting'",
     ];
     for sql in writes {
         let mut explain = raw.prepare(&format!("EXPLAIN {sql}")).expect("explain");
@@ -277,10 +287,15 @@ async fn the_constraints_refuse_bad_values_without_temporary_btrees() {
     for sql in refused {
         assert!(raw.execute_batch(sql).is_err(), "accepted: {sql}");
     }
-    // what they allow, they still allow
+    // what they allow, they still allow; a waiting run does not hold the conversation
     raw.execute_batch(
         "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at)
              VALUES ('r4', 'c', 'm4', 'u', 'cancelled', '{}', 'now', 'now');
+         INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at,
+                           pending_content)
+             VALUES ('r5', 'c', 'm5', 'u', 'waiting', '{}', 'now', 'now', 'next, please');
+         INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at)
+             VALUES ('r6', 'c', 'm6', 'u', 'rolled_back', '{}', 'now', 'now');
          INSERT INTO messages (id, conversation_id, run_id, role, content, created_at) VALUES ('m', 'c', 'r', 'tool', '', 'now');
          INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state) VALUES ('t', 'r', 'c', 'n', '{}', 'suspended');
          INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at)

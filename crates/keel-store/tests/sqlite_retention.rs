@@ -36,6 +36,7 @@ async fn pruning_gives_the_space_back() {
                 cancel_on_disconnect: false,
                 now: at(1),
                 events: vec![],
+                enqueue: None,
             })
             .await
             .unwrap()

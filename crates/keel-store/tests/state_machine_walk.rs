@@ -42,6 +42,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
             cancel_on_disconnect: false,
             now,
             events: vec![EventKind::RunStarted { conversation_id: conv.id.clone(), trace_id: None }],
+            enqueue: None,
         })
         .await
         .unwrap();

@@ -127,13 +127,15 @@ async fn conversation_records(
     })];
     let messages = store.list_messages(&conversation.id).await.context("reading messages")?;
     records.extend(messages.iter().filter(|m| after(&m.created_at)).map(message_record));
-    let calls = store.list_conversation_tool_calls(&conversation.id).await.context("reading tool calls")?;
     for run in store.list_conversation_runs(&conversation.id).await.context("reading runs")? {
         if !after(&run.updated_at) {
             continue;
         }
         records.push(run_record(&run));
-        records.extend(calls.iter().filter(|c| c.run_id == run.id).map(call_record));
+        // The run's own calls: a rolled-back run's too (the conversation no longer lists them;
+        // the audit does).
+        let calls = store.list_tool_calls(&run.id).await.context("reading tool calls")?;
+        records.extend(calls.iter().map(call_record));
         let interrupts = store.list_interrupts(&run.id).await.context("reading interrupts")?;
         records.extend(interrupts.iter().map(|i| interrupt_record(i, &run)));
     }

@@ -326,6 +326,7 @@ async fn a_postgres_database_is_backed_up_with_pg_dump_and_restored_with_pg_rest
             cancel_on_disconnect: false,
             now,
             events: vec![keel_core::EventKind::RunStarted { conversation_id: conversation.id.clone(), trace_id: None }],
+            enqueue: None,
         })
         .await
         .unwrap();

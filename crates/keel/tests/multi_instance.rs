@@ -400,3 +400,56 @@ async fn a_completed_side_effect_is_not_rerun_and_cancel_reaches_the_holder() {
     drop(b);
     setup.drop_schema().await.unwrap();
 }
+
+/// Messages enqueued on two instances behind a run that waits for approval: the queue is in the
+/// database, so it outlives the instance that took one of them (killed), and once the approval is
+/// given on the other the queued runs start there, one after the other, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_enqueued_run_outlives_its_instance_and_starts_in_order() {
+    let Some((setup, db)) = database().await else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let http = reqwest::Client::new();
+    let mut a = Instance::start("a", &db, dir.path(), redis_url());
+    let b = Instance::start("b", &db, dir.path(), redis_url());
+
+    let conv = post(&http, format!("{}/v1/conversations", a.base), json!({})).await;
+    let conv = conv["id"].as_str().unwrap().to_owned();
+    let turn = post(
+        &http,
+        format!("{}/v1/conversations/{conv}/messages?wait=true", a.base),
+        json!({"content": "restart pay-prod-2"}),
+    )
+    .await;
+    let paused = turn["run"]["id"].as_str().unwrap().to_owned();
+    let interrupt = turn["interrupt"]["id"].as_str().unwrap().to_owned();
+    let mut queued = Vec::new();
+    for (base, content) in [(&a.base, "list the services"), (&b.base, "what can you do?")] {
+        let body = json!({"content": content, "multitaskStrategy": "enqueue"});
+        let sent = post(&http, format!("{base}/v1/conversations/{conv}/messages"), body).await;
+        assert_eq!(sent["status"], "waiting", "{sent}");
+        queued.push(sent["runId"].as_str().unwrap().to_owned());
+    }
+    a.kill();
+
+    let decision = json!({"interruptId": interrupt, "decision": "approve", "idempotencyKey": "multi-enqueue"});
+    post(&http, format!("{}/v1/runs/{paused}/resume", b.base), decision).await;
+    for run in &queued {
+        let events = read_stream(&http, &b.base, run, 0, false).await;
+        let types: Vec<&str> = events.iter().map(Event::type_name).collect();
+        assert_eq!(types[..2], ["run_waiting", "run_started"], "{types:?}");
+        assert_eq!(types.last(), Some(&"done"), "{types:?}");
+    }
+    let messages = setup.list_messages(&conv.parse().unwrap()).await.unwrap();
+    let mut order: Vec<String> = Vec::new();
+    for m in messages {
+        let run = m.run_id.unwrap().to_string();
+        if order.last() != Some(&run) {
+            assert!(!order.contains(&run), "the runs' messages interleave");
+            order.push(run);
+        }
+    }
+    assert_eq!(order, [paused, queued[0].clone(), queued[1].clone()]);
+
+    drop(b);
+    setup.drop_schema().await.unwrap();
+}

@@ -89,6 +89,7 @@ async fn holds_what_it_held(store: &dyn Store) {
             cancel_on_disconnect: false,
             now: chrono::Utc::now(),
             events: vec![],
+            enqueue: None,
         })
         .await
         .unwrap();

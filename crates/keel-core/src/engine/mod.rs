@@ -32,8 +32,8 @@ use crate::mask::{looks_secret, mask_value, truncate, Masked};
 use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
 use crate::model::{ModelChunk, ModelError, ModelRequest};
 use crate::store::{
-    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RunChange, StartedRun,
-    Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RolledBack, RunChange,
+    StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use crate::stream::{run_events, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
@@ -97,31 +97,57 @@ pub struct SendMessage {
 }
 
 /// What a new message does when its conversation has a run that is not over (LangGraph's
-/// `multitask_strategy`): `reject` it (`RunActive`, the default), or `interrupt` the active run —
-/// cancel it at its next checkpoint, keeping what it did, and start the new one once it has ended.
+/// `multitask_strategy`):
+/// - `reject` it (`RunActive`, the default);
+/// - `interrupt` the runs not over — cancel the active one at its next checkpoint, keeping what it
+///   did, and the waiting ones before they run — and start the new one once they have ended;
+/// - `enqueue` it: it waits its turn, durably, behind the active run and the messages queued before
+///   it (a run `waiting`), and starts when the runs ahead of it have ended;
+/// - `rollback`: as `interrupt`, then the cancelled runs are rolled back (their messages and events
+///   removed, their tool calls and interrupts kept for the audit), as if they never ran.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum MultitaskStrategy {
     #[default]
     Reject,
     Interrupt,
+    Enqueue,
+    Rollback,
 }
 
 impl MultitaskStrategy {
-    /// The strategies LangGraph names that Keel does not run yet (they need a durable queue of
-    /// messages, and a way to remove a run's events): a request naming one is refused by name.
-    pub const UNSUPPORTED: &'static [&'static str] = &["enqueue", "rollback"];
+    /// Every strategy's name, as the APIs take them.
+    pub const NAMES: &'static [&'static str] = &["reject", "interrupt", "enqueue", "rollback"];
 
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "reject" => Some(Self::Reject),
             "interrupt" => Some(Self::Interrupt),
+            "enqueue" => Some(Self::Enqueue),
+            "rollback" => Some(Self::Rollback),
             _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Reject => "reject",
+            Self::Interrupt => "interrupt",
+            Self::Enqueue => "enqueue",
+            Self::Rollback => "rollback",
         }
     }
 }
 
-/// How long `interrupt` waits for the active run to end (a tool call in flight finishes first).
+/// How long `interrupt` and `rollback` wait for a run to end (a tool call in flight finishes first).
 const INTERRUPT_WAIT: Duration = Duration::from_secs(60);
+
+/// The most waiting runs of one conversation `interrupt` and `rollback` cancel in one pass.
+const WAITING_CLEARED: u32 = 1000;
+
+/// A run's first events once it starts: `run_started` (with the run's new trace id) and the graph.
+fn first_events(conversation_id: &ConversationId) -> Vec<EventKind> {
+    vec![EventKind::RunStarted { conversation_id: conversation_id.clone(), trace_id: Some(new_trace_id()) }, topology()]
+}
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -132,6 +158,10 @@ pub struct ConversationView {
     #[cfg_attr(feature = "openapi", schema(inline))]
     pub facts: FactMap,
     pub active_run_id: Option<RunId>,
+    /// The runs whose messages wait their turn behind the active run (`multitaskStrategy`
+    /// `enqueue`), in the order they will start. Their messages are not in `messages` yet.
+    #[serde(default)]
+    pub waiting_run_ids: Vec<RunId>,
     pub messages: Vec<Message>,
 }
 
@@ -256,6 +286,12 @@ impl Engine {
                 tracing::info!(released, "released idempotency keys of requests the previous process never answered");
             }
         }
+        // Waiting runs whose turn came while no process was there to start them start first, so
+        // that the claim below takes them with the rest.
+        let promoted = self.inner.promote_stranded().await?;
+        if promoted > 0 {
+            tracing::info!(promoted, "started waiting runs whose turn came while the server was down");
+        }
         let recovered = self.inner.claim_and_spawn(self.inner.config.steal_leases_on_start).await?;
         let inner = self.inner.clone();
         let sweeper = tokio::spawn(async move {
@@ -274,7 +310,8 @@ impl Engine {
         });
         // Claims runs that need a worker (queued ones another instance had no slot for, released
         // ones, expired leases): every sweep interval, and at once when a slot frees while work
-        // was turned away.
+        // was turned away. Before each claim, waiting runs whose turn came but that nobody started
+        // (their conversation's run ended in a process that stopped before starting the next) start.
         let inner = self.inner.clone();
         let claimer = tokio::spawn(async move {
             let mut tick = tokio::time::interval(inner.config.sweep_interval);
@@ -286,6 +323,10 @@ impl Engine {
                 }
                 if inner.shutting_down.load(Ordering::SeqCst) {
                     break;
+                }
+                if let Err(e) = inner.promote_stranded().await {
+                    inner.config.metrics.store_error("promote_waiting");
+                    tracing::warn!(error = %e, "starting stranded waiting runs failed");
                 }
                 if let Err(e) = inner.claim_and_spawn(false).await {
                     inner.config.metrics.store_error("claim_runs");
@@ -388,16 +429,31 @@ impl Engine {
         let store = &self.inner.store;
         let facts = crate::domain::fact_map(&store.list_facts(id).await?);
         let active_run_id = store.active_run(id).await?.map(|r| r.id);
+        let waiting_run_ids =
+            store.waiting_runs(id, CONVERSATION_VIEW_MESSAGES).await?.into_iter().map(|r| r.id).collect();
         let messages = store.recent_messages(id, CONVERSATION_VIEW_MESSAGES).await?;
-        Ok(ConversationView { conversation, facts, active_run_id, messages })
+        Ok(ConversationView { conversation, facts, active_run_id, waiting_run_ids, messages })
     }
 
-    /// Stores the user message and starts a run for it. `RunActive` while the conversation has one.
+    /// Stores the user message and starts a run for it. `RunActive` while the conversation has a
+    /// run that is not over (an active one, or messages waiting their turn).
     pub async fn send_message(
         &self,
         user_id: &str,
         conversation_id: &ConversationId,
         message: SendMessage,
+    ) -> EngineResult<StartedRun> {
+        self.start_message(user_id, conversation_id, message, false).await
+    }
+
+    /// The message's run, started now, or with `enqueue` created `waiting` behind the runs that are
+    /// not over (its message is stored when it starts).
+    async fn start_message(
+        &self,
+        user_id: &str,
+        conversation_id: &ConversationId,
+        message: SendMessage,
+        enqueue: bool,
     ) -> EngineResult<StartedRun> {
         if self.is_shutting_down() {
             return Err(EngineError::ShuttingDown);
@@ -429,10 +485,8 @@ impl Engine {
                 content,
                 cancel_on_disconnect: message.cancel_on_disconnect,
                 now: self.inner.clock.now(),
-                events: vec![
-                    EventKind::RunStarted { conversation_id: conversation_id.clone(), trace_id: Some(new_trace_id()) },
-                    topology(),
-                ],
+                events: first_events(conversation_id),
+                enqueue: enqueue.then(|| vec![EventKind::RunWaiting { conversation_id: conversation_id.clone() }]),
             })
             .await
             .map_err(|e| match e {
@@ -440,21 +494,23 @@ impl Engine {
                 StoreError::NotFound(what) => EngineError::NotFound(what),
                 other => other.into(),
             })?;
-        self.inner.committed(started.run.created_at, &started.events);
-        match self.inner.capacity.try_take() {
-            Some(slot) => {
-                self.inner.spawn_worker(started.run.id.clone(), Lease::Acquire(vec![RunStatus::Queued]), slot)
+        self.inner.committed(&started.run, &started.events);
+        if started.run.status == RunStatus::Waiting {
+            // The runs ahead of it may have ended while it was written, and their end found nothing
+            // waiting: its turn is looked for now (a look that finds the active run costs one read).
+            if let Err(e) = self.inner.promote_next(conversation_id).await {
+                self.inner.config.metrics.store_error("promote_waiting");
+                tracing::warn!(conversation_id = %conversation_id, error = %e, "looking for the next waiting run failed");
             }
-            // At capacity: the run stays queued, for this instance once a slot frees or for any
-            // other instance's claim.
-            None => tracing::debug!(run_id = %started.run.id, "at capacity; the run waits, queued"),
+            return Ok(started);
         }
+        self.inner.start_worker(&started.run.id);
         Ok(started)
     }
 
-    /// [`Engine::send_message`] with a strategy for a conversation whose run is not over. With
-    /// `Interrupt`, the active run is cancelled (reason `interrupted_by_new_message`) and the new
-    /// one starts once it has ended; a run that does not end within a minute leaves `RunActive`.
+    /// [`Engine::send_message`] with a strategy for a conversation whose run is not over (see
+    /// [`MultitaskStrategy`]). With `Interrupt` and `Rollback`, the new run starts once the runs
+    /// it replaces have ended; a run that does not end within a minute leaves `RunActive`.
     pub async fn send_message_with(
         &self,
         user_id: &str,
@@ -462,20 +518,48 @@ impl Engine {
         message: SendMessage,
         strategy: MultitaskStrategy,
     ) -> EngineResult<StartedRun> {
-        // Another message may start a run between the cancel and the start: a few tries.
+        let rollback = match strategy {
+            MultitaskStrategy::Reject => return self.start_message(user_id, conversation_id, message, false).await,
+            MultitaskStrategy::Enqueue => return self.start_message(user_id, conversation_id, message, true).await,
+            MultitaskStrategy::Interrupt => false,
+            MultitaskStrategy::Rollback => true,
+        };
+        // Another message may start a run between the clearing and the start: a few tries.
         for _ in 0..3 {
-            let active = match self.send_message(user_id, conversation_id, message.clone()).await {
-                Err(EngineError::RunActive(active)) if strategy == MultitaskStrategy::Interrupt => active,
+            match self.start_message(user_id, conversation_id, message.clone(), false).await {
+                Err(EngineError::RunActive(_)) => {}
                 other => return other,
-            };
-            self.interrupt_run(&active).await?;
+            }
+            self.clear_conversation(conversation_id, rollback).await?;
         }
-        self.send_message(user_id, conversation_id, message).await
+        self.start_message(user_id, conversation_id, message, false).await
     }
 
-    /// Cancels `run_id` for a new message and waits until it has ended.
-    async fn interrupt_run(&self, run_id: &RunId) -> EngineResult<()> {
-        let run = self.inner.cancel(run_id, "interrupted_by_new_message").await?;
+    /// Cancels every run of the conversation that is not over, for a new message — the waiting ones
+    /// first, so that none starts when the active one ends, then the active one — and waits until
+    /// each has ended; with `rollback`, rolls each back.
+    async fn clear_conversation(&self, conversation_id: &ConversationId, rollback: bool) -> EngineResult<()> {
+        let store = &self.inner.store;
+        let mut ended = Vec::new();
+        for run in store.waiting_runs(conversation_id, WAITING_CLEARED).await? {
+            self.interrupt_run(&run.id, "interrupted_by_new_message").await?;
+            ended.push(run.id);
+        }
+        if let Some(active) = store.active_run(conversation_id).await? {
+            self.interrupt_run(&active.id, "interrupted_by_new_message").await?;
+            ended.push(active.id);
+        }
+        if rollback {
+            for run_id in &ended {
+                self.roll_back_ended(run_id).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Cancels `run_id` (with `reason`) and waits until it has ended.
+    async fn interrupt_run(&self, run_id: &RunId, reason: &str) -> EngineResult<()> {
+        let run = self.inner.cancel(run_id, reason).await?;
         if run.status.is_terminal() {
             return Ok(());
         }
@@ -491,6 +575,32 @@ impl Engine {
             Ok(done) => Ok(done?),
             Err(_) => Err(EngineError::RunActive(run_id.clone())),
         }
+    }
+
+    /// Rolls back a run that has ended; one still going is `RunActive`.
+    async fn roll_back_ended(&self, run_id: &RunId) -> EngineResult<RolledBack> {
+        let rolled_back =
+            self.inner.store.roll_back_run(run_id, self.inner.clock.now()).await.map_err(|e| match e {
+                StoreError::Conflict(_) => EngineError::RunActive(run_id.clone()),
+                other => other.into(),
+            })?;
+        tracing::info!(
+            run_id = %run_id,
+            messages = rolled_back.messages,
+            events = rolled_back.events,
+            summary = rolled_back.summary,
+            "run rolled back"
+        );
+        Ok(rolled_back)
+    }
+
+    /// LangGraph's cancel with `action=rollback`: cancels the run as [`Engine::cancel`] does, waits
+    /// until it has ended (at most a minute, else `RunActive`), then rolls it back: its messages
+    /// and events are removed, its tool calls and interrupts kept (`rolled_back`).
+    pub async fn roll_back(&self, user_id: &str, run_id: &RunId) -> EngineResult<RolledBack> {
+        self.run(user_id, run_id).await?;
+        self.interrupt_run(run_id, "cancelled_by_user").await?;
+        self.roll_back_ended(run_id).await
     }
 
     // ---------------------------------------------------------------- runs
@@ -540,9 +650,10 @@ impl Engine {
         Ok(events)
     }
 
-    /// Durable cancel: any instance sees it. A queued or paused run ends at once; a running one at
-    /// its worker's next step or model chunk, and a worker of this instance stops the tool calls it
-    /// has in flight.
+    /// Durable cancel: any instance sees it. A queued, paused or waiting run ends at once (a waiting
+    /// one never runs: its message never joins the conversation); a running one at its worker's
+    /// next step or model chunk, and a worker of this instance stops the tool calls it has in
+    /// flight.
     pub async fn cancel(&self, user_id: &str, run_id: &RunId) -> EngineResult<Run> {
         self.run(user_id, run_id).await?;
         self.inner.cancel(run_id, "cancelled_by_user").await
@@ -551,7 +662,7 @@ impl Engine {
     /// The client streaming this run went away. The run goes on, unless its policy says cancel.
     pub async fn client_detached(&self, run_id: &RunId) -> EngineResult<()> {
         let Some(run) = self.inner.store.get_run(run_id).await? else { return Ok(()) };
-        if run.cancel_on_disconnect && run.status.is_active() {
+        if run.cancel_on_disconnect && !run.status.is_terminal() {
             tracing::info!(run_id = %run_id, "client disconnected; cancelling as the run's policy says");
             self.inner.cancel(run_id, "client_disconnected").await?;
         }

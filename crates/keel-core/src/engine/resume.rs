@@ -296,7 +296,7 @@ impl Engine {
             }
             Err(e) => return Err(e.into()),
         };
-        inner.committed(run.created_at, &committed.events);
+        inner.committed(run, &committed.events);
         let resumed_sequence = committed
             .events
             .iter()

@@ -90,11 +90,17 @@ impl Drop for Slot {
 const CLAIM_BATCH: usize = 50;
 
 impl Inner {
-    /// After a commit: publishes its events and measures what they announce.
-    pub(super) fn committed(&self, run_created_at: Timestamp, events: &[Event]) {
+    /// After a commit of `run`: publishes its events and measures what they announce. When they end
+    /// the run, the conversation's next waiting run, if any, is started ([`Inner::promote_next`],
+    /// on a task of its own).
+    pub(super) fn committed(self: &Arc<Self>, run: &Run, events: &[Event]) {
         self.bus.publish(events);
         let metrics = &self.config.metrics;
         let ms = Duration::from_millis;
+        let run_created_at = run.created_at;
+        if events.iter().any(Event::is_terminal) {
+            self.spawn_promotion(run.conversation_id.clone());
+        }
         for event in events {
             metrics.event_appended(event.type_name());
             match &event.kind {
@@ -164,12 +170,80 @@ impl Inner {
         workers.insert(key, handle);
     }
 
-    /// The trace id a run's first event carries, or a new one for a run from before trace ids.
+    /// The trace id a run's `run_started` carries (its first event, or its second after a
+    /// `run_waiting`), or a new one for a run from before trace ids.
     pub(super) async fn trace_id_of(&self, run_id: &RunId) -> String {
-        match self.store.list_events(run_id, 0, 1).await.as_deref() {
-            Ok([Event { kind: EventKind::RunStarted { trace_id: Some(id), .. }, .. }]) => id.clone(),
-            _ => new_trace_id(),
+        let first = self.store.list_events(run_id, 0, 2).await.unwrap_or_default();
+        first
+            .into_iter()
+            .find_map(|e| match e.kind {
+                EventKind::RunStarted { trace_id, .. } => Some(trace_id),
+                _ => None,
+            })
+            .flatten()
+            .unwrap_or_else(new_trace_id)
+    }
+
+    /// Drives a run that was just made `queued` here (a new message's, a promoted one's) when this
+    /// instance has a free slot; otherwise it stays queued, for this instance once a slot frees or
+    /// for any other instance's claim.
+    pub(super) fn start_worker(self: &Arc<Self>, run_id: &RunId) {
+        match self.capacity.try_take() {
+            Some(slot) => self.spawn_worker(run_id.clone(), Lease::Acquire(vec![RunStatus::Queued]), slot),
+            None => tracing::debug!(run_id = %run_id, "at capacity; the run waits, queued"),
         }
+    }
+
+    /// [`Inner::promote_next`] on a task of its own (after a run's end: the commit that ended it is
+    /// answered without waiting for the next run to start).
+    fn spawn_promotion(self: &Arc<Self>, conversation_id: ConversationId) {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return;
+        }
+        let inner = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = inner.promote_next(&conversation_id).await {
+                inner.config.metrics.store_error("promote_waiting");
+                tracing::warn!(conversation_id = %conversation_id, error = %e, "starting the next waiting run failed");
+            }
+        });
+    }
+
+    /// Starts the conversation's oldest waiting run if nothing runs in it any more, and drives it.
+    /// Nothing waiting — the common case — costs one read (of an index empty but for waiting runs);
+    /// the promotion itself is one conditional transaction, so of the instances that look at once
+    /// one starts the run. `true` if this call started one.
+    pub(super) async fn promote_next(self: &Arc<Self>, conversation_id: &ConversationId) -> Result<bool, StoreError> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
+        if self.store.waiting_runs(conversation_id, 1).await?.is_empty() {
+            return Ok(false);
+        }
+        if self.store.active_run(conversation_id).await?.is_some() {
+            return Ok(false);
+        }
+        let now = self.clock.now();
+        let Some(started) = self.store.promote_waiting(conversation_id, first_events(conversation_id), now).await?
+        else {
+            return Ok(false);
+        };
+        tracing::info!(run_id = %started.run.id, conversation_id = %conversation_id, "a waiting run's turn came; starting it");
+        self.committed(&started.run, &started.events);
+        self.start_worker(&started.run.id);
+        Ok(true)
+    }
+
+    /// Starts the waiting runs whose turn came while nobody was there to start them (a process that
+    /// stopped between a run's end and the next one's start): what recovery and every sweep do.
+    pub(super) async fn promote_stranded(self: &Arc<Self>) -> Result<usize, StoreError> {
+        let mut started = 0;
+        for conversation_id in self.store.stranded_conversations(CLAIM_BATCH as u32).await? {
+            if self.promote_next(&conversation_id).await? {
+                started += 1;
+            }
+        }
+        Ok(started)
     }
 
     /// The agent that runs `run`: its own, or the default for a run made before agents.
@@ -293,7 +367,7 @@ impl Inner {
         }
     }
 
-    pub(super) async fn sweep_expired(&self) -> EngineResult<usize> {
+    pub(super) async fn sweep_expired(self: &Arc<Self>) -> EngineResult<usize> {
         let due = self.store.due_interrupts(self.clock.now(), 100).await?;
         let mut n = 0;
         for interrupt in due {
@@ -305,7 +379,7 @@ impl Inner {
     }
 
     /// Expires a pending interrupt and cancels its run; `false` if a resume or cancel got there first.
-    pub(super) async fn expire(&self, interrupt: &Interrupt) -> EngineResult<bool> {
+    pub(super) async fn expire(self: &Arc<Self>, interrupt: &Interrupt) -> EngineResult<bool> {
         let Some(run) = self.store.get_run(&interrupt.run_id).await? else { return Ok(false) };
         let now = self.clock.now();
         let mut commit = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, now);
@@ -328,7 +402,7 @@ impl Inner {
         match self.store.commit(commit).await {
             Ok(c) => {
                 tracing::info!(run_id = %run.id, interrupt_id = %interrupt.id, "interrupt expired; run cancelled");
-                self.committed(run.created_at, &c.events);
+                self.committed(&run, &c.events);
                 Ok(true)
             }
             Err(StoreError::Conflict(_)) => Ok(false),
@@ -336,19 +410,22 @@ impl Inner {
         }
     }
 
-    pub(super) async fn cancel(&self, run_id: &RunId, reason: &str) -> EngineResult<Run> {
+    /// Cancels a run (with `reason`): a queued, paused or waiting one at once, a running one at its
+    /// worker's next commit (the durable flag; a worker of this instance is woken at once).
+    pub(super) async fn cancel(self: &Arc<Self>, run_id: &RunId, reason: &str) -> EngineResult<Run> {
         let now = self.clock.now();
         let run = self.store.request_cancel(run_id, now).await?;
         if let Some(signal) = self.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).get(run_id) {
             self.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), reason.to_owned());
             signal.notify_one();
         }
-        if !matches!(run.status, RunStatus::Queued | RunStatus::Interrupted) {
+        if !matches!(run.status, RunStatus::Queued | RunStatus::Interrupted | RunStatus::Waiting) {
             // Running: its worker sees the flag at its next commit. Terminal: nothing to do.
             return Ok(run);
         }
-        let mut commit =
-            Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Queued, RunStatus::Interrupted] }, now);
+        // A waiting run never ran: it ends here, and its message never joins the conversation.
+        let from = vec![RunStatus::Queued, RunStatus::Interrupted, RunStatus::Waiting];
+        let mut commit = Commit::new(run.id.clone(), Fence::Unowned { from }, now);
         if let Some(interrupt) = self.store.pending_interrupt(run_id).await? {
             commit.interrupt_changes.push(InterruptChange {
                 id: interrupt.id.clone(),
@@ -371,7 +448,7 @@ impl Inner {
         commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()) });
         commit.events.push(EventKind::Cancelled { reason: reason.to_owned() });
         match self.store.commit(commit).await {
-            Ok(c) => self.committed(run.created_at, &c.events),
+            Ok(c) => self.committed(&run, &c.events),
             // It started or resumed meanwhile: the flag is set, its worker ends it.
             Err(StoreError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),

@@ -157,7 +157,7 @@ impl Worker {
                 other => break other?,
             }
         };
-        self.inner.committed(self.run.created_at, &committed.events);
+        self.inner.committed(&self.run, &committed.events);
         self.held_acquires = false;
         if let Some(cp) = checkpoint {
             self.run.checkpoint = cp;

@@ -193,7 +193,10 @@ impl Mapper {
             return out;
         }
         match &event.kind {
-            EventKind::RunStarted { .. } | EventKind::GraphTopology { .. } | EventKind::Resumed { .. } => {}
+            EventKind::RunStarted { .. }
+            | EventKind::RunWaiting { .. }
+            | EventKind::GraphTopology { .. }
+            | EventKind::Resumed { .. } => {}
             EventKind::NodeStarted { node } => {
                 self.close_text(&mut out, ts);
                 self.open_steps.push(node.clone());

@@ -45,14 +45,16 @@ pub fn assistant(agent: &keel_core::agent::Agent, created: &str) -> Value {
     })
 }
 
-/// A LangGraph run status for a Keel run status. A run waiting for a human is `interrupted`, as
-/// LangGraph's is after `interrupt()`; a cancelled one is `interrupted` too (LangGraph's cancel),
-/// with `cancel_reason` telling them apart.
+/// A LangGraph run status for a Keel run status. A run queued, or waiting its turn behind another
+/// (`multitask_strategy` `enqueue`), is `pending`, as LangGraph's are. A run waiting for a human is
+/// `interrupted`, as LangGraph's is after `interrupt()`; a cancelled one is `interrupted` too
+/// (LangGraph's cancel), with `cancel_reason` telling them apart. A rolled-back run is not shown
+/// (404, as LangGraph deletes it); were it, it would read as the cancel it was.
 pub fn run_status(status: RunStatus) -> &'static str {
     match status {
-        RunStatus::Queued => "pending",
+        RunStatus::Queued | RunStatus::Waiting => "pending",
         RunStatus::Running => "running",
-        RunStatus::Interrupted | RunStatus::Cancelled => "interrupted",
+        RunStatus::Interrupted | RunStatus::Cancelled | RunStatus::RolledBack => "interrupted",
         RunStatus::Completed => "success",
         RunStatus::Failed => "error",
     }
@@ -76,11 +78,11 @@ pub fn run_object(run: &Run, thread_id: &str, default_agent: &str) -> Value {
     out
 }
 
-/// The thread's status from its latest run: `busy` while one runs, `interrupted` while one waits
-/// for a human, `error` after a failed one, else `idle`.
+/// The thread's status from its latest run: `busy` while one runs (or waits its turn), `interrupted`
+/// while one waits for a human, `error` after a failed one, else `idle`.
 pub fn thread_status(latest: Option<&Run>) -> &'static str {
     match latest.map(|r| r.status) {
-        Some(RunStatus::Queued | RunStatus::Running) => "busy",
+        Some(RunStatus::Queued | RunStatus::Running | RunStatus::Waiting) => "busy",
         Some(RunStatus::Interrupted) => "interrupted",
         Some(RunStatus::Failed) => "error",
         _ => "idle",

@@ -266,13 +266,18 @@ async fn thread_or_404(state: &AppState, caller: &Caller, thread: &str) -> ApiRe
     find_thread(state, caller, thread).await?.ok_or_else(|| EngineError::NotFound("conversation").into())
 }
 
-/// The conversation's newest run.
+/// How many of a thread's newest runs [`latest_run`] looks through for one that was not rolled back.
+const LATEST_LOOKED_AT: u32 = 20;
+
+/// The conversation's active run, else its newest one; a rolled-back run is not the thread's (it
+/// is gone from this API).
 async fn latest_run(state: &AppState, id: &ConversationId) -> ApiResult<Option<keel_core::Run>> {
     let store = state.engine.store();
     if let Some(run) = store.active_run(id).await? {
         return Ok(Some(run));
     }
-    Ok(store.newest_conversation_runs(id, 1).await?.pop())
+    let newest = store.newest_conversation_runs(id, LATEST_LOOKED_AT).await?;
+    Ok(newest.into_iter().find(|r| r.status != RunStatus::RolledBack))
 }
 
 async fn snapshot(state: &AppState, id: &ConversationId) -> ApiResult<Snapshot> {
@@ -390,14 +395,18 @@ async fn get_thread(State(state): State<AppState>, caller: Caller, Path(thread):
     Ok(Json(thread_object(&state, &caller, &thread, &c).await?).into_response())
 }
 
-/// A thread deleted here is gone from this API (its run, if one is active, is cancelled); Keel keeps
-/// the conversation and its history.
+/// A thread deleted here is gone from this API (its runs not over — the active one, the ones waiting
+/// their turn — are cancelled); Keel keeps the conversation and its history.
 async fn delete_thread(
     State(state): State<AppState>,
     caller: Caller,
     Path(thread): Path<String>,
 ) -> ApiResult<Response> {
     let c = thread_or_404(&state, &caller, &thread).await?;
+    // the waiting ones first, so that none starts when the active one ends
+    for run in state.engine.store().waiting_runs(&c.id, RUNS_LISTED).await? {
+        state.engine.cancel(&caller.0, &run.id).await?;
+    }
     if let Some(run) = state.engine.store().active_run(&c.id).await? {
         state.engine.cancel(&caller.0, &run.id).await?;
     }
@@ -471,7 +480,7 @@ async fn state_object(state: &AppState, caller: &Caller, thread_id: &str, c: &Co
                     interrupts.push(value);
                 }
             }
-            RunStatus::Queued | RunStatus::Running => next.push(keel_core::engine::nodes::MODEL),
+            RunStatus::Queued | RunStatus::Running | RunStatus::Waiting => next.push(keel_core::engine::nodes::MODEL),
             _ => {}
         }
     }
@@ -587,16 +596,13 @@ fn read_run_request(body: &Map<String, Value>) -> ApiResult<RunRequest> {
         .ok_or_else(|| ApiError::validation("assistant_id: required (an agent's id)"))?
         .to_owned();
     let modes = Modes::parse(body.get("stream_mode")).map_err(refuse)?;
-    let strategy = body.get("multitask_strategy").and_then(Value::as_str).unwrap_or("reject").to_owned();
-    let multitask = match MultitaskStrategy::parse(&strategy) {
-        Some(m) => m,
-        None if MultitaskStrategy::UNSUPPORTED.contains(&strategy.as_str()) => {
-            return Err(refuse(format!(
-                "multitask_strategy {strategy:?}: not supported by Keel yet (reject, interrupt)"
-            )))
-        }
-        None => return Err(ApiError::validation("multitask_strategy: must be reject, interrupt, enqueue or rollback")),
+    let multitask = match body.get("multitask_strategy") {
+        None | Some(Value::Null) => MultitaskStrategy::Reject,
+        Some(v) => v.as_str().and_then(MultitaskStrategy::parse).ok_or_else(|| {
+            ApiError::validation(format!("multitask_strategy: must be one of {}", MultitaskStrategy::NAMES.join(", ")))
+        })?,
     };
+    let strategy = multitask.as_str().to_owned();
     let cancel_on_disconnect = match body.get("on_disconnect").and_then(Value::as_str) {
         None | Some("continue") => false,
         Some("cancel") => true,
@@ -850,7 +856,8 @@ async fn run_in_thread(
     let c = thread_or_404(state, caller, thread).await?;
     let run_id = RunId::parse(run).map_err(|_| EngineError::NotFound("run"))?;
     let run = state.engine.run(&caller.0, &run_id).await?;
-    if run.conversation_id != c.id {
+    // a rolled-back run is gone from the thread, as LangGraph deletes it (Keel's audit keeps it)
+    if run.conversation_id != c.id || run.status == RunStatus::RolledBack {
         return Err(EngineError::NotFound("run").into());
     }
     Ok((c, run))
@@ -875,6 +882,7 @@ async fn list_runs(
         .newest_conversation_runs(&c.id, RUNS_LISTED)
         .await?
         .into_iter()
+        .filter(|r| r.status != RunStatus::RolledBack)
         .map(|r| super::run_object(&r, &thread, &default))
         .filter(|r| status.as_deref().is_none_or(|s| r["status"] == s))
         .skip(offset)
@@ -904,7 +912,10 @@ async fn delete_run(
 }
 
 /// `?action=interrupt` (the default; what the run did stays) and `?wait=true` (answer once it
-/// ended). `rollback` is refused.
+/// ended). `?action=rollback`: the run is cancelled, and once it has ended (whatever `wait` says:
+/// its messages and events can only go once nothing writes them) rolled back — its messages and
+/// events removed, its tool calls and interrupts kept in Keel's audit — and gone from this API:
+/// 204, and 404 for it from then on.
 async fn cancel_run(
     State(state): State<AppState>,
     caller: Caller,
@@ -912,13 +923,17 @@ async fn cancel_run(
     params: Params,
 ) -> ApiResult<Response> {
     check_params(&params, &["wait", "action"])?;
-    match params.0.get("action").map(String::as_str) {
-        None | Some("interrupt") => {}
-        Some("rollback") => return Err(refuse("action rollback: not supported by Keel yet (interrupt)")),
+    let rollback = match params.0.get("action").map(String::as_str) {
+        None | Some("interrupt") => false,
+        Some("rollback") => true,
         Some(_) => return Err(ApiError::validation("action: must be interrupt or rollback")),
-    }
+    };
     let wait = params.flag("wait")?;
     let (_, run) = run_in_thread(&state, &caller, &thread, &run).await?;
+    if rollback {
+        state.engine.roll_back(&caller.0, &run.id).await?;
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
     if wait {
         cancel_and_wait(&state, &caller, &run.id).await?;
     } else {
@@ -940,9 +955,10 @@ async fn join_run(
         return Err(refuse("cancel_on_disconnect: not supported on a join (set on_disconnect when the run starts)"));
     }
     let (c, run) = run_in_thread(&state, &caller, &thread, &run).await?;
-    // A run that runs now settles at its next pause or end: read from its last event before the
-    // resume that woke it (the events after `after` include the pause or end to wait for).
-    if matches!(run.status, RunStatus::Queued | RunStatus::Running) {
+    // A run that runs now (or waits its turn) settles at its next pause or end: read from its last
+    // event before the resume that woke it (the events after `after` include the pause or end to
+    // wait for).
+    if matches!(run.status, RunStatus::Queued | RunStatus::Running | RunStatus::Waiting) {
         let after = last_resume(&state, &run).await?;
         tokio::select! {
             settled = state.engine.wait_settled(&run.id, after) => { settled?; }
@@ -1089,7 +1105,8 @@ async fn feed(
         let store = engine.store();
         let conversation = match store.get_run(&run_id).await {
             Ok(Some(run))
-                if !matches!(run.status, RunStatus::Queued | RunStatus::Running) && run.last_sequence() <= after =>
+                if !matches!(run.status, RunStatus::Queued | RunStatus::Running | RunStatus::Waiting)
+                    && run.last_sequence() <= after =>
             {
                 return send(super::frame("end", &Value::Null, None)).await.unwrap_or(End::Finished);
             }

@@ -88,7 +88,7 @@ pub async fn get(
     ),
     request_body = PostMessage,
     responses(
-        (status = 202, description = "The run started", body = MessageAccepted),
+        (status = 202, description = "The run started (`queued`), or waits its turn (`waiting`, `multitaskStrategy` `enqueue`)", body = MessageAccepted),
         (status = 200, description = "`?wait=true`: the turn; `Accept: text/event-stream`: the run's events until it pauses or ends",
             content(
                 (TurnBody = "application/json"),
@@ -98,8 +98,8 @@ pub async fn get(
         (status = 413, description = "`PAYLOAD_TOO_LARGE`", body = ErrorBody),
         (status = 415, description = "`UNSUPPORTED_MEDIA_TYPE`: the body is not declared JSON", body = ErrorBody),
         (status = 404, description = "`CONVERSATION_NOT_FOUND`", body = ErrorBody),
-        (status = 409, description = "`RUN_ACTIVE`: the conversation has a run that is not over (and `multitaskStrategy` is not `interrupt`)", body = ErrorBody),
-        (status = 422, description = "`VALIDATION_FAILED` (also: `multitaskStrategy` `enqueue` or `rollback`, not supported yet)", body = ErrorBody),
+        (status = 409, description = "`RUN_ACTIVE`: the conversation has a run that is not over (and `multitaskStrategy` is `reject`, or the run to replace did not end within 60 s)", body = ErrorBody),
+        (status = 422, description = "`VALIDATION_FAILED` (also: an unknown `multitaskStrategy`), `UNKNOWN_AGENT`", body = ErrorBody),
     )
 )]
 pub async fn post_message(
@@ -123,19 +123,18 @@ pub async fn post_message(
     if wait {
         return Ok(Json(super::settle_turn(&state, &caller, &run_id, 0).await?).into_response());
     }
-    Ok((StatusCode::ACCEPTED, Json(MessageAccepted { message_id: started.message.id, run_id })).into_response())
+    let accepted = MessageAccepted { message_id: started.message.id, run_id, status: Some(started.run.status) };
+    Ok((StatusCode::ACCEPTED, Json(accepted)).into_response())
 }
 
-/// `multitaskStrategy`: absent is `reject`; LangGraph's `enqueue` and `rollback` are refused by name.
+/// `multitaskStrategy`: absent is `reject`. Another value is refused naming the field and the
+/// strategies (never echoing the value).
 pub(crate) fn multitask_strategy(raw: Option<&str>) -> Result<MultitaskStrategy, crate::error::ApiError> {
     let Some(raw) = raw else { return Ok(MultitaskStrategy::Reject) };
-    if let Some(strategy) = MultitaskStrategy::parse(raw) {
-        return Ok(strategy);
-    }
-    if MultitaskStrategy::UNSUPPORTED.contains(&raw) {
-        return Err(crate::error::ApiError::validation(format!(
-            "multitaskStrategy: {raw} is not supported yet (reject or interrupt)"
-        )));
-    }
-    Err(crate::error::ApiError::validation("multitaskStrategy: must be reject or interrupt"))
+    MultitaskStrategy::parse(raw).ok_or_else(|| {
+        crate::error::ApiError::validation(format!(
+            "multitaskStrategy: must be one of {}",
+            MultitaskStrategy::NAMES.join(", ")
+        ))
+    })
 }

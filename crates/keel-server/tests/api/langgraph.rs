@@ -127,8 +127,6 @@ async fn unknown_and_unsupported_options_are_named_in_a_422() {
             "interrupt_before",
         ),
         (json!({"assistant_id": ASSISTANT, "input": restart_input(), "stream_mode": "events"}), "events"),
-        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": "enqueue"}), "enqueue"),
-        (json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": "rollback"}), "rollback"),
         (json!({"assistant_id": ASSISTANT, "input": {"messages": [], "todo": 1}}), "input.todo"),
         (json!({"assistant_id": ASSISTANT, "command": {"goto": "tools"}}), "command.goto"),
     ];
@@ -291,9 +289,14 @@ async fn multitask_interrupt_cancels_the_active_run_in_both_apis() {
     let (conversation, run, _) = app.interrupted_run().await;
     let messages = format!("/v1/conversations/{conversation}/messages");
     let (status, error) =
-        app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "enqueue"})).await;
-    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
-    assert!(error["error"]["message"].as_str().unwrap().contains("enqueue"));
+        app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "eventually"})).await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("VALIDATION_FAILED"))
+    );
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("multitaskStrategy") && message.contains("enqueue"), "{error}");
+    assert!(!message.contains("eventually"), "the value sent is not echoed: {error}");
     let (status, error) = app.post(&messages, &json!({"content": "list the services"})).await;
     assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("RUN_ACTIVE")));
     let (status, accepted) =
@@ -434,4 +437,239 @@ async fn searches_and_lists_sort_and_select_or_refuse_what_they_cannot() {
     assert_eq!(runs.len(), 2, "{runs:?}");
     assert!(runs.iter().all(|r| r.as_object().unwrap().len() == 2 && r["status"] == "success"), "{runs:?}");
     assert!(runs[0]["run_id"].as_str() > runs[1]["run_id"].as_str(), "newest first: {runs:?}");
+}
+
+/// An unknown strategy is refused by name (the option, and the strategies there are), on both APIs.
+#[tokio::test]
+async fn an_unknown_multitask_strategy_is_a_422_naming_the_option() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    for strategy in [json!("eventually"), json!(3), json!("")] {
+        let body = json!({"assistant_id": ASSISTANT, "input": restart_input(), "multitask_strategy": strategy});
+        let (status, error) = app.post(&format!("/langgraph/threads/{thread}/runs"), &body).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{strategy}: {error}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("multitask_strategy") && message.contains("reject, interrupt, enqueue, rollback"),
+            "{error}"
+        );
+    }
+    let conversation = app.create_conversation().await;
+    let (status, error) = app
+        .post(
+            &format!("/v1/conversations/{conversation}/messages"),
+            &json!({"content": "hi", "multitaskStrategy": "Enqueue"}),
+        )
+        .await;
+    assert_eq!(
+        (status, error["error"]["code"].as_str()),
+        (StatusCode::UNPROCESSABLE_ENTITY, Some("VALIDATION_FAILED"))
+    );
+    let (status, error) = app
+        .post(&format!("/v1/conversations/{conversation}/messages"), &json!({"content": "hi", "multitaskStrategy": 1}))
+        .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
+    // a refused message started nothing
+    let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
+    assert_eq!((view["activeRunId"].clone(), view["waitingRunIds"].clone()), (Value::Null, json!([])), "{view}");
+}
+
+/// `enqueue` on Keel's API: a message sent while a run waits for approval is answered 202 with
+/// its run `waiting`; a stream of it shows `run_waiting` and stays open through the wait; a
+/// waiting run can be cancelled without running; once the approval is given the queue runs, in
+/// order.
+#[tokio::test]
+async fn multitask_enqueue_waits_its_turn_on_keels_api() {
+    let app = TestApp::spawn().await;
+    let (conversation, paused, interrupt) = app.interrupted_run().await;
+    let messages = format!("/v1/conversations/{conversation}/messages");
+    let enqueue = |content: &str| json!({"content": content, "multitaskStrategy": "enqueue"});
+
+    // streamed: the first event says it waits
+    let mut streamed = app.send_streaming(&conversation, &enqueue("Look at the recent errors of payment-api")).await;
+    streamed.assert_sse();
+    let first = streamed.next_event().await.expect("the first event");
+    assert_eq!(first.kind.type_name(), "run_waiting", "{first:?}");
+    let first_run = first.run_id.to_string();
+    let (status, second) = app.post(&messages, &enqueue("list the services")).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{second}");
+    assert_eq!(second["status"], "waiting", "{second}");
+    let second = second["runId"].as_str().unwrap().to_owned();
+    let (_, doomed) = app.post(&messages, &enqueue("never mind")).await;
+    let doomed = doomed["runId"].as_str().unwrap().to_owned();
+
+    let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
+    assert_eq!(view["activeRunId"], paused.as_str());
+    assert_eq!(view["waitingRunIds"], json!([first_run, second, doomed]), "{view}");
+    let shown = view["messages"].as_array().unwrap();
+    assert!(shown.iter().all(|m| m["runId"] == paused.as_str()), "the waiting messages are not in it: {view}");
+    let waiting = app.run(&second).await;
+    assert_eq!((waiting["status"].as_str(), waiting["worker"].clone()), (Some("waiting"), Value::Null), "{waiting}");
+    let (_, listed) = app.get("/v1/runs?status=waiting").await;
+    assert_eq!(listed["runs"].as_array().unwrap().len(), 3, "{listed}");
+    let events = app.events_json(&second, 0).await;
+    assert_eq!(events.iter().map(|e| e.type_name()).collect::<Vec<_>>(), ["run_waiting"]);
+    // a reject-by-default message is still refused while they wait
+    let (status, error) = app.post(&messages, &json!({"content": "me first"})).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("RUN_ACTIVE")));
+
+    // one of them is cancelled before it runs
+    let (status, cancelled) = app.post(&format!("/v1/runs/{doomed}/cancel"), &json!({})).await;
+    assert_eq!(status, StatusCode::OK, "{cancelled}");
+    assert_eq!(cancelled["status"], "cancelled", "{cancelled}");
+
+    let (status, answer) = app.resume(&paused, &interrupt, json!("approve"), "enqueue-approve").await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    // the stream that waited goes on to the end of its run
+    let mut types = vec![first.kind.type_name()];
+    while let Some(event) = streamed.next_event().await {
+        types.push(event.kind.type_name());
+    }
+    assert_eq!(types[..3], ["run_waiting", "run_started", "graph_topology"], "{types:?}");
+    assert_eq!(types.last(), Some(&"done"), "{types:?}");
+    app.wait_for_status(&second, "completed").await;
+    assert_eq!(app.run(&doomed).await["status"], "cancelled", "it never ran");
+    let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
+    let users: Vec<&str> = view["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "user")
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(users, [RESTART_PROMPT, "Look at the recent errors of payment-api", "list the services"]);
+    assert_eq!(view["waitingRunIds"], json!([]));
+}
+
+/// `enqueue` on LangGraph's API: the run is created `pending` behind the busy thread, listed and
+/// read as such, and joined once the thread's run was resumed: it runs and succeeds.
+#[tokio::test]
+async fn multitask_enqueue_waits_its_turn_on_langgraphs_api() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let (_, first) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let first = first["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&first, "interrupted").await;
+    let ask = json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "list the services"}]},
+                     "multitask_strategy": "enqueue"});
+    let (status, queued) = app.post(&runs, &ask).await;
+    assert_eq!(status, StatusCode::OK, "{queued}");
+    assert_eq!((queued["status"].as_str(), queued["multitask_strategy"].as_str()), (Some("pending"), Some("enqueue")));
+    let queued = queued["run_id"].as_str().unwrap().to_owned();
+    let (_, read) = app.get(&format!("{runs}/{queued}")).await;
+    assert_eq!(read["status"], "pending", "{read}");
+    let (_, listed) = app.get(&format!("{runs}?status=pending")).await;
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    let (_, state) = app.get(&format!("/langgraph/threads/{thread}")).await;
+    assert_eq!(state["status"], "interrupted", "the thread's run waits for a human: {state}");
+
+    // a join waits through the queue
+    let join = {
+        let client = app.client.clone();
+        let url = app.url(&format!("{runs}/{queued}/join"));
+        tokio::spawn(async move { to_json(client.get(url).send().await.unwrap()).await })
+    };
+    let resume = json!({"assistant_id": ASSISTANT, "command": {"resume": "approve"}});
+    let (status, _) = app.post(&format!("{runs}/wait"), &resume).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, values) = join.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{values}");
+    let messages = values["messages"].as_array().unwrap();
+    assert_eq!(messages.iter().filter(|m| m["type"] == "human").count(), 2, "{values}");
+    assert_eq!(messages.last().unwrap()["type"], "ai");
+    let (_, read) = app.get(&format!("{runs}/{queued}")).await;
+    assert_eq!(read["status"], "success", "{read}");
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 1);
+}
+
+/// `rollback` on both APIs, and LangGraph's cancel with `action=rollback`: the run replaced is
+/// cancelled and removed — its messages gone from the conversation and the thread, its events
+/// gone (Keel's API: 410), LangGraph's API: 404 — while Keel's run view keeps it, `rolled_back`,
+/// with its tool calls and decisions.
+#[tokio::test]
+async fn multitask_rollback_removes_the_run_in_both_apis() {
+    let app = TestApp::spawn().await;
+    // Keel's own API.
+    let (conversation, run, _) = app.interrupted_run().await;
+    let messages = format!("/v1/conversations/{conversation}/messages");
+    let (status, accepted) =
+        app.post(&messages, &json!({"content": "list the services", "multitaskStrategy": "rollback"})).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{accepted}");
+    assert_eq!(accepted["status"], "queued");
+    app.wait_for_status(accepted["runId"].as_str().unwrap(), "completed").await;
+    let old = app.run(&run).await;
+    assert_eq!(old["status"], "rolled_back", "{old}");
+    let calls: Vec<(&str, &str)> = old["toolCalls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (c["name"].as_str().unwrap(), c["state"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        calls,
+        [("find_abnormal_instances", "succeeded"), ("restart_instance", "denied")],
+        "the audit keeps its calls"
+    );
+    assert_eq!(old["interrupts"][0]["status"], "cancelled", "{old}");
+    let (status, error) = app.get(&format!("/v1/runs/{run}/events")).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::GONE, Some("EVENTS_PRUNED")), "{error}");
+    let (_, view) = app.get(&format!("/v1/conversations/{conversation}")).await;
+    let contents: Vec<&str> =
+        view["messages"].as_array().unwrap().iter().map(|m| m["content"].as_str().unwrap()).collect();
+    assert_eq!(contents[0], "list the services", "{view}");
+    assert!(view["messages"].as_array().unwrap().iter().all(|m| m["runId"] != run.as_str()), "{view}");
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+    let (_, listed) = app.get("/v1/runs?status=rolled_back").await;
+    assert_eq!(listed["runs"][0]["id"], run.as_str(), "{listed}");
+
+    // LangGraph's: `multitask_strategy: rollback`.
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let (_, first) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let first = first["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&first, "interrupted").await;
+    let ask = json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "list the services"}]},
+                     "multitask_strategy": "rollback"});
+    let (status, values) = app.post(&format!("{runs}/wait"), &ask).await;
+    assert_eq!(status, StatusCode::OK, "{values}");
+    let humans: Vec<&Value> = values["messages"].as_array().unwrap().iter().filter(|m| m["type"] == "human").collect();
+    assert_eq!(humans.len(), 1, "{values}");
+    assert_eq!(humans[0]["content"], "list the services");
+    assert!(
+        values["messages"].as_array().unwrap().iter().all(|m| m["tool_calls"].as_array().is_none_or(|c| c.is_empty())
+            || m["tool_calls"][0]["name"] != "restart_instance"),
+        "{values}"
+    );
+    let (status, _) = app.get(&format!("{runs}/{first}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "a rolled-back run is gone, as LangGraph deletes it");
+    let (_, listed) = app.get(&runs).await;
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(app.run(&first).await["status"], "rolled_back");
+
+    // LangGraph's cancel with `action=rollback`.
+    let (_, third) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let third = third["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&third, "interrupted").await;
+    let (status, error) = app.post(&format!("{runs}/{third}/cancel?action=sideways"), &json!({})).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{error}");
+    assert!(error["error"]["message"].as_str().unwrap().contains("action"), "{error}");
+    let (status, body) = app.post(&format!("{runs}/{third}/cancel?action=rollback"), &json!({})).await;
+    assert_eq!((status, body), (StatusCode::NO_CONTENT, Value::Null));
+    for path in [format!("{runs}/{third}"), format!("{runs}/{third}/join"), format!("{runs}/{third}/stream")] {
+        let (status, _) = app.get(&path).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}");
+    }
+    let (status, _) = app.post(&format!("{runs}/{third}/cancel?action=rollback"), &json!({})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (_, state) = app.get(&format!("/langgraph/threads/{thread}/state")).await;
+    let humans: Vec<&Value> =
+        state["values"]["messages"].as_array().unwrap().iter().filter(|m| m["type"] == "human").collect();
+    assert_eq!(humans.len(), 1, "only the message that replaced the first: {state}");
+    assert_eq!(state["next"], json!([]), "{state}");
+    let (_, thread_object) = app.get(&format!("/langgraph/threads/{thread}")).await;
+    assert_eq!(thread_object["status"], "idle", "{thread_object}");
+    let old = app.run(&third).await;
+    assert_eq!((old["status"].as_str(), old["reason"].as_str()), (Some("rolled_back"), Some("cancelled_by_user")));
+    assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
 }

@@ -567,6 +567,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (7, "run worker", include_str!("../../migrations/sqlite/0007_run_worker.sql")),
     (8, "checks without in lists", include_str!("../../migrations/sqlite/0008_checks_without_in_lists.sql")),
     (9, "retention", include_str!("../../migrations/sqlite/0009_retention.sql")),
+    (10, "multitask", include_str!("../../migrations/sqlite/0010_multitask.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:

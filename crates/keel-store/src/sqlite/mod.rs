@@ -27,12 +27,12 @@ use keel_core::domain::{
     lease_holder, ApiKey, Conversation, Fact, Interrupt, Message, Run, RunStatus, StreamTicket, Summary, Timestamp,
     ToolCall, User, UserRole,
 };
-use keel_core::event::Event;
+use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    PruneRule, Pruned, RunStore, StartedRun, Store, StoreError, StoreResult,
+    PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
@@ -200,6 +200,76 @@ impl RunStore for SqliteStore {
             .await
     }
 
+    async fn waiting_runs(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Run>> {
+        let conversation_id = conversation_id.to_owned();
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "list waiting runs",
+                    "SELECT * FROM runs WHERE conversation_id = ? AND status = 'waiting' ORDER BY created_at, id LIMIT ?",
+                    params![conversation_id.as_str(), i64::from(limit)],
+                    run_from,
+                )
+            })
+            .await
+    }
+
+    async fn promote_waiting(
+        &self,
+        conversation_id: &ConversationId,
+        events: Vec<EventKind>,
+        now: Timestamp,
+    ) -> StoreResult<Option<StartedRun>> {
+        let conversation_id = conversation_id.to_owned();
+        let promoted = self
+            .db
+            .write(move |c| {
+                let Some(promoted) = ready(pipeline::promote(&mut SqliteTx(c), &conversation_id, &events, now, ""))?
+                else {
+                    return Ok(None);
+                };
+                let run = one(
+                    c,
+                    "promote a waiting run",
+                    "SELECT * FROM runs WHERE id = ?",
+                    [promoted.run_id.as_str()],
+                    run_from,
+                )?
+                .ok_or(StoreError::NotFound("run"))?;
+                Ok(Some(StartedRun { message: promoted.message, run, events: promoted.events }))
+            })
+            .await;
+        match promoted {
+            // promoted by another writer after all: nothing of this one was written
+            Err(StoreError::Conflict(_)) => Ok(None),
+            other => other,
+        }
+    }
+
+    async fn stranded_conversations(&self, limit: u32) -> StoreResult<Vec<ConversationId>> {
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "find stranded waiting runs",
+                    &format!(
+                        "SELECT w.conversation_id FROM runs w WHERE w.status = 'waiting' AND NOT EXISTS \
+                         (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND {ACTIVE}) \
+                         GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT ?"
+                    ),
+                    [i64::from(limit)],
+                    |r| Cols::new(r, "runs").id("conversation_id"),
+                )
+            })
+            .await
+    }
+
+    async fn roll_back_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<RolledBack> {
+        let run_id = run_id.to_owned();
+        self.db.write(move |c| ready(pipeline::roll_back(&mut SqliteTx(c), &run_id, now))).await
+    }
+
     async fn claim_runs(
         &self,
         owner: &str,
@@ -271,8 +341,8 @@ impl RunStore for SqliteStore {
                     c,
                     "request a cancel",
                     &format!(
-                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? AND {ACTIVE} \
-                         RETURNING *"
+                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? \
+                         AND ({ACTIVE} OR status = 'waiting') RETURNING *"
                     ),
                     [ts(&now).as_str(), run_id.as_str()],
                     run_from,
@@ -399,7 +469,8 @@ impl RunStore for SqliteStore {
                 many(
                     c,
                     "list tool calls",
-                    "SELECT * FROM tool_calls WHERE conversation_id = ? ORDER BY seq",
+                    "SELECT * FROM tool_calls t WHERE conversation_id = ? AND NOT EXISTS \
+                     (SELECT 1 FROM runs r WHERE r.id = t.run_id AND r.status = 'rolled_back') ORDER BY seq",
                     [conversation_id.as_str()],
                     tool_call_from,
                 )

@@ -45,7 +45,8 @@ pub enum RunsCommand {
     List {
         #[command(flatten)]
         server: ServerArgs,
-        /// Only runs with this status (queued, running, interrupted, completed, failed, cancelled).
+        /// Only runs with this status (waiting, queued, running, interrupted, completed, failed, cancelled,
+        /// rolled_back).
         #[arg(long)]
         status: Option<String>,
         /// At most this many (1 to 100).

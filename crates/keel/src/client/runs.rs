@@ -83,9 +83,16 @@ fn history(run: &RunBody) -> String {
     line(format!("  updated       {}", time(&run.updated_at)));
     line(format!("  events        {}", run.last_sequence));
     // Where it runs, or ran: the instance that holds, or last held, its lease.
-    line(format!("  worker        {}", run.worker.as_deref().unwrap_or("none yet (queued)")));
+    let unclaimed = match run.status {
+        RunStatus::Waiting => "none yet (waiting its turn behind the conversation's run)",
+        _ => "none yet (queued)",
+    };
+    line(format!("  worker        {}", run.worker.as_deref().unwrap_or(unclaimed)));
     if run.status.is_active() {
         line(format!("  next step     {}", run.checkpoint.next_step));
+    }
+    if run.status == RunStatus::RolledBack {
+        line("  rolled back   its messages and events were removed; its tool calls and decisions are kept".into());
     }
     if !run.tool_calls.is_empty() {
         line("Tool calls:".into());

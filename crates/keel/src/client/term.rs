@@ -179,6 +179,9 @@ impl Renderer {
             EventKind::Done { .. } => self.end_line(),
             EventKind::Error { code, message } => self.line(&format!("error {code}: {message}")),
             EventKind::Cancelled { reason } => self.line(&format!("cancelled: {reason}")),
+            EventKind::RunWaiting { .. } => {
+                self.line("⧗ waiting its turn: this message runs once the conversation's runs before it have ended")
+            }
             EventKind::RunStarted { .. }
             | EventKind::GraphTopology { .. }
             | EventKind::NodeStarted { .. }
