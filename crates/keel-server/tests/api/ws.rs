@@ -187,6 +187,10 @@ async fn a_reader_that_stops_reading_is_cut_off_and_resubscribing_gets_every_mis
     let mut fresh = Ws::connect(&app, None, None).await;
     for (run, all) in &runs {
         let after = seen.get(run).map_or(0, Vec::len) as i64;
+        if after as usize == all.len() {
+            // every event of this run reached it before the cut: nothing to resubscribe for
+            continue;
+        }
         fresh.send(json!({"type": "subscribe", "requestId": run, "runId": run, "after": after})).await;
         let reply = fresh.reply(run).await;
         assert_eq!(reply["result"]["after"], after);
