@@ -565,8 +565,8 @@ mod tests {
     fn a_joined_commit_is_the_first_then_the_second() {
         let run = RunId::new();
         let acquire = Fence::Acquire { owner: "w".into(), from: vec![RunStatus::Queued], lease_until: at(10) };
-        let mut first = Commit::new(run.clone(), acquire, at(1))
-            .event(EventKind::NodeStarted { node: "context".into() });
+        let mut first =
+            Commit::new(run.clone(), acquire, at(1)).event(EventKind::NodeStarted { node: "context".into() });
         first.run = Some(RunChange { to: RunStatus::Running, reason: None });
         first.checkpoint = Some(Checkpoint::start(1));
         let mut second = Commit::new(run.clone(), Fence::Lease { owner: "w".into(), lease_until: at(20) }, at(2))
