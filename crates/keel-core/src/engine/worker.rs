@@ -98,14 +98,7 @@ impl Worker {
     /// and saves a transaction, and its WAL pages and flush, per step. A commit held already is
     /// joined with this one (or, if both move the run's status, written first).
     pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
-        let commit = match self.held.take() {
-            Some(held) if held.joins(&commit) => held.then(commit),
-            Some(held) => {
-                self.commit_now(held).await?;
-                commit
-            }
-            None => commit,
-        };
+        let commit = self.behind_held(commit).await?;
         if let Some(cp) = &commit.checkpoint {
             self.run.checkpoint = cp.clone();
         }
@@ -128,15 +121,21 @@ impl Worker {
     /// Commits (with the held commit, if any, in front: one transaction when they can be joined),
     /// publishes, and keeps the worker's view of the run current.
     pub(super) async fn commit(&mut self, commit: Commit) -> Result<Committed, StoreError> {
-        let commit = match self.held.take() {
-            Some(held) if held.joins(&commit) => held.then(commit),
+        let commit = self.behind_held(commit).await?;
+        self.commit_now(commit).await
+    }
+
+    /// `commit` with the held commit, if any, in front of it; or, when the two can't be joined,
+    /// `commit` alone, once the held one is written.
+    async fn behind_held(&mut self, commit: Commit) -> Result<Commit, StoreError> {
+        match self.held.take() {
+            Some(held) if held.joins(&commit) => Ok(held.then(commit)),
             Some(held) => {
                 self.commit_now(held).await?;
-                commit
+                Ok(commit)
             }
-            None => commit,
-        };
-        self.commit_now(commit).await
+            None => Ok(commit),
+        }
     }
 
     /// Commits, waiting out an overloaded store: a write it refused as `Overloaded` was not
