@@ -120,12 +120,20 @@ impl Worker {
         let (read_only, side_effects): (Vec<ToolCall>, Vec<ToolCall>) = to_run
             .into_iter()
             .partition(|c| self.agent.tools.get(&c.name).map(|t| !t.spec().side_effect).unwrap_or(true));
-        to_ask.extend(self.run_calls(read_only).await?);
+        // The role read above serves until a call has run: a side effect after other calls (which
+        // may have taken a while) reads it again, just before it.
+        let mut role_is_fresh = read_only.is_empty();
+        to_ask.extend(self.run_calls(read_only, role).await?);
         if self.run.cancel_requested {
             return Ok(true);
         }
         for call in side_effects {
-            to_ask.extend(self.run_calls(vec![call]).await?);
+            let role = if std::mem::replace(&mut role_is_fresh, false) {
+                role
+            } else {
+                self.inner.role_of(&self.run.user_id).await?
+            };
+            to_ask.extend(self.run_calls(vec![call], role).await?);
             if self.run.cancel_requested {
                 return Ok(true);
             }
@@ -185,12 +193,18 @@ impl Worker {
     /// have been dispatched. A call that got no answer is tried again with the same key while its
     /// tool allows and attempts remain; otherwise it is recorded, or — no answer from a tool that
     /// is not idempotent — returned for a human to decide.
-    async fn run_calls(&mut self, calls: Vec<ToolCall>) -> Result<Vec<(ToolCall, Ask)>, WorkerError> {
+    ///
+    /// `role` is the caller's, read just before (by the classification, or again after other calls
+    /// ran): one read per batch, not a second one right after the first.
+    async fn run_calls(
+        &mut self,
+        calls: Vec<ToolCall>,
+        role: Option<UserRole>,
+    ) -> Result<Vec<(ToolCall, Ask)>, WorkerError> {
         let mut unknown = Vec::new();
         if calls.is_empty() {
             return Ok(unknown);
         }
-        let role = self.inner.role_of(&self.run.user_id).await?;
         let max_attempts = self.inner.config.tool_max_attempts.max(1);
         let mut round: Vec<(ToolCall, Arc<dyn Tool>)> = Vec::new();
         for call in calls {
