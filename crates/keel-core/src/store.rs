@@ -460,6 +460,15 @@ pub trait ConversationStore: Send + Sync {
     async fn recent_messages(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Message>>;
     /// The messages of one run, in the order they were written.
     async fn list_run_messages(&self, run_id: &RunId) -> StoreResult<Vec<Message>>;
+    /// The conversation as it stood once `run_id` wrote its last message: see [`MessagesThrough`].
+    /// Empty for a run that wrote none (or another conversation's). One bounded read, by the
+    /// `run_id` and `(conversation_id, seq)` indexes, whatever the conversation's length.
+    async fn messages_through_run(
+        &self,
+        conversation_id: &ConversationId,
+        run_id: &RunId,
+        limit: u32,
+    ) -> StoreResult<MessagesThrough>;
     /// What a step's context is made of: see [`ContextWindow`].
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow>;
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
@@ -491,6 +500,17 @@ pub struct ContextWindow {
     pub tool_calls: Vec<ToolCall>,
     /// By key.
     pub facts: Vec<Fact>,
+}
+
+/// What [`ConversationStore::messages_through_run`] reads: the newest `limit` messages of the
+/// conversation up to and including a run's last one, and the calls their tool results answer —
+/// a thread's state after that run (LangGraph's history).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MessagesThrough {
+    /// Newest first.
+    pub messages: Vec<Message>,
+    /// In the order they were requested.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// Users, their API keys and stream tickets (only hashes of secrets are stored).

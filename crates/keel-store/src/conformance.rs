@@ -20,8 +20,9 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, PruneRule, Pruned,
-    RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough, NewRun,
+    PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
+    ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -70,6 +71,7 @@ macro_rules! conformance_tests {
             due_interrupts_are_pending_and_past_expiry,
             conversation_tool_calls_span_runs,
             the_context_window_starts_after_the_summary,
+            messages_through_a_run_are_the_conversation_as_it_stood,
             user_roles,
             api_keys_map_hashes_to_users_until_revoked,
             stream_tickets_are_redeemed_once_before_expiry,
@@ -1505,6 +1507,61 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
     assert_eq!(store.context_window(&other.id).await.expect("window"), ContextWindow::default());
     assert!(store.recent_messages(&other.id, 10).await.expect("recent").is_empty());
+}
+
+/// A thread's state after a run: the newest messages up to that run's last one, newest first, with
+/// the calls their results answer; later runs' messages are not in it; bounded by `limit`.
+pub async fn messages_through_a_run_are_the_conversation_as_it_stood(store: SharedStore) {
+    let (conversation, first) = running(&store, "w1").await;
+    let user_1 = store.list_messages(&conversation.id).await.expect("messages").remove(0);
+    let a = tool_call(&first.id, "get_order", "ord-2", ToolCallState::Succeeded);
+    let result_a = message(&first, Role::Tool, "{\"status\":\"late\"}", Some(&a.id), 3);
+    let answer_1 = message(&first, Role::Assistant, "ord-2 is late", None, 4);
+    let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(4));
+    c.tool_calls.push(ToolCallChange::Insert(a.clone()));
+    c.messages.extend([result_a.clone(), answer_1.clone()]);
+    c.run = to(RunStatus::Completed);
+    commit_ok(&store, c).await;
+
+    let second = start(&store, &conversation, at(5)).await;
+    let user_2 = second.message.clone();
+    let b = tool_call(&second.run.id, "cancel_order", "ord-2", ToolCallState::Succeeded);
+    let result_b = message(&second.run, Role::Tool, "{\"cancelled\":true}", Some(&b.id), 7);
+    let mut c = Commit::new(second.run.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(7));
+    c.run = to(RunStatus::Running);
+    c.tool_calls.push(ToolCallChange::Insert(b.clone()));
+    c.messages.push(result_b.clone());
+    commit_ok(&store, c).await;
+
+    let through_first = store.messages_through_run(&conversation.id, &first.id, 100).await.expect("through");
+    assert_eq!(through_first.messages, vec![answer_1.clone(), result_a.clone(), user_1.clone()]);
+    assert_eq!(through_first.tool_calls, vec![a.clone()], "not the next run's calls");
+    let through_second = store.messages_through_run(&conversation.id, &second.run.id, 100).await.expect("through");
+    assert_eq!(
+        through_second.messages,
+        vec![result_b.clone(), user_2.clone(), answer_1.clone(), result_a.clone(), user_1.clone()]
+    );
+    assert_eq!(through_second.tool_calls, vec![a.clone(), b.clone()]);
+
+    // bounded: the newest `limit`, and only the calls their results answer
+    let two = store.messages_through_run(&conversation.id, &second.run.id, 2).await.expect("through");
+    assert_eq!(two.messages, vec![result_b, user_2]);
+    assert_eq!(two.tool_calls, vec![b]);
+    let one = store.messages_through_run(&conversation.id, &first.id, 1).await.expect("through");
+    assert_eq!(one.messages, vec![answer_1]);
+    assert!(one.tool_calls.is_empty());
+
+    // a run that wrote nothing, another conversation: empty
+    let waiting = enqueue(&store, &conversation, "later", at(8)).await.run;
+    assert_eq!(
+        store.messages_through_run(&conversation.id, &waiting.id, 10).await.expect("through"),
+        MessagesThrough::default()
+    );
+    let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
+    assert_eq!(
+        store.messages_through_run(&other.id, &first.id, 10).await.expect("through"),
+        MessagesThrough::default()
+    );
 }
 
 pub async fn user_roles(store: SharedStore) {

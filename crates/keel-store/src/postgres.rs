@@ -24,8 +24,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
+    MessagesThrough, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -1038,6 +1038,45 @@ impl ConversationStore for PostgresStore {
             .await
             .map_err(db("list a run's messages"))?;
         all(&rows, message_from)
+    }
+
+    async fn messages_through_run(
+        &self,
+        conversation_id: &ConversationId,
+        run_id: &RunId,
+        limit: u32,
+    ) -> StoreResult<MessagesThrough> {
+        // The run's last message (by the run's index), then the newest messages up to it (by the
+        // conversation's); the calls their results answer, by id. A run's messages are written
+        // before the next run's, so the two reads agree.
+        const WINDOW: &str = "SELECT * FROM messages WHERE conversation_id = $1 AND seq <= \
+             (SELECT MAX(seq) FROM messages WHERE run_id = $2 AND conversation_id = $1) \
+             ORDER BY seq DESC LIMIT $3";
+        let calls_sql = format!(
+            "SELECT * FROM tool_calls WHERE id IN \
+             (SELECT tool_call_id FROM ({WINDOW}) w WHERE tool_call_id IS NOT NULL) ORDER BY seq"
+        );
+        let (messages, tool_calls) = tokio::try_join!(
+            async {
+                sqlx::query(WINDOW)
+                    .bind(conversation_id.as_str())
+                    .bind(run_id.as_str())
+                    .bind(i64::from(limit))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list the messages through a run"))
+            },
+            async {
+                sqlx::query(&calls_sql)
+                    .bind(conversation_id.as_str())
+                    .bind(run_id.as_str())
+                    .bind(i64::from(limit))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list the tool calls through a run"))
+            },
+        )?;
+        Ok(MessagesThrough { messages: all(&messages, message_from)?, tool_calls: all(&tool_calls, tool_call_from)? })
     }
 
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {

@@ -31,8 +31,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
+    MessagesThrough, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
@@ -721,6 +721,38 @@ impl ConversationStore for SqliteStore {
                     [run_id.as_str()],
                     message_from,
                 )
+            })
+            .await
+    }
+
+    async fn messages_through_run(
+        &self,
+        conversation_id: &ConversationId,
+        run_id: &RunId,
+        limit: u32,
+    ) -> StoreResult<MessagesThrough> {
+        let conversation_id = conversation_id.to_owned();
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                // The run's last message (by the run's index), then the newest messages up to it (by
+                // the conversation's).
+                const WINDOW: &str = "SELECT * FROM messages WHERE conversation_id = ?1 AND seq <= \
+                     (SELECT MAX(seq) FROM messages WHERE run_id = ?2 AND conversation_id = ?1) \
+                     ORDER BY seq DESC LIMIT ?3";
+                let args = params![conversation_id.as_str(), run_id.as_str(), i64::from(limit)];
+                let messages = many(c, "list the messages through a run", WINDOW, args, message_from)?;
+                let tool_calls = many(
+                    c,
+                    "list the tool calls through a run",
+                    &format!(
+                        "SELECT * FROM tool_calls WHERE id IN \
+                         (SELECT tool_call_id FROM ({WINDOW}) WHERE tool_call_id IS NOT NULL) ORDER BY seq"
+                    ),
+                    args,
+                    tool_call_from,
+                )?;
+                Ok(MessagesThrough { messages, tool_calls })
             })
             .await
     }
