@@ -336,9 +336,14 @@ pub trait RunStore: Send + Sync {
     /// Lets go of the lease without changing the status (graceful shutdown): another worker may
     /// continue the run from its checkpoint at once.
     async fn release_lease(&self, run_id: &RunId, owner: &str) -> StoreResult<()>;
-    /// Sets the durable cancel flag of a run that is not over (an active or a waiting one); returns
-    /// the run as it is now.
-    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run>;
+    /// Sets the durable cancel flag of a run that is not over (an active or a waiting one), and with
+    /// `roll_back` the intent to roll it back once it has ended (see [`RunStore::rollbacks_due`]), in
+    /// one write; returns the run as it is now.
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp, roll_back: bool) -> StoreResult<Run>;
+    /// Runs (at most `limit`) cancelled with the intent to roll them back that have ended and are
+    /// not rolled back yet ([`RunStore::roll_back_run`] clears the intent): what a crash between a
+    /// rollback's cancel and the rollback leaves. One read of an index empty but for those.
+    async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>>;
     /// One transaction: see [`Commit`]. On any error nothing was written.
     async fn commit(&self, commit: Commit) -> StoreResult<Committed>;
     /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with

@@ -1241,7 +1241,7 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
     let committed = commit_ok(&store, Commit::new(run.id.clone(), lease("w1", at(60)), at(5)).event(node("a"))).await;
     assert!(!committed.cancel_requested);
 
-    let flagged = store.request_cancel(&run.id, at(6)).await.expect("cancel");
+    let flagged = store.request_cancel(&run.id, at(6), false).await.expect("cancel");
     assert!(flagged.cancel_requested);
     assert_eq!(flagged.status, RunStatus::Running, "the worker cancels, not the request");
     assert_eq!(get_run(&store, &run.id).await, flagged);
@@ -1255,8 +1255,8 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
 
     // a queued run is flagged too; a missing one is not found
     let (_, waiting) = queued(&store).await;
-    assert!(store.request_cancel(&waiting.id, at(9)).await.expect("cancel").cancel_requested);
-    let missing = store.request_cancel(&RunId::new(), at(9)).await;
+    assert!(store.request_cancel(&waiting.id, at(9), false).await.expect("cancel").cancel_requested);
+    let missing = store.request_cancel(&RunId::new(), at(9), false).await;
     assert!(matches!(missing, Err(StoreError::NotFound("run"))), "{missing:?}");
 
     // a finished run is returned as it is
@@ -1264,7 +1264,7 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
     let mut c = Commit::new(done.id.clone(), lease("w1", at(60)), at(10));
     c.run = to(RunStatus::Completed);
     commit_ok(&store, c).await;
-    let finished = store.request_cancel(&done.id, at(11)).await.expect("cancel");
+    let finished = store.request_cancel(&done.id, at(11), false).await.expect("cancel");
     assert_eq!((finished.status, finished.cancel_requested), (RunStatus::Completed, false));
 }
 
@@ -2041,9 +2041,10 @@ pub async fn a_waiting_run_is_cancelled_without_running(store: SharedStore) {
     let (conversation, first) = queued(&store).await;
     let doomed = enqueue(&store, &conversation, "never mind", at(2)).await;
     let next = enqueue(&store, &conversation, "this one", at(3)).await;
-    let flagged = store.request_cancel(&doomed.run.id, at(4)).await.expect("request cancel");
+    let flagged = store.request_cancel(&doomed.run.id, at(4), true).await.expect("request cancel");
     assert!(flagged.cancel_requested);
     assert_eq!(flagged.status, RunStatus::Waiting);
+    assert!(store.rollbacks_due(10).await.expect("due").is_empty(), "not ended yet: not due");
     // a lease fence never writes on a waiting run: nobody works on it
     assert_conflict(store.commit(Commit::new(doomed.run.id.clone(), lease("w1", at(60)), at(4))).await);
     let mut c = Commit::new(doomed.run.id.clone(), Fence::Unowned { from: vec![RunStatus::Waiting] }, at(4));
@@ -2052,6 +2053,10 @@ pub async fn a_waiting_run_is_cancelled_without_running(store: SharedStore) {
     let committed = commit_ok(&store, c).await;
     assert_eq!(committed.events[0].sequence, 2);
     assert_eq!(get_run(&store, &doomed.run.id).await.status, RunStatus::Cancelled);
+    // its rollback was asked for with the cancel: due once it ended, until it is done
+    assert_eq!(store.rollbacks_due(10).await.expect("due"), vec![doomed.run.id.clone()]);
+    store.roll_back_run(&doomed.run.id, at(4)).await.expect("roll back");
+    assert!(store.rollbacks_due(10).await.expect("due").is_empty(), "the rollback clears the intent");
     // waiting may only become queued or cancelled
     let mut c = Commit::new(next.run.id.clone(), Fence::Unowned { from: vec![RunStatus::Waiting] }, at(5));
     c.run = to(RunStatus::Completed);

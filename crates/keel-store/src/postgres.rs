@@ -714,14 +714,16 @@ impl RunStore for PostgresStore {
         Ok(())
     }
 
-    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp, roll_back: bool) -> StoreResult<Run> {
         let mut tx = self.begin().await?;
         let updated = sqlx::query(&format!(
-            "UPDATE runs SET cancel_requested = true, updated_at = $1 WHERE id = $2 \
+            "UPDATE runs SET cancel_requested = true, updated_at = $1, \
+             roll_back_requested = roll_back_requested OR $3 WHERE id = $2 \
              AND (status IN {ACTIVE} OR status = 'waiting') RETURNING *"
         ))
         .bind(now)
         .bind(run_id.as_str())
+        .bind(roll_back)
         .fetch_optional(&mut *tx)
         .await
         .map_err(db("request a cancel"))?;
@@ -738,6 +740,18 @@ impl RunStore for PostgresStore {
         let run = run_from(&row)?;
         tx.commit().await.map_err(db("request a cancel"))?;
         Ok(run)
+    }
+
+    async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
+        let rows = sqlx::query(
+            "SELECT id FROM runs WHERE roll_back_requested \
+             AND status IN ('completed', 'failed', 'cancelled') ORDER BY id LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("find the rollbacks due"))?;
+        rows.iter().map(|r| Cols::new(r, "runs").id("id")).collect()
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {

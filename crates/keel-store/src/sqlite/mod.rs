@@ -333,7 +333,7 @@ impl RunStore for SqliteStore {
         Ok(())
     }
 
-    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp, roll_back: bool) -> StoreResult<Run> {
         let run_id = run_id.to_string();
         self.db
             .write(move |c| {
@@ -341,10 +341,11 @@ impl RunStore for SqliteStore {
                     c,
                     "request a cancel",
                     &format!(
-                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? \
+                        "UPDATE runs SET cancel_requested = 1, updated_at = ?1, \
+                         roll_back_requested = (roll_back_requested = 1 OR ?3) WHERE id = ?2 \
                          AND ({ACTIVE} OR status = 'waiting') RETURNING *"
                     ),
-                    [ts(&now).as_str(), run_id.as_str()],
+                    params![ts(&now).as_str(), run_id.as_str(), roll_back],
                     run_from,
                 )?;
                 match updated {
@@ -353,6 +354,21 @@ impl RunStore for SqliteStore {
                     None => one(c, "request a cancel", "SELECT * FROM runs WHERE id = ?", [run_id.as_str()], run_from)?
                         .ok_or(StoreError::NotFound("run")),
                 }
+            })
+            .await
+    }
+
+    async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "find the rollbacks due",
+                    "SELECT id FROM runs WHERE roll_back_requested = 1 \
+                     AND (status = 'completed' OR status = 'failed' OR status = 'cancelled') ORDER BY id LIMIT ?",
+                    [i64::from(limit)],
+                    |r| Cols::new(r, "runs").id("id"),
+                )
             })
             .await
     }
