@@ -261,7 +261,7 @@ async fn a_rollback_cut_by_a_crash_is_finished_after_it() {
     assert_eq!(status(&h, &paused).await, RunStatus::RolledBack);
     assert!(h.store.list_run_messages(&paused).await.unwrap().is_empty());
     assert!(h.store.rollbacks_due(10).await.unwrap().is_empty());
-    assert_eq!(message_runs(&h, &conv).await, [kept.clone()]);
+    assert_eq!(message_runs(&h, &conv).await, std::slice::from_ref(&kept));
 
     // The message sent again with `rollback` finishes one left undone before it starts.
     let (paused, _) = h.say(&conv, "Restart the abnormal instance of payment-api").await;

@@ -1,7 +1,7 @@
 //! LangGraph Server's API under `/langgraph` (docs/langgraph.md), over HTTP against the real
 //! server: the SDK's key header and per-user isolation, the error shapes (unknown and unsupported
-//! options named in a 422), a resume sent twice that continues once, and a join with
-//! `Last-Event-ID` that has no gap and no duplicate. The real SDKs run in CI (e2e/langgraph/).
+//! options named in a 422), a resume sent twice that continues once, the thread's history, and a
+//! join with `Last-Event-ID` that has no gap and no duplicate. The real SDKs run in CI (e2e/langgraph/).
 
 use keel_client::sse::SseFrame;
 use reqwest::header::ACCEPT;
