@@ -114,6 +114,33 @@ async def main(base):
     assert state["next"] == [] and state["interrupts"] == []
     assert (await client.runs.get(tid, run_id))["status"] == "success"
 
+    step("the thread's history: one state per run, newest first, with before, limit and checkpoint")
+    second = await client.runs.wait(tid, aid, input={"messages": [{"role": "user", "content": "list the services"}]})
+    assert "__error__" not in second, second
+    history = await client.threads.get_history(tid)
+    assert len(history) == 2, history
+    for s in history:
+        assert set(s) >= {"values", "next", "tasks", "checkpoint", "metadata", "created_at", "parent_checkpoint",
+                          "interrupts"}, s
+        assert s["checkpoint"]["thread_id"] == tid and s["checkpoint"]["checkpoint_ns"] == "", s["checkpoint"]
+        assert s["metadata"]["source"] == "loop", s["metadata"]
+    newest, oldest = history
+    assert oldest["metadata"]["run_id"] == run_id, oldest["metadata"]
+    assert newest["parent_checkpoint"] == oldest["checkpoint"] and oldest["parent_checkpoint"] is None
+    humans = lambda s: [m["content"] for m in s["values"]["messages"] if m["type"] == "human"]
+    assert humans(oldest) == [RESTART] and humans(newest) == [RESTART, "list the services"], history
+    assert newest["checkpoint"] == (await client.threads.get_state(tid))["checkpoint"]
+    assert await client.threads.get_history(tid, limit=1) == [newest]
+    assert await client.threads.get_history(tid, before=newest["checkpoint"]) == [oldest]
+    assert await client.threads.get_history(tid, checkpoint=oldest["checkpoint"]) == [oldest]
+    assert await client.threads.get_state(tid, checkpoint=oldest["checkpoint"]) == oldest
+    assert await client.threads.get_state(tid, checkpoint_id=oldest["checkpoint"]["checkpoint_id"]) == oldest
+    try:
+        await client.threads.get_history(tid, limit=0)
+        raise AssertionError("limit=0 was accepted")
+    except UnprocessableEntityError as e:
+        assert "limit" in e.response.json()["error"]["message"], e
+
     step("join a running run after a cut with Last-Event-ID: no gap, no duplicate")
     http(base, "POST", "/v1/demo/reset")
     busy = await client.threads.create()

@@ -336,9 +336,14 @@ pub trait RunStore: Send + Sync {
     /// Lets go of the lease without changing the status (graceful shutdown): another worker may
     /// continue the run from its checkpoint at once.
     async fn release_lease(&self, run_id: &RunId, owner: &str) -> StoreResult<()>;
-    /// Sets the durable cancel flag of a run that is not over (an active or a waiting one); returns
-    /// the run as it is now.
-    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run>;
+    /// Sets the durable cancel flag of a run that is not over (an active or a waiting one), and with
+    /// `roll_back` the intent to roll it back once it has ended (see [`RunStore::rollbacks_due`]), in
+    /// one write; returns the run as it is now.
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp, roll_back: bool) -> StoreResult<Run>;
+    /// Runs (at most `limit`) cancelled with the intent to roll them back that have ended and are
+    /// not rolled back yet ([`RunStore::roll_back_run`] clears the intent): what a crash between a
+    /// rollback's cancel and the rollback leaves. One read of an index empty but for those.
+    async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>>;
     /// One transaction: see [`Commit`]. On any error nothing was written.
     async fn commit(&self, commit: Commit) -> StoreResult<Committed>;
     /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with
@@ -460,6 +465,15 @@ pub trait ConversationStore: Send + Sync {
     async fn recent_messages(&self, conversation_id: &ConversationId, limit: u32) -> StoreResult<Vec<Message>>;
     /// The messages of one run, in the order they were written.
     async fn list_run_messages(&self, run_id: &RunId) -> StoreResult<Vec<Message>>;
+    /// The conversation as it stood once `run_id` wrote its last message: see [`MessagesThrough`].
+    /// Empty for a run that wrote none (or another conversation's). One bounded read, by the
+    /// `run_id` and `(conversation_id, seq)` indexes, whatever the conversation's length.
+    async fn messages_through_run(
+        &self,
+        conversation_id: &ConversationId,
+        run_id: &RunId,
+        limit: u32,
+    ) -> StoreResult<MessagesThrough>;
     /// What a step's context is made of: see [`ContextWindow`].
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow>;
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>>;
@@ -491,6 +505,17 @@ pub struct ContextWindow {
     pub tool_calls: Vec<ToolCall>,
     /// By key.
     pub facts: Vec<Fact>,
+}
+
+/// What [`ConversationStore::messages_through_run`] reads: the newest `limit` messages of the
+/// conversation up to and including a run's last one, and the calls their tool results answer —
+/// a thread's state after that run (LangGraph's history).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MessagesThrough {
+    /// Newest first.
+    pub messages: Vec<Message>,
+    /// In the order they were requested.
+    pub tool_calls: Vec<ToolCall>,
 }
 
 /// Users, their API keys and stream tickets (only hashes of secrets are stored).

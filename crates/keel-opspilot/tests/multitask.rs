@@ -225,3 +225,51 @@ async fn interrupt_cancels_the_waiting_runs_and_the_active_one() {
     assert_eq!(status(&h, &queued).await, RunStatus::Cancelled);
     assert_eq!(message_runs(&h, &conv).await, [paused, started.run.id.clone()]);
 }
+
+/// A rollback's intent is written with its cancel: a process that stops between the cancel (the run
+/// ended `cancelled`) and the rollback leaves the run to be rolled back by the next process's
+/// recovery, or by the next message sent with `rollback`, so the thread reads clean either way.
+#[tokio::test]
+async fn a_rollback_cut_by_a_crash_is_finished_after_it() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let clock = h.clock.clone();
+    let conv = h.conversation().await;
+    let (kept, _) = h.say(&conv, "list the services").await;
+
+    // The cancel of a rollback, as a process that stopped right after it left it: the intent and
+    // the run's end committed, the rollback never done.
+    let cut = |h: &Harness, run: RunId| {
+        let store = h.store.clone();
+        let now = h.clock_now();
+        async move {
+            let flagged = store.request_cancel(&run, now, true).await.unwrap();
+            assert!(flagged.cancel_requested);
+            let mut end = Commit::new(run.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, now);
+            end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupted_by_new_message".into()) });
+            end.events.push(EventKind::Cancelled { reason: "interrupted_by_new_message".into() });
+            store.commit(end).await.unwrap();
+            assert_eq!(store.rollbacks_due(10).await.unwrap(), vec![run]);
+        }
+    };
+    let (paused, _) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    cut(&h, paused.clone()).await;
+    drop(h);
+
+    // Recovery finishes it before anything else.
+    let h = Harness::open(dir.path(), clock.clone(), Arc::new(DemoModel::new(Duration::ZERO)), opspilot()).await;
+    assert_eq!(status(&h, &paused).await, RunStatus::RolledBack);
+    assert!(h.store.list_run_messages(&paused).await.unwrap().is_empty());
+    assert!(h.store.rollbacks_due(10).await.unwrap().is_empty());
+    assert_eq!(message_runs(&h, &conv).await, std::slice::from_ref(&kept));
+
+    // The message sent again with `rollback` finishes one left undone before it starts.
+    let (paused, _) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    cut(&h, paused.clone()).await;
+    let started = send(&h, &conv, QUEUED[1], MultitaskStrategy::Rollback).await;
+    assert_eq!(status(&h, &paused).await, RunStatus::RolledBack);
+    assert_eq!(last_type(&h.settle(&started.run.id, 0).await), "done");
+    assert_eq!(message_runs(&h, &conv).await, [kept, started.run.id]);
+    assert_eq!(user_messages(&h, &conv).await, ["list the services", QUEUED[1]]);
+    assert_eq!(h.restart_count("pay-prod-2").await, 0);
+}

@@ -20,8 +20,9 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, PruneRule, Pruned,
-    RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough, NewRun,
+    PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
+    ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -70,6 +71,7 @@ macro_rules! conformance_tests {
             due_interrupts_are_pending_and_past_expiry,
             conversation_tool_calls_span_runs,
             the_context_window_starts_after_the_summary,
+            messages_through_a_run_are_the_conversation_as_it_stood,
             user_roles,
             api_keys_map_hashes_to_users_until_revoked,
             stream_tickets_are_redeemed_once_before_expiry,
@@ -1239,7 +1241,7 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
     let committed = commit_ok(&store, Commit::new(run.id.clone(), lease("w1", at(60)), at(5)).event(node("a"))).await;
     assert!(!committed.cancel_requested);
 
-    let flagged = store.request_cancel(&run.id, at(6)).await.expect("cancel");
+    let flagged = store.request_cancel(&run.id, at(6), false).await.expect("cancel");
     assert!(flagged.cancel_requested);
     assert_eq!(flagged.status, RunStatus::Running, "the worker cancels, not the request");
     assert_eq!(get_run(&store, &run.id).await, flagged);
@@ -1253,8 +1255,8 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
 
     // a queued run is flagged too; a missing one is not found
     let (_, waiting) = queued(&store).await;
-    assert!(store.request_cancel(&waiting.id, at(9)).await.expect("cancel").cancel_requested);
-    let missing = store.request_cancel(&RunId::new(), at(9)).await;
+    assert!(store.request_cancel(&waiting.id, at(9), false).await.expect("cancel").cancel_requested);
+    let missing = store.request_cancel(&RunId::new(), at(9), false).await;
     assert!(matches!(missing, Err(StoreError::NotFound("run"))), "{missing:?}");
 
     // a finished run is returned as it is
@@ -1262,7 +1264,7 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
     let mut c = Commit::new(done.id.clone(), lease("w1", at(60)), at(10));
     c.run = to(RunStatus::Completed);
     commit_ok(&store, c).await;
-    let finished = store.request_cancel(&done.id, at(11)).await.expect("cancel");
+    let finished = store.request_cancel(&done.id, at(11), false).await.expect("cancel");
     assert_eq!((finished.status, finished.cancel_requested), (RunStatus::Completed, false));
 }
 
@@ -1505,6 +1507,61 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
     assert_eq!(store.context_window(&other.id).await.expect("window"), ContextWindow::default());
     assert!(store.recent_messages(&other.id, 10).await.expect("recent").is_empty());
+}
+
+/// A thread's state after a run: the newest messages up to that run's last one, newest first, with
+/// the calls their results answer; later runs' messages are not in it; bounded by `limit`.
+pub async fn messages_through_a_run_are_the_conversation_as_it_stood(store: SharedStore) {
+    let (conversation, first) = running(&store, "w1").await;
+    let user_1 = store.list_messages(&conversation.id).await.expect("messages").remove(0);
+    let a = tool_call(&first.id, "get_order", "ord-2", ToolCallState::Succeeded);
+    let result_a = message(&first, Role::Tool, "{\"status\":\"late\"}", Some(&a.id), 3);
+    let answer_1 = message(&first, Role::Assistant, "ord-2 is late", None, 4);
+    let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(4));
+    c.tool_calls.push(ToolCallChange::Insert(a.clone()));
+    c.messages.extend([result_a.clone(), answer_1.clone()]);
+    c.run = to(RunStatus::Completed);
+    commit_ok(&store, c).await;
+
+    let second = start(&store, &conversation, at(5)).await;
+    let user_2 = second.message.clone();
+    let b = tool_call(&second.run.id, "cancel_order", "ord-2", ToolCallState::Succeeded);
+    let result_b = message(&second.run, Role::Tool, "{\"cancelled\":true}", Some(&b.id), 7);
+    let mut c = Commit::new(second.run.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(7));
+    c.run = to(RunStatus::Running);
+    c.tool_calls.push(ToolCallChange::Insert(b.clone()));
+    c.messages.push(result_b.clone());
+    commit_ok(&store, c).await;
+
+    let through_first = store.messages_through_run(&conversation.id, &first.id, 100).await.expect("through");
+    assert_eq!(through_first.messages, vec![answer_1.clone(), result_a.clone(), user_1.clone()]);
+    assert_eq!(through_first.tool_calls, vec![a.clone()], "not the next run's calls");
+    let through_second = store.messages_through_run(&conversation.id, &second.run.id, 100).await.expect("through");
+    assert_eq!(
+        through_second.messages,
+        vec![result_b.clone(), user_2.clone(), answer_1.clone(), result_a.clone(), user_1.clone()]
+    );
+    assert_eq!(through_second.tool_calls, vec![a.clone(), b.clone()]);
+
+    // bounded: the newest `limit`, and only the calls their results answer
+    let two = store.messages_through_run(&conversation.id, &second.run.id, 2).await.expect("through");
+    assert_eq!(two.messages, vec![result_b, user_2]);
+    assert_eq!(two.tool_calls, vec![b]);
+    let one = store.messages_through_run(&conversation.id, &first.id, 1).await.expect("through");
+    assert_eq!(one.messages, vec![answer_1]);
+    assert!(one.tool_calls.is_empty());
+
+    // a run that wrote nothing, another conversation: empty
+    let waiting = enqueue(&store, &conversation, "later", at(8)).await.run;
+    assert_eq!(
+        store.messages_through_run(&conversation.id, &waiting.id, 10).await.expect("through"),
+        MessagesThrough::default()
+    );
+    let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
+    assert_eq!(
+        store.messages_through_run(&other.id, &first.id, 10).await.expect("through"),
+        MessagesThrough::default()
+    );
 }
 
 pub async fn user_roles(store: SharedStore) {
@@ -1984,9 +2041,10 @@ pub async fn a_waiting_run_is_cancelled_without_running(store: SharedStore) {
     let (conversation, first) = queued(&store).await;
     let doomed = enqueue(&store, &conversation, "never mind", at(2)).await;
     let next = enqueue(&store, &conversation, "this one", at(3)).await;
-    let flagged = store.request_cancel(&doomed.run.id, at(4)).await.expect("request cancel");
+    let flagged = store.request_cancel(&doomed.run.id, at(4), true).await.expect("request cancel");
     assert!(flagged.cancel_requested);
     assert_eq!(flagged.status, RunStatus::Waiting);
+    assert!(store.rollbacks_due(10).await.expect("due").is_empty(), "not ended yet: not due");
     // a lease fence never writes on a waiting run: nobody works on it
     assert_conflict(store.commit(Commit::new(doomed.run.id.clone(), lease("w1", at(60)), at(4))).await);
     let mut c = Commit::new(doomed.run.id.clone(), Fence::Unowned { from: vec![RunStatus::Waiting] }, at(4));
@@ -1995,6 +2053,10 @@ pub async fn a_waiting_run_is_cancelled_without_running(store: SharedStore) {
     let committed = commit_ok(&store, c).await;
     assert_eq!(committed.events[0].sequence, 2);
     assert_eq!(get_run(&store, &doomed.run.id).await.status, RunStatus::Cancelled);
+    // its rollback was asked for with the cancel: due once it ended, until it is done
+    assert_eq!(store.rollbacks_due(10).await.expect("due"), vec![doomed.run.id.clone()]);
+    store.roll_back_run(&doomed.run.id, at(4)).await.expect("roll back");
+    assert!(store.rollbacks_due(10).await.expect("due").is_empty(), "the rollback clears the intent");
     // waiting may only become queued or cancelled
     let mut c = Commit::new(next.run.id.clone(), Fence::Unowned { from: vec![RunStatus::Waiting] }, at(5));
     c.run = to(RunStatus::Completed);

@@ -534,7 +534,7 @@ static READ_ROLLBACK: Sql =
     Sql::new("SELECT status, CAST(checkpoint AS TEXT), next_sequence, conversation_id FROM runs WHERE id = $1");
 static ROLL_BACK: Sql = Sql::new(
     "UPDATE runs SET status = 'rolled_back', checkpoint = $2, updated_at = $3, lease_owner = NULL, \
-     lease_expires_at = NULL WHERE id = $1 AND (status = 'completed' OR status = 'failed' OR status = 'cancelled')",
+     lease_expires_at = NULL, roll_back_requested = FALSE WHERE id = $1 AND (status = 'completed' OR status = 'failed' OR status = 'cancelled')",
 );
 /// The conversation's summary, when the last message it covers comes at or after the run's first
 /// message (so it covers one of the run's messages).

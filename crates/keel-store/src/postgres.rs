@@ -24,8 +24,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
+    MessagesThrough, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -714,14 +714,16 @@ impl RunStore for PostgresStore {
         Ok(())
     }
 
-    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp, roll_back: bool) -> StoreResult<Run> {
         let mut tx = self.begin().await?;
         let updated = sqlx::query(&format!(
-            "UPDATE runs SET cancel_requested = true, updated_at = $1 WHERE id = $2 \
+            "UPDATE runs SET cancel_requested = true, updated_at = $1, \
+             roll_back_requested = roll_back_requested OR $3 WHERE id = $2 \
              AND (status IN {ACTIVE} OR status = 'waiting') RETURNING *"
         ))
         .bind(now)
         .bind(run_id.as_str())
+        .bind(roll_back)
         .fetch_optional(&mut *tx)
         .await
         .map_err(db("request a cancel"))?;
@@ -738,6 +740,18 @@ impl RunStore for PostgresStore {
         let run = run_from(&row)?;
         tx.commit().await.map_err(db("request a cancel"))?;
         Ok(run)
+    }
+
+    async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
+        let rows = sqlx::query(
+            "SELECT id FROM runs WHERE roll_back_requested \
+             AND status IN ('completed', 'failed', 'cancelled') ORDER BY id LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("find the rollbacks due"))?;
+        rows.iter().map(|r| Cols::new(r, "runs").id("id")).collect()
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
@@ -1038,6 +1052,45 @@ impl ConversationStore for PostgresStore {
             .await
             .map_err(db("list a run's messages"))?;
         all(&rows, message_from)
+    }
+
+    async fn messages_through_run(
+        &self,
+        conversation_id: &ConversationId,
+        run_id: &RunId,
+        limit: u32,
+    ) -> StoreResult<MessagesThrough> {
+        // The run's last message (by the run's index), then the newest messages up to it (by the
+        // conversation's); the calls their results answer, by id. A run's messages are written
+        // before the next run's, so the two reads agree.
+        const WINDOW: &str = "SELECT * FROM messages WHERE conversation_id = $1 AND seq <= \
+             (SELECT MAX(seq) FROM messages WHERE run_id = $2 AND conversation_id = $1) \
+             ORDER BY seq DESC LIMIT $3";
+        let calls_sql = format!(
+            "SELECT * FROM tool_calls WHERE id IN \
+             (SELECT tool_call_id FROM ({WINDOW}) w WHERE tool_call_id IS NOT NULL) ORDER BY seq"
+        );
+        let (messages, tool_calls) = tokio::try_join!(
+            async {
+                sqlx::query(WINDOW)
+                    .bind(conversation_id.as_str())
+                    .bind(run_id.as_str())
+                    .bind(i64::from(limit))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list the messages through a run"))
+            },
+            async {
+                sqlx::query(&calls_sql)
+                    .bind(conversation_id.as_str())
+                    .bind(run_id.as_str())
+                    .bind(i64::from(limit))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(db("list the tool calls through a run"))
+            },
+        )?;
+        Ok(MessagesThrough { messages: all(&messages, message_from)?, tool_calls: all(&tool_calls, tool_call_from)? })
     }
 
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {

@@ -288,6 +288,10 @@ impl Engine {
         }
         // Waiting runs whose turn came while no process was there to start them start first, so
         // that the claim below takes them with the rest.
+        let finished = self.inner.finish_rollbacks().await?;
+        if finished > 0 {
+            tracing::info!(finished, "finished rollbacks the previous process left undone");
+        }
         let promoted = self.inner.promote_stranded().await?;
         if promoted > 0 {
             tracing::info!(promoted, "started waiting runs whose turn came while the server was down");
@@ -323,6 +327,10 @@ impl Engine {
                 }
                 if inner.shutting_down.load(Ordering::SeqCst) {
                     break;
+                }
+                if let Err(e) = inner.finish_rollbacks().await {
+                    inner.config.metrics.store_error("finish_rollbacks");
+                    tracing::warn!(error = %e, "finishing rollbacks left undone failed");
                 }
                 if let Err(e) = inner.promote_stranded().await {
                     inner.config.metrics.store_error("promote_waiting");
@@ -524,6 +532,11 @@ impl Engine {
             MultitaskStrategy::Interrupt => false,
             MultitaskStrategy::Rollback => true,
         };
+        if rollback {
+            // A rollback an earlier try left undone (its process stopped after the cancel) is
+            // finished first, so the thread reads clean.
+            self.inner.finish_rollbacks().await?;
+        }
         // Another message may start a run between the clearing and the start: a few tries.
         for _ in 0..3 {
             match self.start_message(user_id, conversation_id, message.clone(), false).await {
@@ -542,11 +555,11 @@ impl Engine {
         let store = &self.inner.store;
         let mut ended = Vec::new();
         for run in store.waiting_runs(conversation_id, WAITING_CLEARED).await? {
-            self.interrupt_run(&run.id, "interrupted_by_new_message").await?;
+            self.interrupt_run(&run.id, "interrupted_by_new_message", rollback).await?;
             ended.push(run.id);
         }
         if let Some(active) = store.active_run(conversation_id).await? {
-            self.interrupt_run(&active.id, "interrupted_by_new_message").await?;
+            self.interrupt_run(&active.id, "interrupted_by_new_message", rollback).await?;
             ended.push(active.id);
         }
         if rollback {
@@ -557,9 +570,10 @@ impl Engine {
         Ok(())
     }
 
-    /// Cancels `run_id` (with `reason`) and waits until it has ended.
-    async fn interrupt_run(&self, run_id: &RunId, reason: &str) -> EngineResult<()> {
-        let run = self.inner.cancel(run_id, reason).await?;
+    /// Cancels `run_id` (with `reason`; with `roll_back`, the durable intent to roll it back) and waits
+    /// until it has ended.
+    async fn interrupt_run(&self, run_id: &RunId, reason: &str, roll_back: bool) -> EngineResult<()> {
+        let run = self.inner.cancel(run_id, reason, roll_back).await?;
         if run.status.is_terminal() {
             return Ok(());
         }
@@ -599,7 +613,7 @@ impl Engine {
     /// and events are removed, its tool calls and interrupts kept (`rolled_back`).
     pub async fn roll_back(&self, user_id: &str, run_id: &RunId) -> EngineResult<RolledBack> {
         self.run(user_id, run_id).await?;
-        self.interrupt_run(run_id, "cancelled_by_user").await?;
+        self.interrupt_run(run_id, "cancelled_by_user", true).await?;
         self.roll_back_ended(run_id).await
     }
 
@@ -656,7 +670,7 @@ impl Engine {
     /// flight.
     pub async fn cancel(&self, user_id: &str, run_id: &RunId) -> EngineResult<Run> {
         self.run(user_id, run_id).await?;
-        self.inner.cancel(run_id, "cancelled_by_user").await
+        self.inner.cancel(run_id, "cancelled_by_user", false).await
     }
 
     /// The client streaming this run went away. The run goes on, unless its policy says cancel.
@@ -664,7 +678,7 @@ impl Engine {
         let Some(run) = self.inner.store.get_run(run_id).await? else { return Ok(()) };
         if run.cancel_on_disconnect && !run.status.is_terminal() {
             tracing::info!(run_id = %run_id, "client disconnected; cancelling as the run's policy says");
-            self.inner.cancel(run_id, "client_disconnected").await?;
+            self.inner.cancel(run_id, "client_disconnected", false).await?;
         }
         Ok(())
     }

@@ -40,6 +40,8 @@ pub const TEMPLATES: &[&str] = &[
     "/langgraph/threads/search",
     "/langgraph/threads/{id}",
     "/langgraph/threads/{id}/state",
+    "/langgraph/threads/{id}/state/checkpoint",
+    "/langgraph/threads/{id}/state/{id}",
     "/langgraph/threads/{id}/history",
     "/langgraph/threads/{id}/runs",
     "/langgraph/threads/{id}/runs/stream",
@@ -61,6 +63,8 @@ pub fn router() -> Router<AppState> {
         .route("/threads/search", post(search_threads))
         .route("/threads/{thread}", get(get_thread).delete(delete_thread))
         .route("/threads/{thread}/state", get(thread_state))
+        .route("/threads/{thread}/state/checkpoint", post(thread_state_checkpoint))
+        .route("/threads/{thread}/state/{checkpoint}", get(thread_state_at))
         .route("/threads/{thread}/history", post(thread_history).get(thread_history_get))
         .route("/threads/{thread}/runs", post(create_run).get(list_runs))
         .route("/threads/{thread}/runs/stream", post(stream_run))
@@ -459,42 +463,58 @@ async fn search_threads(
     Ok(Json(out).into_response())
 }
 
+/// A state's checkpoint id: the run whose end (or, for one not over, whose latest event) it is
+/// the state after, and that event's sequence — stable once the run is over.
+fn checkpoint_id(run: &keel_core::Run) -> String {
+    format!("{}:{}", run.id, run.last_sequence())
+}
+
+fn checkpoint(thread_id: &str, run: Option<&keel_core::Run>) -> Value {
+    json!({
+        "thread_id": thread_id,
+        "checkpoint_ns": "",
+        "checkpoint_id": run.map(checkpoint_id),
+        "checkpoint_map": null,
+    })
+}
+
+/// What a run not over waits on: `next` (the node), `tasks` (with the interrupt), `interrupts`.
+async fn pending(state: &AppState, c: &Conversation, run: &keel_core::Run) -> ApiResult<(Value, Value, Value)> {
+    let mut interrupts = Vec::new();
+    let mut tasks = Vec::new();
+    let mut next = Vec::new();
+    match run.status {
+        RunStatus::Interrupted => {
+            if let Some(i) = state.engine.store().pending_interrupt(&run.id).await? {
+                let value = interrupt_value(state, c, &i);
+                next.push(keel_core::engine::nodes::APPROVAL);
+                tasks.push(json!({
+                    "id": i.id, "name": keel_core::engine::nodes::APPROVAL, "path": [], "error": null,
+                    "interrupts": [value], "checkpoint": null, "state": null, "result": null,
+                }));
+                interrupts.push(value);
+            }
+        }
+        RunStatus::Queued | RunStatus::Running | RunStatus::Waiting => next.push(keel_core::engine::nodes::MODEL),
+        _ => {}
+    }
+    Ok((json!(next), json!(tasks), json!(interrupts)))
+}
+
 /// The thread's state: `values`, `next` (the node a paused run waits in), `tasks` (with the
 /// interrupt), `interrupts` with their ids, a checkpoint naming the newest run and its last event.
 async fn state_object(state: &AppState, caller: &Caller, thread_id: &str, c: &Conversation) -> ApiResult<Value> {
     let latest = latest_run(state, &c.id).await?;
     let snapshot = snapshot(state, &c.id).await?;
-    let mut interrupts = Vec::new();
-    let mut tasks = Vec::new();
-    let mut next = Vec::new();
-    if let Some(run) = &latest {
-        match run.status {
-            RunStatus::Interrupted => {
-                if let Some(i) = state.engine.store().pending_interrupt(&run.id).await? {
-                    let value = interrupt_value(state, c, &i);
-                    next.push(keel_core::engine::nodes::APPROVAL);
-                    tasks.push(json!({
-                        "id": i.id, "name": keel_core::engine::nodes::APPROVAL, "path": [], "error": null,
-                        "interrupts": [value], "checkpoint": null, "state": null, "result": null,
-                    }));
-                    interrupts.push(value);
-                }
-            }
-            RunStatus::Queued | RunStatus::Running | RunStatus::Waiting => next.push(keel_core::engine::nodes::MODEL),
-            _ => {}
-        }
-    }
-    let checkpoint = json!({
-        "thread_id": thread_id,
-        "checkpoint_ns": "",
-        "checkpoint_id": latest.as_ref().map(|r| format!("{}:{}", r.id, r.last_sequence())),
-        "checkpoint_map": null,
-    });
+    let (next, tasks, interrupts) = match &latest {
+        Some(run) => pending(state, c, run).await?,
+        None => (json!([]), json!([]), json!([])),
+    };
     Ok(json!({
         "values": super::values(&snapshot),
         "next": next,
         "tasks": tasks,
-        "checkpoint": checkpoint,
+        "checkpoint": checkpoint(thread_id, latest.as_ref()),
         "metadata": metadata(state, caller, c).await?,
         "created_at": latest.as_ref().map(|r| super::time(&r.updated_at)),
         "parent_checkpoint": null,
@@ -513,28 +533,235 @@ async fn thread_state(
     Ok(Json(state_object(&state, &caller, &thread, &c).await?).into_response())
 }
 
-/// Keel keeps one state per thread (its messages and facts), not a checkpoint per step: the
-/// history is that state.
+/// The most states one history answers (`limit`; 10 unless asked).
+const HISTORY_LIMIT: usize = 100;
+/// The most messages a state of the history shows: the newest at that point (one bounded read
+/// per state, whatever the thread's length).
+const HISTORY_MESSAGES: u32 = 200;
+
+/// What a history asks for: how many states, from which (`before`: the ones older than that
+/// checkpoint; `checkpoint`: that one only), whose metadata has these values.
+#[derive(Default)]
+struct HistoryQuery {
+    limit: usize,
+    before: Option<RunId>,
+    checkpoint: Option<RunId>,
+    metadata: Map<String, Value>,
+}
+
+/// The run a checkpoint names: a checkpoint object (`{thread_id, checkpoint_ns: "", checkpoint_id}`)
+/// or, where the SDK allows it, its id alone. `None` for none (`null`, or no `checkpoint_id`).
+fn checkpoint_run(field: &str, value: Option<&Value>, id_alone: bool) -> ApiResult<Option<RunId>> {
+    let id = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(id)) if id_alone => id.as_str(),
+        Some(Value::Object(o)) => {
+            match o.get("checkpoint_ns") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(ns)) if ns.is_empty() => {}
+                Some(_) => {
+                    return Err(ApiError::validation(format!(
+                        "{field}.checkpoint_ns: must be \"\" (Keel's threads have no subgraphs)"
+                    )))
+                }
+            }
+            match o.get("checkpoint_id") {
+                None | Some(Value::Null) => return Ok(None),
+                Some(Value::String(id)) => id.as_str(),
+                Some(_) => return Err(ApiError::validation(format!("{field}.checkpoint_id: must be a string"))),
+            }
+        }
+        Some(_) => {
+            return Err(ApiError::validation(format!(
+                "{field}: must be a checkpoint ({{thread_id, checkpoint_ns, checkpoint_id}}){}",
+                if id_alone { " or a checkpoint id" } else { "" }
+            )))
+        }
+    };
+    let run = id.split_once(':').map_or(id, |(run, _)| run);
+    RunId::parse(run)
+        .map(Some)
+        .map_err(|_| ApiError::validation(format!("{field}: not a checkpoint id of Keel's (`<run id>:<sequence>`)")))
+}
+
+fn history_limit(value: Option<&Value>) -> ApiResult<usize> {
+    match value {
+        None | Some(Value::Null) => Ok(10),
+        Some(v) => v
+            .as_u64()
+            .filter(|n| (1..=HISTORY_LIMIT as u64).contains(n))
+            .map(|n| n as usize)
+            .ok_or_else(|| ApiError::validation(format!("limit: must be an integer from 1 to {HISTORY_LIMIT}"))),
+    }
+}
+
+/// The thread's states, newest first: one per run boundary — the state after each run, the first
+/// the current one (after the newest run, or where it is now if it is not over). A state's
+/// `values` are the conversation's messages up to that run's last one (the newest
+/// [`HISTORY_MESSAGES`]) and the facts as they are now (Keel keeps no history of facts). Runs
+/// rolled back, waiting their turn or that never ran have no state.
+async fn history(
+    state: &AppState,
+    caller: &Caller,
+    thread_id: &str,
+    c: &Conversation,
+    query: &HistoryQuery,
+) -> ApiResult<Vec<Value>> {
+    let store = state.engine.store();
+    let runs: Vec<keel_core::Run> = store
+        .newest_conversation_runs(&c.id, RUNS_LISTED)
+        .await?
+        .into_iter()
+        .filter(|r| !matches!(r.status, RunStatus::RolledBack | RunStatus::Waiting))
+        .collect();
+    let from = match (&query.checkpoint, &query.before) {
+        (Some(id), _) | (None, Some(id)) => match runs.iter().position(|r| &r.id == id) {
+            Some(i) if query.checkpoint.is_some() => i,
+            Some(i) => i + 1,
+            None => return Ok(Vec::new()),
+        },
+        (None, None) => 0,
+    };
+    let limit = if query.checkpoint.is_some() { 1 } else { query.limit };
+    let thread_meta = metadata(state, caller, c).await?;
+    let facts = store.list_facts(&c.id).await?;
+    let mut states: Vec<Value> = Vec::new();
+    // The state waiting for its parent: the next older run that has a state.
+    let mut child: Option<usize> = None;
+    for run in &runs[from..] {
+        if states.len() >= limit && child.is_none() {
+            break;
+        }
+        let mut meta = thread_meta.clone();
+        if let Some(m) = meta.as_object_mut() {
+            m.insert("run_id".into(), json!(run.id));
+            m.insert("step".into(), json!(run.last_sequence()));
+            m.insert("source".into(), json!("loop"));
+        }
+        let wanted = query.metadata.iter().all(|(k, v)| meta.get(k) == Some(v));
+        if !wanted && child.is_none() {
+            continue;
+        }
+        let window = store.messages_through_run(&c.id, &run.id, HISTORY_MESSAGES).await?;
+        if window.messages.is_empty() {
+            continue; // a run that never ran (cancelled while it waited its turn)
+        }
+        if let Some(i) = child.take() {
+            states[i]["parent_checkpoint"] = checkpoint(thread_id, Some(run));
+        }
+        if !wanted || states.len() >= limit {
+            continue;
+        }
+        let mut messages = window.messages;
+        messages.reverse();
+        let mut calls = window.tool_calls;
+        if !run.status.is_terminal() {
+            // the calls it is running or asking about, not answered yet
+            for call in store.list_tool_calls(&run.id).await? {
+                if call.result.is_none() && !calls.iter().any(|k| k.id == call.id) {
+                    calls.push(call);
+                }
+            }
+        }
+        let snapshot = Snapshot::build(&messages, &calls, &facts);
+        let (next, tasks, interrupts) = pending(state, c, run).await?;
+        states.push(json!({
+            "values": super::values(&snapshot),
+            "next": next,
+            "tasks": tasks,
+            "checkpoint": checkpoint(thread_id, Some(run)),
+            "metadata": meta,
+            "created_at": super::time(&run.updated_at),
+            "parent_checkpoint": null,
+            "interrupts": interrupts,
+        }));
+        child = Some(states.len() - 1);
+    }
+    Ok(states)
+}
+
+/// `POST /threads/{id}/history`: `limit`, `before`, `checkpoint`, `metadata` (see [`history`]).
 async fn thread_history(
     State(state): State<AppState>,
     caller: Caller,
     Path(thread): Path<String>,
     OptionalJson(body): OptionalJson<Map<String, Value>>,
 ) -> ApiResult<Response> {
-    check(&body, &["limit"], &["before", "metadata", "checkpoint"])?;
+    check(&body, &["limit", "before", "checkpoint", "metadata"], &["select"])?;
+    let metadata = match body.get("metadata") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(_) => return Err(ApiError::validation("metadata: must be an object")),
+    };
+    let query = HistoryQuery {
+        limit: history_limit(body.get("limit"))?,
+        before: checkpoint_run("before", body.get("before"), true)?,
+        checkpoint: checkpoint_run("checkpoint", body.get("checkpoint"), false)?,
+        metadata,
+    };
     let c = thread_or_404(&state, &caller, &thread).await?;
-    Ok(Json(vec![state_object(&state, &caller, &thread, &c).await?]).into_response())
+    Ok(Json(history(&state, &caller, &thread, &c, &query).await?).into_response())
 }
 
+/// `GET /threads/{id}/history`: `limit`, `before` (a checkpoint id).
 async fn thread_history_get(
     State(state): State<AppState>,
     caller: Caller,
     Path(thread): Path<String>,
     params: Params,
 ) -> ApiResult<Response> {
-    check_params(&params, &["limit"])?;
+    check_params(&params, &["limit", "before"])?;
+    let limit = match params.0.get("limit") {
+        None => None,
+        Some(l) => Some(
+            l.parse::<u64>()
+                .map(Value::from)
+                .map_err(|_| ApiError::validation(format!("limit: must be an integer from 1 to {HISTORY_LIMIT}")))?,
+        ),
+    };
+    let query = HistoryQuery {
+        limit: history_limit(limit.as_ref())?,
+        before: checkpoint_run("before", params.0.get("before").map(|b| json!(b)).as_ref(), true)?,
+        ..HistoryQuery::default()
+    };
     let c = thread_or_404(&state, &caller, &thread).await?;
-    Ok(Json(vec![state_object(&state, &caller, &thread, &c).await?]).into_response())
+    Ok(Json(history(&state, &caller, &thread, &c, &query).await?).into_response())
+}
+
+/// One state of the history (`threads.get_state` with a checkpoint): 404 when the thread has none
+/// by that id.
+async fn state_at(state: &AppState, caller: &Caller, thread: &str, run: Option<RunId>) -> ApiResult<Response> {
+    let c = thread_or_404(state, caller, thread).await?;
+    let Some(run) = run else {
+        return Ok(Json(state_object(state, caller, thread, &c).await?).into_response());
+    };
+    let query = HistoryQuery { limit: 1, checkpoint: Some(run), ..HistoryQuery::default() };
+    let found = history(state, caller, thread, &c, &query).await?.into_iter().next();
+    found.map(|s| Json(s).into_response()).ok_or_else(|| EngineError::NotFound("checkpoint").into())
+}
+
+/// `GET /threads/{id}/state/{checkpoint_id}` (`threads.get_state(checkpoint_id=…)`).
+async fn thread_state_at(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((thread, checkpoint)): Path<(String, String)>,
+    params: Params,
+) -> ApiResult<Response> {
+    check_params(&params, &["subgraphs"])?;
+    let run = checkpoint_run("checkpoint_id", Some(&json!(checkpoint)), true)?;
+    state_at(&state, &caller, &thread, run).await
+}
+
+/// `POST /threads/{id}/state/checkpoint` (`threads.get_state(checkpoint=…)`).
+async fn thread_state_checkpoint(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(thread): Path<String>,
+    OptionalJson(body): OptionalJson<Map<String, Value>>,
+) -> ApiResult<Response> {
+    check(&body, &["checkpoint", "subgraphs"], &["select"])?;
+    let run = checkpoint_run("checkpoint", body.get("checkpoint"), false)?;
+    state_at(&state, &caller, &thread, run).await
 }
 
 // ------------------------------------------------------------------ runs

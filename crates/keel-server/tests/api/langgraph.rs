@@ -1,7 +1,7 @@
 //! LangGraph Server's API under `/langgraph` (docs/langgraph.md), over HTTP against the real
 //! server: the SDK's key header and per-user isolation, the error shapes (unknown and unsupported
-//! options named in a 422), a resume sent twice that continues once, and a join with
-//! `Last-Event-ID` that has no gap and no duplicate. The real SDKs run in CI (e2e/langgraph/).
+//! options named in a 422), a resume sent twice that continues once, the thread's history, and a
+//! join with `Last-Event-ID` that has no gap and no duplicate. The real SDKs run in CI (e2e/langgraph/).
 
 use keel_client::sse::SseFrame;
 use reqwest::header::ACCEPT;
@@ -672,4 +672,141 @@ async fn multitask_rollback_removes_the_run_in_both_apis() {
     let old = app.run(&third).await;
     assert_eq!((old["status"].as_str(), old["reason"].as_str()), (Some("rolled_back"), Some("cancelled_by_user")));
     assert_eq!(app.instance("pay-prod-2").await["restartCount"], 0);
+}
+
+fn human_contents(state: &Value) -> Vec<String> {
+    state["values"]["messages"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no values.messages in {state}"))
+        .iter()
+        .filter(|m| m["type"] == "human")
+        .map(|m| m["content"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn the_history_is_one_state_per_run_newest_first() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let ask = |content: &str| json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": content}]}});
+    let mut run_ids = Vec::new();
+    for content in ["list the services", "Look at the recent errors of payment-api"] {
+        let (_, run) = app.post(&runs, &ask(content)).await;
+        let id = run["run_id"].as_str().unwrap().to_owned();
+        app.wait_for_status(&id, "completed").await;
+        run_ids.push(id);
+    }
+    let (_, paused) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let paused = paused["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&paused, "interrupted").await;
+    run_ids.push(paused);
+    run_ids.reverse(); // newest first
+
+    let history_path = format!("/langgraph/threads/{thread}/history");
+    let (status, history) = app.post(&history_path, &json!({"limit": 10})).await;
+    assert_eq!(status, StatusCode::OK, "{history}");
+    let states = history.as_array().unwrap();
+    assert_eq!(states.len(), 3, "{history}");
+    let checkpoint_ids: Vec<&str> = states.iter().map(|s| s["checkpoint"]["checkpoint_id"].as_str().unwrap()).collect();
+    for (id, run) in checkpoint_ids.iter().zip(&run_ids) {
+        assert!(id.starts_with(&format!("{run}:")), "{id} names {run}");
+        assert_eq!(
+            states.iter().find(|s| s["checkpoint"]["checkpoint_id"] == *id).unwrap()["metadata"]["run_id"],
+            run.as_str()
+        );
+    }
+    for s in states {
+        assert_eq!(s["checkpoint"]["thread_id"], thread.as_str());
+        assert_eq!(s["checkpoint"]["checkpoint_ns"], "");
+        assert_eq!(s["metadata"]["source"], "loop");
+        assert!(s["metadata"]["step"].as_i64().unwrap() > 0, "{s}");
+        assert!(s["created_at"].is_string(), "{s}");
+    }
+    // each state is the thread as it was after its run
+    assert_eq!(human_contents(&states[2]), ["list the services"]);
+    assert_eq!(human_contents(&states[1]), ["list the services", "Look at the recent errors of payment-api"]);
+    assert_eq!(human_contents(&states[0]).len(), 3);
+    assert!(states[1]["values"]["messages"].as_array().unwrap().last().unwrap()["type"] == "ai", "{}", states[1]);
+    // the paused run waits in `approval`; the finished ones wait on nothing
+    assert_eq!(states[0]["next"], json!(["approval"]), "{}", states[0]);
+    assert_eq!(states[0]["tasks"][0]["name"], "approval");
+    assert!(states[0]["interrupts"][0]["id"].as_str().unwrap().starts_with("int_"), "{}", states[0]);
+    for s in &states[1..] {
+        assert_eq!((&s["next"], &s["tasks"], &s["interrupts"]), (&json!([]), &json!([]), &json!([])), "{s}");
+    }
+    // parents: each state's is the one after the run before it
+    assert_eq!(states[0]["parent_checkpoint"], states[1]["checkpoint"]);
+    assert_eq!(states[1]["parent_checkpoint"], states[2]["checkpoint"]);
+    assert_eq!(states[2]["parent_checkpoint"], Value::Null);
+    // the first is the current state
+    let (_, current) = app.get(&format!("/langgraph/threads/{thread}/state")).await;
+    assert_eq!(current["checkpoint"], states[0]["checkpoint"]);
+    assert_eq!(current["values"], states[0]["values"]);
+    assert_eq!(current["next"], states[0]["next"]);
+
+    // `limit`, and the default (GET too)
+    let (_, one) = app.post(&history_path, &json!({"limit": 1})).await;
+    assert_eq!(one, json!([states[0]]));
+    let (_, all) = app.post(&history_path, &json!({})).await;
+    assert_eq!(all, history);
+    let (_, two) = app.get(&format!("{history_path}?limit=2")).await;
+    assert_eq!(two, json!(states[..2]));
+    // `before`: the states older than a checkpoint (an object, or its id alone)
+    let (_, older) = app.post(&history_path, &json!({"before": states[0]["checkpoint"]})).await;
+    assert_eq!(older, json!(states[1..]));
+    let (_, older) = app.post(&history_path, &json!({"before": checkpoint_ids[1], "limit": 5})).await;
+    assert_eq!(older, json!(states[2..]));
+    let (_, older) = app.get(&format!("{history_path}?before={}", checkpoint_ids[0])).await;
+    assert_eq!(older, json!(states[1..]));
+    let (_, none) = app.post(&history_path, &json!({"before": checkpoint_ids[2]})).await;
+    assert_eq!(none, json!([]));
+    // `checkpoint`: that one state; `metadata`: the states whose metadata has those values
+    let (_, that) = app.post(&history_path, &json!({"checkpoint": states[1]["checkpoint"]})).await;
+    assert_eq!(that, json!([states[1]]));
+    let (_, that) = app.post(&history_path, &json!({"metadata": {"run_id": run_ids[2]}})).await;
+    assert_eq!(that, json!([states[2]]));
+    let (_, none) = app.post(&history_path, &json!({"metadata": {"source": "input"}})).await;
+    assert_eq!(none, json!([]));
+    // `threads.get_state` at a checkpoint
+    let (status, at) = app.get(&format!("/langgraph/threads/{thread}/state/{}", checkpoint_ids[1])).await;
+    assert_eq!((status, &at), (StatusCode::OK, &states[1]));
+    let (status, at) = app
+        .post(&format!("/langgraph/threads/{thread}/state/checkpoint"), &json!({"checkpoint": states[2]["checkpoint"]}))
+        .await;
+    assert_eq!((status, &at), (StatusCode::OK, &states[2]));
+    let unknown = "run_00000000000000000000000000000000:4";
+    let (status, _) = app.get(&format!("/langgraph/threads/{thread}/state/{unknown}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (_, none) = app.post(&history_path, &json!({"checkpoint": {"checkpoint_id": unknown}})).await;
+    assert_eq!(none, json!([]));
+
+    // bad input: 422 naming the field
+    let cases = [
+        (json!({"limit": 0}), "limit"),
+        (json!({"limit": 101}), "limit"),
+        (json!({"limit": "ten"}), "limit"),
+        (json!({"before": 5}), "before"),
+        (json!({"before": "nope"}), "before"),
+        (json!({"checkpoint": "an id alone"}), "checkpoint"),
+        (json!({"checkpoint": {"checkpoint_id": 5}}), "checkpoint.checkpoint_id"),
+        (
+            json!({"checkpoint": {"checkpoint_ns": "sub", "checkpoint_id": checkpoint_ids[0]}}),
+            "checkpoint.checkpoint_ns",
+        ),
+        (json!({"metadata": []}), "metadata"),
+        (json!({"select": ["values"]}), "select"),
+        (json!({"surprise": 1}), "surprise"),
+    ];
+    for (body, named) in cases {
+        let (status, error) = app.post(&history_path, &body).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}: {error}");
+        assert!(error["error"]["message"].as_str().unwrap().contains(named), "{named}: {error}");
+    }
+    for query in ["limit=0", "limit=x", "before=nope", "surprise=1"] {
+        let (status, error) = app.get(&format!("{history_path}?{query}")).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{query}: {error}");
+    }
+    let (status, _) = app.post("/langgraph/threads/nobody/history", &json!({})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }

@@ -568,6 +568,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (8, "checks without in lists", include_str!("../../migrations/sqlite/0008_checks_without_in_lists.sql")),
     (9, "retention", include_str!("../../migrations/sqlite/0009_retention.sql")),
     (10, "multitask", include_str!("../../migrations/sqlite/0010_multitask.sql")),
+    (11, "rollback intent", include_str!("../../migrations/sqlite/0011_rollback_intent.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:

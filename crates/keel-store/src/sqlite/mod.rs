@@ -31,8 +31,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore, NewRun,
-    PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
+    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
+    MessagesThrough, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
@@ -333,7 +333,7 @@ impl RunStore for SqliteStore {
         Ok(())
     }
 
-    async fn request_cancel(&self, run_id: &RunId, now: Timestamp) -> StoreResult<Run> {
+    async fn request_cancel(&self, run_id: &RunId, now: Timestamp, roll_back: bool) -> StoreResult<Run> {
         let run_id = run_id.to_string();
         self.db
             .write(move |c| {
@@ -341,10 +341,11 @@ impl RunStore for SqliteStore {
                     c,
                     "request a cancel",
                     &format!(
-                        "UPDATE runs SET cancel_requested = 1, updated_at = ? WHERE id = ? \
+                        "UPDATE runs SET cancel_requested = 1, updated_at = ?1, \
+                         roll_back_requested = (roll_back_requested = 1 OR ?3) WHERE id = ?2 \
                          AND ({ACTIVE} OR status = 'waiting') RETURNING *"
                     ),
-                    [ts(&now).as_str(), run_id.as_str()],
+                    params![ts(&now).as_str(), run_id.as_str(), roll_back],
                     run_from,
                 )?;
                 match updated {
@@ -353,6 +354,21 @@ impl RunStore for SqliteStore {
                     None => one(c, "request a cancel", "SELECT * FROM runs WHERE id = ?", [run_id.as_str()], run_from)?
                         .ok_or(StoreError::NotFound("run")),
                 }
+            })
+            .await
+    }
+
+    async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
+        self.db
+            .read(move |c| {
+                many(
+                    c,
+                    "find the rollbacks due",
+                    "SELECT id FROM runs WHERE roll_back_requested = 1 \
+                     AND (status = 'completed' OR status = 'failed' OR status = 'cancelled') ORDER BY id LIMIT ?",
+                    [i64::from(limit)],
+                    |r| Cols::new(r, "runs").id("id"),
+                )
             })
             .await
     }
@@ -721,6 +737,38 @@ impl ConversationStore for SqliteStore {
                     [run_id.as_str()],
                     message_from,
                 )
+            })
+            .await
+    }
+
+    async fn messages_through_run(
+        &self,
+        conversation_id: &ConversationId,
+        run_id: &RunId,
+        limit: u32,
+    ) -> StoreResult<MessagesThrough> {
+        let conversation_id = conversation_id.to_owned();
+        let run_id = run_id.to_owned();
+        self.db
+            .read(move |c| {
+                // The run's last message (by the run's index), then the newest messages up to it (by
+                // the conversation's).
+                const WINDOW: &str = "SELECT * FROM messages WHERE conversation_id = ?1 AND seq <= \
+                     (SELECT MAX(seq) FROM messages WHERE run_id = ?2 AND conversation_id = ?1) \
+                     ORDER BY seq DESC LIMIT ?3";
+                let args = params![conversation_id.as_str(), run_id.as_str(), i64::from(limit)];
+                let messages = many(c, "list the messages through a run", WINDOW, args, message_from)?;
+                let tool_calls = many(
+                    c,
+                    "list the tool calls through a run",
+                    &format!(
+                        "SELECT * FROM tool_calls WHERE id IN \
+                         (SELECT tool_call_id FROM ({WINDOW}) WHERE tool_call_id IS NOT NULL) ORDER BY seq"
+                    ),
+                    args,
+                    tool_call_from,
+                )?;
+                Ok(MessagesThrough { messages, tool_calls })
             })
             .await
     }
