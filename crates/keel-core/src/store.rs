@@ -230,6 +230,9 @@ pub struct Committed {
     pub events: Vec<Event>,
     /// The run's durable cancel flag, as of this commit: a worker checks it after every write.
     pub cancel_requested: bool,
+    /// The commit ended the run and its conversation has runs waiting their turn (`enqueue`): the
+    /// next one may start. A store that does not look says `true` whenever the run ended.
+    pub waiting_behind: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]

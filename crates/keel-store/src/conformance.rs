@@ -1903,11 +1903,11 @@ async fn enqueue(store: &SharedStore, conversation: &Conversation, content: &str
 }
 
 /// Ends a queued run (cancelled, as nobody works on it).
-async fn end_queued(store: &SharedStore, run_id: &RunId, now: Timestamp) {
+async fn end_queued(store: &SharedStore, run_id: &RunId, now: Timestamp) -> keel_core::store::Committed {
     let mut c = Commit::new(run_id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, now);
     c.run = to(RunStatus::Cancelled);
     c.events.push(EventKind::Cancelled { reason: "cancelled_by_user".into() });
-    commit_ok(store, c).await;
+    commit_ok(store, c).await
 }
 
 async fn contents(store: &SharedStore, conversation_id: &ConversationId) -> Vec<String> {
@@ -1947,7 +1947,8 @@ pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
     assert_eq!(ids(claimed), vec![first.id.clone()]);
     let mut c = Commit::new(first.id.clone(), Fence::Unowned { from: vec![RunStatus::Running] }, at(5));
     c.run = to(RunStatus::Cancelled);
-    commit_ok(&store, c).await;
+    // the commit that ends the active run says runs wait behind it
+    assert!(commit_ok(&store, c).await.waiting_behind);
 
     // nothing runs and messages wait: a message that would not wait is refused, naming the oldest
     let refused = store
@@ -1987,7 +1988,8 @@ pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
         let again = store.promote_waiting(&conversation.id, first_events(&conversation.id), now).await;
         assert!(matches!(again, Ok(None)), "{again:?}");
         assert!(store.stranded_conversations(10).await.expect("stranded").is_empty());
-        end_queued(&store, &expected.run.id, now).await;
+        // the last one's end finds nothing waiting
+        assert_eq!(end_queued(&store, &expected.run.id, now).await.waiting_behind, n + 1 < waiting.len());
     }
     assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2", "second", "third", "fourth"]);
     let nothing = store.promote_waiting(&conversation.id, first_events(&conversation.id), at(50)).await;

@@ -1022,9 +1022,24 @@ pub(crate) async fn apply_commit<T: Tx>(tx: &mut T, c: &Commit) -> StoreResult<C
             return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
         }
     }
+    // A run's end looks, in the same transaction, for runs waiting behind it (one probe of an
+    // index that holds only waiting runs), so the engine starts the next one without a read of
+    // its own, and does nothing when none waits — the common case.
+    let waiting_behind = match &c.run {
+        Some(change) if change.to.is_terminal() => {
+            let found =
+                row(tx, "look for waiting runs", &WAITING_BEHIND, &[text(run.conversation_id.as_str())], &[Ty::Bool])
+                    .await?;
+            matches!(found.as_deref(), Some([Cell::Bool(true)]))
+        }
+        _ => false,
+    };
     let events = tx.insert_events(&c.run_id, run.first_sequence, &c.events, now).await?;
-    Ok(Committed { events, cancel_requested: run.cancel_requested })
+    Ok(Committed { events, cancel_requested: run.cancel_requested, waiting_behind })
 }
+
+static WAITING_BEHIND: Sql =
+    Sql::new("SELECT EXISTS (SELECT 1 FROM runs WHERE conversation_id = $1 AND status = 'waiting')");
 
 #[cfg(test)]
 mod tests {

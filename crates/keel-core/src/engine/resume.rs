@@ -296,7 +296,7 @@ impl Engine {
             }
             Err(e) => return Err(e.into()),
         };
-        inner.committed(run, &committed.events);
+        inner.committed_by(run, &committed);
         let resumed_sequence = committed
             .events
             .iter()

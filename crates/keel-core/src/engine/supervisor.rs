@@ -94,11 +94,21 @@ impl Inner {
     /// the run, the conversation's next waiting run, if any, is started ([`Inner::promote_next`],
     /// on a task of its own).
     pub(super) fn committed(self: &Arc<Self>, run: &Run, events: &[Event]) {
+        self.announce(run, events, events.iter().any(Event::is_terminal));
+    }
+
+    /// [`Inner::committed`] for a store commit, which says whether runs wait behind the run it
+    /// ended: none — the common case — costs no look.
+    pub(super) fn committed_by(self: &Arc<Self>, run: &Run, committed: &Committed) {
+        self.announce(run, &committed.events, committed.waiting_behind);
+    }
+
+    fn announce(self: &Arc<Self>, run: &Run, events: &[Event], look_for_waiting: bool) {
         self.bus.publish(events);
         let metrics = &self.config.metrics;
         let ms = Duration::from_millis;
         let run_created_at = run.created_at;
-        if events.iter().any(Event::is_terminal) {
+        if look_for_waiting {
             self.spawn_promotion(run.conversation_id.clone());
         }
         for event in events {
@@ -421,7 +431,7 @@ impl Inner {
         match self.store.commit(commit).await {
             Ok(c) => {
                 tracing::info!(run_id = %run.id, interrupt_id = %interrupt.id, "interrupt expired; run cancelled");
-                self.committed(&run, &c.events);
+                self.committed_by(&run, &c);
                 Ok(true)
             }
             Err(StoreError::Conflict(_)) => Ok(false),
@@ -468,7 +478,7 @@ impl Inner {
         commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()) });
         commit.events.push(EventKind::Cancelled { reason: reason.to_owned() });
         match self.store.commit(commit).await {
-            Ok(c) => self.committed(&run, &c.events),
+            Ok(c) => self.committed_by(&run, &c),
             // It started or resumed meanwhile: the flag is set, its worker ends it.
             Err(StoreError::Conflict(_)) => {}
             Err(e) => return Err(e.into()),

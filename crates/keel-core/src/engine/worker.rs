@@ -156,7 +156,7 @@ impl Worker {
                 other => break other?,
             }
         };
-        self.inner.committed(&self.run, &committed.events);
+        self.inner.committed_by(&self.run, &committed);
         self.held_acquires = false;
         if let Some(cp) = checkpoint {
             self.run.checkpoint = cp;

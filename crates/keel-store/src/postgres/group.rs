@@ -345,7 +345,9 @@ fn committed(c: &Commit, run: &RunRow) -> Committed {
         .zip(&c.events)
         .map(|(sequence, kind)| Event { kind: kind.clone(), run_id: c.run_id.clone(), sequence, ts: now })
         .collect();
-    Committed { events, cancel_requested: run.cancel_requested }
+    // the group does not look for waiting runs: the engine does, whenever a run ended
+    let waiting_behind = c.run.as_ref().is_some_and(|change| change.to.is_terminal());
+    Committed { events, cancel_requested: run.cancel_requested, waiting_behind }
 }
 
 /// Column arrays of one multi-row statement: `UNNEST` of one array per column.
