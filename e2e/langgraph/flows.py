@@ -244,6 +244,36 @@ async def main(base):
     assert cancelled["status"] == "interrupted" and cancelled["cancel_reason"], cancelled
     assert (await client.threads.get(waited_thread["thread_id"]))["status"] == "idle"
 
+    step("runs.delete: a run not over is 409; one over is gone from this API, its messages stay")
+    deleted_thread = await client.threads.create()
+    dtid = deleted_thread["thread_id"]
+    values = await client.runs.wait(dtid, aid, input={"messages": [{"role": "user", "content": RESTART}]})
+    assert values["__interrupt__"], values
+    drun = (await client.runs.list(dtid))[0]
+    try:
+        await client.runs.delete(dtid, drun["run_id"])
+        raise AssertionError("a run waiting for approval was deleted")
+    except ConflictError as e:
+        assert e.response.json()["error"]["code"] == "RUN_ACTIVE", e.response.text
+    await client.runs.cancel(dtid, drun["run_id"], wait=True)
+    before = await client.threads.get_state(dtid)
+    await client.runs.delete(dtid, drun["run_id"])
+    try:
+        await client.runs.get(dtid, drun["run_id"])
+        raise AssertionError("a deleted run is still there")
+    except NotFoundError:
+        pass
+    assert (await client.runs.list(dtid)) == []
+    after = await client.threads.get_state(dtid)
+    assert after["values"] == before["values"] and after["values"]["messages"], (before, after)
+    try:
+        await client.runs.delete(dtid, drun["run_id"])
+        raise AssertionError("a run deleted twice")
+    except NotFoundError:
+        pass
+    kept = http(base, "GET", f"/v1/runs/{drun['run_id']}")
+    assert kept["status"] == "cancelled", kept
+
     step("cancel with action=rollback: the run and its messages are gone")
     rolled_thread = await client.threads.create()
     rtid = rolled_thread["thread_id"]

@@ -31,7 +31,7 @@ source e2e/demo.sh
 start_demo langgraph --demo-delay-ms 5
 
 status=0
-echo "== langgraph-sdk (Python): assistants, threads, streams, interrupt and resume, join, multitask, wait, cancel"
+echo "== langgraph-sdk (Python): assistants, threads, streams, interrupt and resume, join, multitask, wait, cancel, delete"
 timeout 300 "$VENV/bin/python" e2e/langgraph/flows.py "$URL" || status=1
 echo "== @langchain/langgraph-sdk (node): the human-in-the-loop flow"
 (cd e2e/langgraph && KEEL_URL="$URL" timeout 120 node hitl.mjs) || status=1

@@ -359,6 +359,12 @@ pub struct Run {
     pub checkpoint: Checkpoint,
     pub created_at: Timestamp,
     pub updated_at: Timestamp,
+    /// When the run was hidden from the LangGraph API (`runs.delete`, [`RunStore::hide_run`]); Keel
+    /// keeps it, with its events, for its own API and audit. `None` for a run shown.
+    ///
+    /// [`RunStore::hide_run`]: crate::store::RunStore::hide_run
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_at: Option<Timestamp>,
 }
 
 impl Run {

@@ -347,6 +347,12 @@ pub trait RunStore: Send + Sync {
     /// not rolled back yet ([`RunStore::roll_back_run`] clears the intent): what a crash between a
     /// rollback's cancel and the rollback leaves. One read of an index empty but for those.
     async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>>;
+    /// Hides a run that is over (`completed`, `failed`, `cancelled` or `rolled_back`) from the
+    /// LangGraph API (`runs.delete`): sets its [`Run::hidden_at`] to `now`, in one conditional write.
+    /// Nothing else changes — its row, events, tool calls and interrupts stay, the audit of what it
+    /// did. `true` when this call hid it; `false` when it was hidden already (nothing written, the
+    /// first `hidden_at` kept). `Conflict` for a run that is not over; `NotFound` for none.
+    async fn hide_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<bool>;
     /// One transaction: see [`Commit`]. On any error nothing was written.
     async fn commit(&self, commit: Commit) -> StoreResult<Committed>;
     /// The runs of `user_id`, newest first (by creation, then id), at most `limit`; only those with

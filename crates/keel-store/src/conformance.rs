@@ -87,6 +87,7 @@ macro_rules! conformance_tests {
             a_waiting_run_is_cancelled_without_running,
             a_rollback_removes_messages_and_events_and_keeps_the_audit,
             a_rollback_removes_the_summary_that_covers_the_run,
+            only_a_run_that_is_over_is_hidden_once,
         );
     };
     (@cases [] $fresh:path; $($case:ident),+ $(,)?) => {
@@ -2194,4 +2195,53 @@ pub async fn a_rollback_removes_the_summary_that_covers_the_run(store: SharedSto
     assert_eq!((removed.messages, removed.summary), (2, true));
     assert_eq!(store.get_summary(&conversation.id).await.expect("summary"), None);
     assert_eq!(store.context_window(&conversation.id).await.expect("window"), ContextWindow::default());
+}
+
+/// `hide_run` (LangGraph's `runs.delete`): only a run that is over is hidden, by one conditional
+/// write that changes nothing but `hidden_at`; hiding it again is refused the same way each time,
+/// the first `hidden_at` kept.
+pub async fn only_a_run_that_is_over_is_hidden_once(store: SharedStore) {
+    // not over: refused, nothing written
+    let (conversation, queued_run) = queued(&store).await;
+    let waiting = enqueue(&store, &conversation, "after that", at(2)).await;
+    let (_, running_run) = running(&store, "w2").await;
+    let (_, paused, _) = interrupted(&store, at(1_000)).await;
+    for run in [&queued_run, &waiting.run, &running_run, &paused] {
+        assert_conflict(store.hide_run(&run.id, at(5)).await);
+        assert_eq!(get_run(&store, &run.id).await.hidden_at, None, "{}", run.status);
+    }
+    assert!(matches!(store.hide_run(&RunId::new(), at(5)).await, Err(StoreError::NotFound("run"))));
+
+    // over: hidden once; the row, its events and its place in the lists stay
+    let done = finished(&store, "ops", 10, 2).await;
+    assert_eq!(done.hidden_at, None);
+    let before = events(&store, &done.id).await;
+    assert!(store.hide_run(&done.id, at(20)).await.expect("hide"));
+    let hidden = get_run(&store, &done.id).await;
+    assert_eq!(hidden, Run { hidden_at: Some(at(20)), ..done.clone() }, "nothing but hidden_at changes");
+    assert_eq!(events(&store, &done.id).await, before);
+    let newest = store.newest_conversation_runs(&done.conversation_id, 10).await.expect("newest");
+    assert_eq!(newest, vec![hidden.clone()]);
+    assert!(store.list_runs("alice", None, 100).await.expect("runs").contains(&hidden));
+
+    // again: refused, the first hidden_at kept
+    assert!(!store.hide_run(&done.id, at(21)).await.expect("hide again"));
+    assert_eq!(get_run(&store, &done.id).await, hidden);
+
+    // failed, cancelled and rolled back are over too
+    end_queued(&store, &queued_run.id, at(6)).await;
+    assert!(store.hide_run(&queued_run.id, at(7)).await.expect("hide a cancelled run"));
+    store.roll_back_run(&queued_run.id, at(8)).await.expect("roll back a hidden run");
+    let rolled_back = get_run(&store, &queued_run.id).await;
+    assert_eq!((rolled_back.status, rolled_back.hidden_at), (RunStatus::RolledBack, Some(at(7))));
+    let (_, failing) = running(&store, "w3").await;
+    let mut c = Commit::new(failing.id.clone(), lease("w3", at(60)), at(9));
+    c.run = to(RunStatus::Failed);
+    commit_ok(&store, c).await;
+    assert!(store.hide_run(&failing.id, at(10)).await.expect("hide a failed run"));
+    store.roll_back_run(&failing.id, at(11)).await.expect("roll back");
+    let (_, other) = queued(&store).await;
+    end_queued(&store, &other.id, at(12)).await;
+    store.roll_back_run(&other.id, at(13)).await.expect("roll back");
+    assert!(store.hide_run(&other.id, at(14)).await.expect("hide a rolled-back run"));
 }

@@ -423,6 +423,7 @@ pub(crate) async fn start_run<T: Tx>(
         checkpoint: Checkpoint::start(version),
         created_at: now,
         updated_at: now,
+        hidden_at: None,
     };
     let message = Message {
         id: run.user_message_id.clone(),

@@ -476,6 +476,7 @@ fn run_from(row: &PgRow) -> StoreResult<Run> {
         checkpoint: c.json("checkpoint")?,
         created_at: c.ts("created_at")?,
         updated_at: c.ts("updated_at")?,
+        hidden_at: c.opt_ts("hidden_at")?,
     })
 }
 
@@ -752,6 +753,40 @@ impl RunStore for PostgresStore {
         .await
         .map_err(db("find the rollbacks due"))?;
         rows.iter().map(|r| Cols::new(r, "runs").id("id")).collect()
+    }
+
+    async fn hide_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<bool> {
+        let mut tx = self.begin().await?;
+        let hidden = sqlx::query(
+            "UPDATE runs SET hidden_at = $1 WHERE id = $2 AND hidden_at IS NULL \
+             AND status IN ('completed', 'failed', 'cancelled', 'rolled_back')",
+        )
+        .bind(now)
+        .bind(run_id.as_str())
+        .execute(&mut *tx)
+        .await
+        .map_err(db("hide a run"))?
+        .rows_affected();
+        let hid = if hidden == 1 {
+            true
+        } else {
+            let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
+                .bind(run_id.as_str())
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db("hide a run"))?
+                .ok_or(StoreError::NotFound("run"))?;
+            let run = run_from(&row)?;
+            if run.hidden_at.is_none() {
+                return Err(StoreError::Conflict(format!(
+                    "run {run_id} is {}: only a run that is over is hidden",
+                    run.status
+                )));
+            }
+            false
+        };
+        tx.commit().await.map_err(db("hide a run"))?;
+        Ok(hid)
     }
 
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {

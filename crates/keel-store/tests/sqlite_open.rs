@@ -113,6 +113,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0009_retention.sql"),
         include_str!("../migrations/sqlite/0010_multitask.sql"),
         include_str!("../migrations/sqlite/0011_rollback_intent.sql"),
+        include_str!("../migrations/sqlite/0012_run_hidden.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {

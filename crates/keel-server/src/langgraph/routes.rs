@@ -15,6 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures::StreamExt;
 use keel_core::engine::{EngineError, MultitaskStrategy, ResumeRequest, SendMessage};
+use keel_core::store::StoreError;
 use keel_core::stream::Until;
 use keel_core::{Conversation, ConversationId, Event, EventKind, Interrupt, InterruptId, RunId, RunStatus};
 use serde_json::{json, Map, Value};
@@ -270,10 +271,16 @@ async fn thread_or_404(state: &AppState, caller: &Caller, thread: &str) -> ApiRe
     find_thread(state, caller, thread).await?.ok_or_else(|| EngineError::NotFound("conversation").into())
 }
 
-/// How many of a thread's newest runs [`latest_run`] looks through for one that was not rolled back.
+/// How many of a thread's newest runs [`latest_run`] looks through for one that is [`shown`].
 const LATEST_LOOKED_AT: u32 = 20;
 
-/// The conversation's active run, else its newest one; a rolled-back run is not the thread's (it
+/// Whether this API shows the run: a rolled-back run is gone from it (as LangGraph deletes it), and
+/// so is one deleted here (`runs.delete`, hidden); Keel's own API keeps both.
+fn shown(run: &keel_core::Run) -> bool {
+    run.status != RunStatus::RolledBack && run.hidden_at.is_none()
+}
+
+/// The conversation's active run, else its newest one; a run not [`shown`] is not the thread's (it
 /// is gone from this API).
 async fn latest_run(state: &AppState, id: &ConversationId) -> ApiResult<Option<keel_core::Run>> {
     let store = state.engine.store();
@@ -281,7 +288,7 @@ async fn latest_run(state: &AppState, id: &ConversationId) -> ApiResult<Option<k
         return Ok(Some(run));
     }
     let newest = store.newest_conversation_runs(id, LATEST_LOOKED_AT).await?;
-    Ok(newest.into_iter().find(|r| r.status != RunStatus::RolledBack))
+    Ok(newest.into_iter().find(shown))
 }
 
 async fn snapshot(state: &AppState, id: &ConversationId) -> ApiResult<Snapshot> {
@@ -599,7 +606,8 @@ fn history_limit(value: Option<&Value>) -> ApiResult<usize> {
 /// the current one (after the newest run, or where it is now if it is not over). A state's
 /// `values` are the conversation's messages up to that run's last one (the newest
 /// [`HISTORY_MESSAGES`]) and the facts as they are now (Keel keeps no history of facts). Runs
-/// rolled back, waiting their turn or that never ran have no state.
+/// rolled back, deleted (`runs.delete`: their messages stay in the later states), waiting their turn
+/// or that never ran have no state.
 async fn history(
     state: &AppState,
     caller: &Caller,
@@ -612,7 +620,7 @@ async fn history(
         .newest_conversation_runs(&c.id, RUNS_LISTED)
         .await?
         .into_iter()
-        .filter(|r| !matches!(r.status, RunStatus::RolledBack | RunStatus::Waiting))
+        .filter(|r| shown(r) && r.status != RunStatus::Waiting)
         .collect();
     let from = match (&query.checkpoint, &query.before) {
         (Some(id), _) | (None, Some(id)) => match runs.iter().position(|r| &r.id == id) {
@@ -1083,8 +1091,8 @@ async fn run_in_thread(
     let c = thread_or_404(state, caller, thread).await?;
     let run_id = RunId::parse(run).map_err(|_| EngineError::NotFound("run"))?;
     let run = state.engine.run(&caller.0, &run_id).await?;
-    // a rolled-back run is gone from the thread, as LangGraph deletes it (Keel's audit keeps it)
-    if run.conversation_id != c.id || run.status == RunStatus::RolledBack {
+    // a rolled-back or deleted run is gone from the thread (Keel's audit keeps it)
+    if run.conversation_id != c.id || !shown(&run) {
         return Err(EngineError::NotFound("run").into());
     }
     Ok((c, run))
@@ -1109,7 +1117,7 @@ async fn list_runs(
         .newest_conversation_runs(&c.id, RUNS_LISTED)
         .await?
         .into_iter()
-        .filter(|r| r.status != RunStatus::RolledBack)
+        .filter(shown)
         .map(|r| super::run_object(&r, &thread, &default))
         .filter(|r| status.as_deref().is_none_or(|s| r["status"] == s))
         .skip(offset)
@@ -1128,14 +1136,33 @@ async fn get_run(
     Ok(Json(super::run_object(&run, &thread, state.engine.agents().default_id())).into_response())
 }
 
-/// Keel keeps every run's history (its events are the audit trail): a run is not deleted.
+/// `runs.delete`: a run that is over is gone from this API (404 from then on, left out of the
+/// thread's runs), as LangGraph deletes its record. Keel keeps it — the run, its events, tool calls
+/// and interrupts, its messages in the thread — only hidden (`GET /v1/runs/{id}` shows it). A run
+/// not over is 409 `RUN_ACTIVE`: cancel it first.
 async fn delete_run(
     State(state): State<AppState>,
     caller: Caller,
     Path((thread, run)): Path<(String, String)>,
 ) -> ApiResult<Response> {
-    run_in_thread(&state, &caller, &thread, &run).await?;
-    Err(refuse("deleting a run is not supported: Keel keeps every run's history; cancel it instead"))
+    let (_, run) = run_in_thread(&state, &caller, &thread, &run).await?;
+    let active = || {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            "RUN_ACTIVE",
+            "the run is not over: cancel it (runs.cancel), then delete it",
+        )
+    };
+    if !run.status.is_terminal() {
+        return Err(active());
+    }
+    match state.engine.store().hide_run(&run.id, state.engine.now()).await {
+        Ok(true) => Ok(StatusCode::NO_CONTENT.into_response()),
+        // another request deleted it first
+        Ok(false) => Err(EngineError::NotFound("run").into()),
+        Err(StoreError::Conflict(_)) => Err(active()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// `?action=interrupt` (the default; what the run did stays) and `?wait=true` (answer once it

@@ -810,3 +810,86 @@ async fn the_history_is_one_state_per_run_newest_first() {
     let (status, _) = app.post("/langgraph/threads/nobody/history", &json!({})).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
+
+async fn delete(client: &reqwest::Client, app: &TestApp, path: &str) -> (StatusCode, Value) {
+    to_json(client.delete(app.url(path)).send().await.expect("DELETE")).await
+}
+
+#[tokio::test]
+async fn a_deleted_run_is_gone_from_this_api_and_kept_by_keels() {
+    let app = TestApp::spawn().await;
+    let thread = thread(&app).await;
+    let runs = format!("/langgraph/threads/{thread}/runs");
+    let ask =
+        json!({"assistant_id": ASSISTANT, "input": {"messages": [{"role": "user", "content": "list the services"}]}});
+    let (_, done) = app.post(&runs, &ask).await;
+    let done = done["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&done, "completed").await;
+    let (_, paused) = app.post(&runs, &json!({"assistant_id": ASSISTANT, "input": restart_input()})).await;
+    let paused = paused["run_id"].as_str().unwrap().to_owned();
+    app.wait_for_status(&paused, "interrupted").await;
+    let state_path = format!("/langgraph/threads/{thread}/state");
+    let history_path = format!("/langgraph/threads/{thread}/history");
+    let (_, state_before) = app.get(&state_path).await;
+    let (_, history_before) = app.post(&history_path, &json!({})).await;
+    assert_eq!(history_before.as_array().unwrap().len(), 2, "{history_before}");
+
+    // a run not over: 409 RUN_ACTIVE, and it stays
+    let (status, error) = delete(&app.client, &app, &format!("{runs}/{paused}")).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("RUN_ACTIVE")), "{error}");
+    let (status, _) = app.get(&format!("{runs}/{paused}")).await;
+    assert_eq!(status, StatusCode::OK);
+    // another user's: 404, and it stays
+    let (status, error) = delete(&app.client_for("bob"), &app, &format!("{runs}/{done}")).await;
+    assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("CONVERSATION_NOT_FOUND")));
+    let (status, _) = app.get(&format!("{runs}/{done}")).await;
+    assert_eq!(status, StatusCode::OK);
+
+    // a finished run: 204, then gone from this API — get, join, stream, cancel, list
+    let (status, body) = delete(&app.client, &app, &format!("{runs}/{done}")).await;
+    assert_eq!((status, body), (StatusCode::NO_CONTENT, Value::Null));
+    for path in [format!("{runs}/{done}"), format!("{runs}/{done}/join"), format!("{runs}/{done}/stream")] {
+        let (status, error) = app.get(&path).await;
+        assert_eq!((status, error["error"]["code"].as_str()), (StatusCode::NOT_FOUND, Some("RUN_NOT_FOUND")), "{path}");
+    }
+    let (status, _) = app.post(&format!("{runs}/{done}/cancel"), &json!({})).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (_, listed) = app.get(&runs).await;
+    let listed: Vec<&str> = listed.as_array().unwrap().iter().map(|r| r["run_id"].as_str().unwrap()).collect();
+    assert_eq!(listed, [paused.as_str()]);
+    // again: 404
+    let (status, _) = delete(&app.client, &app, &format!("{runs}/{done}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // the thread is unchanged: its values (the deleted run's messages stay), its state; the
+    // deleted run's own state is left out of the history, the others' are as they were
+    let (_, state_after) = app.get(&state_path).await;
+    assert_eq!(state_after, state_before);
+    assert_eq!(human_contents(&state_after), ["list the services", RESTART_PROMPT]);
+    let (_, history_after) = app.post(&history_path, &json!({})).await;
+    let mut expected = history_before[0].clone();
+    expected["parent_checkpoint"] = Value::Null; // its parent was the deleted run's state
+    assert_eq!(history_after, json!([expected]));
+    let deleted_checkpoint = history_before[1]["checkpoint"]["checkpoint_id"].as_str().unwrap();
+    let (status, _) = app.get(&format!("/langgraph/threads/{thread}/state/{deleted_checkpoint}")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // Keel keeps it: the run, its events, on Keel's own API
+    let kept = app.run(&done).await;
+    assert_eq!(kept["status"], "completed", "{kept}");
+    let (status, events) = app.get(&format!("/v1/runs/{done}/events")).await;
+    assert_eq!(status, StatusCode::OK, "{events}");
+    let (_, own) = app.get("/v1/runs").await;
+    assert!(own["runs"].as_array().unwrap().iter().any(|r| r["id"] == done.as_str()), "{own}");
+
+    // once the paused run is over, it can be deleted too; the thread has no run left here
+    let (status, _) = app.post(&format!("{runs}/{paused}/cancel?wait=true"), &json!({})).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = delete(&app.client, &app, &format!("{runs}/{paused}")).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (_, listed) = app.get(&runs).await;
+    assert_eq!(listed, json!([]));
+    let (_, thread_object) = app.get(&format!("/langgraph/threads/{thread}")).await;
+    assert_eq!(thread_object["status"], "idle", "{thread_object}");
+    assert_eq!(human_contents(&json!({"values": thread_object["values"]})), ["list the services", RESTART_PROMPT]);
+}

@@ -569,6 +569,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (9, "retention", include_str!("../../migrations/sqlite/0009_retention.sql")),
     (10, "multitask", include_str!("../../migrations/sqlite/0010_multitask.sql")),
     (11, "rollback intent", include_str!("../../migrations/sqlite/0011_rollback_intent.sql")),
+    (12, "run hidden", include_str!("../../migrations/sqlite/0012_run_hidden.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:

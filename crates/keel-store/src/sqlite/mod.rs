@@ -373,6 +373,33 @@ impl RunStore for SqliteStore {
             .await
     }
 
+    async fn hide_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<bool> {
+        let run_id = run_id.to_string();
+        self.db
+            .write(move |c| {
+                let hidden = exec(
+                    c,
+                    "hide a run",
+                    "UPDATE runs SET hidden_at = ?1 WHERE id = ?2 AND hidden_at IS NULL \
+                     AND (status = 'completed' OR status = 'failed' OR status = 'cancelled' OR status = 'rolled_back')",
+                    [ts(&now).as_str(), run_id.as_str()],
+                )?;
+                if hidden == 1 {
+                    return Ok(true);
+                }
+                let run = one(c, "hide a run", "SELECT * FROM runs WHERE id = ?", [run_id.as_str()], run_from)?;
+                match run {
+                    None => Err(StoreError::NotFound("run")),
+                    Some(run) if run.hidden_at.is_some() => Ok(false),
+                    Some(run) => Err(StoreError::Conflict(format!(
+                        "run {run_id} is {}: only a run that is over is hidden",
+                        run.status
+                    ))),
+                }
+            })
+            .await
+    }
+
     async fn commit(&self, commit: Commit) -> StoreResult<Committed> {
         self.db.write(move |c| ready(pipeline::apply_commit(&mut SqliteTx(c), &commit))).await
     }

@@ -258,6 +258,7 @@ pub fn run_from(row: &Row<'_>) -> StoreResult<Run> {
         checkpoint: c.json("checkpoint")?,
         created_at: c.ts("created_at")?,
         updated_at: c.ts("updated_at")?,
+        hidden_at: c.opt_ts("hidden_at")?,
     })
 }
 
