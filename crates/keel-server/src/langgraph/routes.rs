@@ -271,24 +271,30 @@ async fn thread_or_404(state: &AppState, caller: &Caller, thread: &str) -> ApiRe
     find_thread(state, caller, thread).await?.ok_or_else(|| EngineError::NotFound("conversation").into())
 }
 
-/// How many of a thread's newest runs [`latest_run`] looks through for one that is [`shown`].
+/// How many of a thread's newest runs [`latest_run`] looks through for one that is [`in_thread`].
 const LATEST_LOOKED_AT: u32 = 20;
 
-/// Whether this API shows the run: a rolled-back run is gone from it (as LangGraph deletes it), and
-/// so is one deleted here (`runs.delete`, hidden); Keel's own API keeps both.
+/// Whether the `runs` endpoints show the run: a rolled-back run is gone from them (as LangGraph
+/// deletes it), and so is one deleted here (`runs.delete`, hidden); Keel's own API keeps both.
 fn shown(run: &keel_core::Run) -> bool {
-    run.status != RunStatus::RolledBack && run.hidden_at.is_none()
+    in_thread(run) && run.hidden_at.is_none()
 }
 
-/// The conversation's active run, else its newest one; a run not [`shown`] is not the thread's (it
-/// is gone from this API).
+/// Whether the run is part of the thread's state and history. A rolled-back run is not (its
+/// messages are gone); a deleted one still is: as in LangGraph, deleting a run removes the run's
+/// record, not the thread's checkpoints.
+fn in_thread(run: &keel_core::Run) -> bool {
+    run.status != RunStatus::RolledBack
+}
+
+/// The conversation's active run, else its newest one that is [`in_thread`].
 async fn latest_run(state: &AppState, id: &ConversationId) -> ApiResult<Option<keel_core::Run>> {
     let store = state.engine.store();
     if let Some(run) = store.active_run(id).await? {
         return Ok(Some(run));
     }
     let newest = store.newest_conversation_runs(id, LATEST_LOOKED_AT).await?;
-    Ok(newest.into_iter().find(shown))
+    Ok(newest.into_iter().find(in_thread))
 }
 
 async fn snapshot(state: &AppState, id: &ConversationId) -> ApiResult<Snapshot> {
@@ -620,7 +626,7 @@ async fn history(
         .newest_conversation_runs(&c.id, RUNS_LISTED)
         .await?
         .into_iter()
-        .filter(|r| shown(r) && r.status != RunStatus::Waiting)
+        .filter(|r| in_thread(r) && r.status != RunStatus::Waiting)
         .collect();
     let from = match (&query.checkpoint, &query.before) {
         (Some(id), _) | (None, Some(id)) => match runs.iter().position(|r| &r.id == id) {

@@ -861,18 +861,18 @@ async fn a_deleted_run_is_gone_from_this_api_and_kept_by_keels() {
     let (status, _) = delete(&app.client, &app, &format!("{runs}/{done}")).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 
-    // the thread is unchanged: its values (the deleted run's messages stay), its state; the
-    // deleted run's own state is left out of the history, the others' are as they were
+    // the thread is unchanged, as in LangGraph (a run's record goes, the thread's checkpoints
+    // stay): its values (the deleted run's messages stay), its state, its history, and the
+    // deleted run's own state by its checkpoint
     let (_, state_after) = app.get(&state_path).await;
     assert_eq!(state_after, state_before);
     assert_eq!(human_contents(&state_after), ["list the services", RESTART_PROMPT]);
     let (_, history_after) = app.post(&history_path, &json!({})).await;
-    let mut expected = history_before[0].clone();
-    expected["parent_checkpoint"] = Value::Null; // its parent was the deleted run's state
-    assert_eq!(history_after, json!([expected]));
+    assert_eq!(history_after, history_before);
     let deleted_checkpoint = history_before[1]["checkpoint"]["checkpoint_id"].as_str().unwrap();
-    let (status, _) = app.get(&format!("/langgraph/threads/{thread}/state/{deleted_checkpoint}")).await;
-    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, at_deleted) = app.get(&format!("/langgraph/threads/{thread}/state/{deleted_checkpoint}")).await;
+    assert_eq!(status, StatusCode::OK, "{at_deleted}");
+    assert_eq!(at_deleted, history_before[1]);
 
     // Keel keeps it: the run, its events, on Keel's own API
     let kept = app.run(&done).await;
