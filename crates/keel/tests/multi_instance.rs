@@ -156,12 +156,15 @@ async fn a_run_survives_its_instance_being_killed() {
     // 1. Started on A, streamed from B, with A killed mid-answer: B continues it.
     let conv = post(&http, format!("{}/v1/conversations", a.base), json!({"title": "multi"})).await;
     let conv = conv["id"].as_str().unwrap().to_owned();
-    let sent =
-        post(&http, format!("{}/v1/conversations/{conv}/messages", a.base), json!({"content": "what can you do?"}))
-            .await;
+    // An answer of 100 numbered words (4 s at 40 ms a word): a loaded machine's test still kills A
+    // with most of it to come, as it may not with a short one.
+    let sent = post(
+        &http,
+        format!("{}/v1/conversations/{conv}/messages", a.base),
+        json!({"content": "benchmark: stream 100 words"}),
+    )
+    .await;
     let run = sent["runId"].as_str().unwrap().to_owned();
-    // The first text stored: the answer (~1.5 s at 40 ms a word) is mostly still to come. (The
-    // deltas of one commit are one event: under load, a few events can be most of the answer.)
     wait_for_events(&setup, &run, "text_delta", 1).await;
     let reader = {
         let (http, base, run) = (http.clone(), b.base.clone(), run.clone());
@@ -170,10 +173,15 @@ async fn a_run_survives_its_instance_being_killed() {
     a.kill();
     let events = reader.await.unwrap();
     assert_eq!(events.last().unwrap().type_name(), "done");
-    assert!(events.iter().any(|e| matches!(e.kind, EventKind::TextDiscarded { .. })), "the cut-off text is discarded");
+    assert!(
+        events.iter().any(|e| matches!(e.kind, EventKind::TextDiscarded { .. })),
+        "the cut-off text is discarded: {:?}",
+        events.iter().map(|e| (e.sequence, e.type_name(), e.ts)).collect::<Vec<_>>()
+    );
     let text = keel_core::event::render_text(&events);
     assert_eq!(text.len(), 1, "{text:?}");
-    assert_eq!(text[0].1.matches("I'm OpsPilot").count(), 1, "no duplicated text: {}", text[0].1);
+    let words: Vec<String> = (1..=100).map(|i| format!("w{i}")).collect();
+    assert_eq!(text[0].1.split_whitespace().collect::<Vec<_>>(), words, "no duplicated or missing text");
 
     // 2. A run paused on a new A, A killed while it waits: the approval sent to B completes it once.
     let mut a = Instance::start("a2", &db, dir.path(), redis_url());

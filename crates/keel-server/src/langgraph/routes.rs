@@ -612,8 +612,8 @@ fn history_limit(value: Option<&Value>) -> ApiResult<usize> {
 /// the current one (after the newest run, or where it is now if it is not over). A state's
 /// `values` are the conversation's messages up to that run's last one (the newest
 /// [`HISTORY_MESSAGES`]) and the facts as they are now (Keel keeps no history of facts). Runs
-/// rolled back, deleted (`runs.delete`: their messages stay in the later states), waiting their turn
-/// or that never ran have no state.
+/// rolled back, waiting their turn or that never ran have no state; a run deleted with
+/// `runs.delete` keeps its state (its record is gone, the thread's checkpoints stay).
 async fn history(
     state: &AppState,
     caller: &Caller,
