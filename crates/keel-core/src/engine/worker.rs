@@ -90,21 +90,16 @@ impl Worker {
     /// the worker's view of the run what it will be once written.
     ///
     /// Only for a commit whose next one follows with no wait on anything outside — no model call,
-    /// no tool call, no sleep — in between, only reads: the worker's first commit (a read of the
-    /// context comes next), a model call's end (the tools step's first commit, or the run's end,
-    /// comes next), and the tools step's end (a read of the context, then the model call's
-    /// start). Until then nothing of it is announced, and a crash loses only work the
-    /// next worker does again from the same checkpoint: it costs no more than the reads in between,
-    /// and saves a transaction, and its WAL pages and flush, per step. A commit held already is
-    /// joined with this one (or, if both move the run's status, written first).
+    /// no tool call, no sleep — in between, only reads that do not depend on it: the worker's first
+    /// commit (a read of the context comes next), a model call's end (the tools step's first
+    /// commit, or the run's end, comes next), and the tools step's end (a read of the context,
+    /// then the model call's start). Until then nothing of it is announced, and a crash loses only
+    /// work the next worker does again from the same checkpoint: it costs no more than the reads in
+    /// between, and saves a transaction, and its WAL pages and flush, per step. A commit held
+    /// already is joined with this one (or, if both move the run's status, written first).
     pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
         let commit = self.behind_held(commit).await?;
-        if let Some(cp) = &commit.checkpoint {
-            self.run.checkpoint = cp.clone();
-        }
-        if let Some(change) = &commit.run {
-            self.run.status = change.to;
-        }
+        self.adopt(&commit);
         self.held_acquires = matches!(commit.fence, Fence::Acquire { .. });
         self.held = Some(commit);
         Ok(())
@@ -142,8 +137,6 @@ impl Worker {
     /// written at all, so the same commit is sent again after a pause (doubling, up to
     /// [`OVERLOAD_PATIENCE`] in all) instead of failing the run.
     async fn commit_now(&mut self, commit: Commit) -> Result<Committed, StoreError> {
-        let checkpoint = commit.checkpoint.clone();
-        let status = commit.run.as_ref().map(|c| c.to);
         let started = Instant::now();
         let mut pause = Duration::from_millis(10);
         let committed = loop {
@@ -158,14 +151,19 @@ impl Worker {
         };
         self.inner.committed_by(&self.run, &committed);
         self.held_acquires = false;
-        if let Some(cp) = checkpoint {
-            self.run.checkpoint = cp;
-        }
-        if let Some(s) = status {
-            self.run.status = s;
-        }
+        self.adopt(&commit);
         self.run.cancel_requested = committed.cancel_requested;
         Ok(committed)
+    }
+
+    /// The worker's view of the run as `commit` leaves it: its checkpoint and status.
+    fn adopt(&mut self, commit: &Commit) {
+        if let Some(cp) = &commit.checkpoint {
+            self.run.checkpoint = cp.clone();
+        }
+        if let Some(change) = &commit.run {
+            self.run.status = change.to;
+        }
     }
 
     pub(super) async fn drive(&mut self) -> Result<Stop, WorkerError> {
@@ -189,8 +187,17 @@ impl Worker {
             first.checkpoint = Some(cp);
         }
         // Written with the next commit: what comes first is a read of the context (or of the
-        // step's tool calls), and a refusal of the lease is seen there.
-        self.hold(first).await?;
+        // step's tool calls), and a refusal of the lease is seen there. Not when it discards a
+        // cut-off message: the context read must not see that message.
+        if first.discard_messages.is_empty() {
+            self.hold(first).await?;
+        } else {
+            match self.commit(first).await {
+                Ok(_) => {}
+                Err(StoreError::Conflict(_)) => return Ok(Stop::NotOurs),
+                Err(e) => return Err(e.into()),
+            }
+        }
         if self.agent_missing {
             return Err(WorkerError::UnknownAgent);
         }
