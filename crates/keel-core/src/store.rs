@@ -254,6 +254,19 @@ pub struct NewRun {
     /// starts ([`RunStore::promote_waiting`]). With nothing ahead of it, it starts at once, as
     /// without.
     pub enqueue: Option<Vec<EventKind>>,
+    /// `Some`: the run is created leased to the worker that will drive it at once (an instance
+    /// with a free slot), so that no other instance's claim takes it before that worker's first
+    /// commit. `None`: it is created `queued` with no lease, for whichever instance claims it first.
+    /// A run created `waiting` has no lease either way.
+    pub lease: Option<NewLease>,
+}
+
+/// The lease a run gets when it is created or started ([`NewRun::lease`],
+/// [`RunStore::promote_waiting`]): it stays `queued`, held by `owner` until `until`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewLease {
+    pub owner: String,
+    pub until: Timestamp,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -307,10 +320,13 @@ pub trait RunStore: Send + Sync {
     /// message stored (the conversation's version bumped, the run's checkpoint made from it) and
     /// `events` (`run_started`, `graph_topology`) appended after its `run_waiting`. `None` when there
     /// is nothing to start: no waiting run, an active run, or another promoter got there first.
+    /// With `lease`, the started run is leased to the worker that will drive it, as
+    /// [`NewRun::lease`] does.
     async fn promote_waiting(
         &self,
         conversation_id: &ConversationId,
         events: Vec<EventKind>,
+        lease: Option<NewLease>,
         now: Timestamp,
     ) -> StoreResult<Option<StartedRun>>;
     /// Conversations (at most `limit`) that have a `waiting` run and no active one: runs whose turn
@@ -323,9 +339,10 @@ pub trait RunStore: Send + Sync {
     /// tool calls and interrupts stay: the audit of what it did. A run rolled back already: nothing
     /// more is removed. `Conflict` for a run that is not over; `NotFound` for none.
     async fn roll_back_run(&self, run_id: &RunId, now: Timestamp) -> StoreResult<RolledBack>;
-    /// Claims up to `limit` runs that need a worker — `queued`, or `running` with no lease or an
-    /// expired one (or any lease, when `steal`) — for `owner` until `lease_until`; queued runs become
-    /// running. Returns the claimed runs.
+    /// Claims up to `limit` runs that need a worker — `queued` or `running`, with no lease or an
+    /// expired one (or any lease, when `steal`): a run created leased to its worker is not taken
+    /// before that lease expires — for `owner` until `lease_until`; queued runs become running.
+    /// Returns the claimed runs.
     async fn claim_runs(
         &self,
         owner: &str,

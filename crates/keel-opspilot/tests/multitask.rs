@@ -72,7 +72,7 @@ async fn three_messages_enqueued_behind_a_paused_run_run_in_order_after_it_is_re
     assert_eq!(user_messages(&h, &conv).await, ["Restart the abnormal instance of payment-api"]);
     // nothing starts while the approval waits: what a sweep looks at finds nothing to start
     assert!(h.store.stranded_conversations(10).await.unwrap().is_empty());
-    let none = h.store.promote_waiting(&conv, Vec::new(), keel_core::clock::Clock::now(&*h.clock)).await.unwrap();
+    let none = h.store.promote_waiting(&conv, Vec::new(), None, keel_core::clock::Clock::now(&*h.clock)).await.unwrap();
     assert!(none.is_none(), "{none:?}");
     for run in &waiting {
         assert_eq!(status(&h, run).await, RunStatus::Waiting);

@@ -30,6 +30,7 @@ async fn finished(store: &SqliteStore, agent: &str, ended: DateTime<Utc>) -> Run
             now: at(1),
             events: vec![EventKind::RunStarted { conversation_id: conversation.id.clone(), trace_id: None }],
             enqueue: None,
+            lease: None,
         })
         .await
         .unwrap()

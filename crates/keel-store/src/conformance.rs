@@ -20,8 +20,8 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough, NewRun,
-    PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
+    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough, NewLease,
+    NewRun, PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
     ToolCallUpdate,
 };
 use serde_json::json;
@@ -61,6 +61,7 @@ macro_rules! conformance_tests {
             messages_facts_and_summary_are_written_by_commit,
             duplicate_ids_are_refused,
             claim_runs_takes_queued_and_expired_not_live,
+            a_run_written_leased_is_not_claimed_while_its_lease_lives,
             concurrent_claimers_never_share_a_run,
             leases_renew_and_release,
             last_sequences_of_many_runs_in_one_read,
@@ -160,6 +161,7 @@ async fn start(store: &SharedStore, conversation: &Conversation, now: Timestamp)
             now,
             events: first_events(&conversation.id),
             enqueue: None,
+            lease: None,
         })
         .await
         .expect("start run")
@@ -404,6 +406,7 @@ pub async fn start_run_needs_a_conversation(store: SharedStore) {
             now: at(1),
             events: vec![],
             enqueue: None,
+            lease: None,
         })
         .await;
     assert!(matches!(result, Err(StoreError::NotFound("conversation"))), "{result:?}");
@@ -421,6 +424,7 @@ pub async fn one_active_run_per_conversation(store: SharedStore) {
             now: at(2),
             events: first_events(&conversation.id),
             enqueue: None,
+            lease: None,
         })
         .await;
     match refused {
@@ -449,6 +453,7 @@ pub async fn one_active_run_per_conversation(store: SharedStore) {
             now: at(5),
             events: vec![],
             enqueue: None,
+            lease: None,
         })
         .await
         .expect_err("interrupted run is active");
@@ -481,6 +486,7 @@ pub async fn concurrent_starts_create_one_run(store: SharedStore) {
                         now: at(i),
                         events: vec![],
                         enqueue: None,
+                        lease: None,
                     })
                     .await
             })
@@ -1149,6 +1155,85 @@ pub async fn claim_runs_takes_queued_and_expired_not_live(store: SharedStore) {
     assert_eq!(ids(&rest), vec![runs[0].id.clone(), runs[1].id.clone()]);
     assert_eq!(get_run(&store, &runs[2].id).await.status, RunStatus::Interrupted);
     assert_eq!(get_run(&store, &runs[3].id).await.status, RunStatus::Cancelled);
+}
+
+/// A run written leased to the worker that will drive it (a new message's, a promoted one's) stays
+/// `queued` and is that worker's: no claim takes it while the lease lives, its worker's first
+/// commit (a lease fence) moves it to `running`, and once the lease ends (its instance died before
+/// that commit) a claim takes it.
+pub async fn a_run_written_leased_is_not_claimed_while_its_lease_lives(store: SharedStore) {
+    let leased = |owner: &str, until: Timestamp| Some(NewLease { owner: owner.into(), until });
+    let write = |conversation: Conversation, owner: &'static str, now: Timestamp| {
+        let store = store.clone();
+        async move {
+            store
+                .start_run(NewRun {
+                    conversation_id: conversation.id.clone(),
+                    agent_id: "ops".into(),
+                    user_id: conversation.user_id.clone(),
+                    content: "restart it".into(),
+                    cancel_on_disconnect: false,
+                    now,
+                    events: first_events(&conversation.id),
+                    enqueue: None,
+                    lease: leased(owner, at(60)),
+                })
+                .await
+                .expect("start a leased run")
+        }
+    };
+    let first = write(conversation(&store, "alice").await, "a:1", at(1)).await.run;
+    let second = write(conversation(&store, "alice").await, "a:2", at(2)).await.run;
+    for run in [&first, &second] {
+        assert_eq!(run.status, RunStatus::Queued);
+        assert_eq!(run.lease_expires_at, Some(at(60)));
+        assert_eq!(run.worker.as_deref(), Some("a"));
+        assert_eq!(&get_run(&store, &run.id).await, run, "the run as written is the run as stored");
+    }
+    assert_eq!(first.lease_owner.as_deref(), Some("a:1"));
+    assert!(store.claim_runs("b:1", at(10), at(70), false, 10).await.expect("claim").is_empty(), "leases live");
+    // only its lease's holder writes on it
+    let mut c = Commit::new(first.id.clone(), lease("b:1", at(70)), at(11));
+    c.run = to(RunStatus::Running);
+    assert!(matches!(store.commit(c).await, Err(StoreError::Conflict(_))), "not b's lease");
+    let mut c = Commit::new(first.id.clone(), lease("a:1", at(70)), at(11));
+    c.run = to(RunStatus::Running);
+    commit_ok(&store, c).await;
+    let running = get_run(&store, &first.id).await;
+    assert_eq!((running.status, running.lease_owner.as_deref()), (RunStatus::Running, Some("a:1")));
+    // the second's instance died before its first commit: at the lease's end a claim takes it
+    assert!(store.claim_runs("b:1", at(59), at(120), false, 10).await.expect("claim").is_empty());
+    let claimed = store.claim_runs("b:1", at(60), at(120), false, 10).await.expect("claim");
+    assert_eq!(claimed.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), vec![second.id.clone()]);
+    assert_eq!((claimed[0].status, claimed[0].lease_owner.as_deref()), (RunStatus::Running, Some("b:1")));
+
+    // a waiting run promoted with a lease: the same
+    let conversation = conversation(&store, "alice").await;
+    let active = start(&store, &conversation, at(3)).await.run;
+    let waiting = enqueue(&store, &conversation, "then this", at(4)).await.run;
+    assert_eq!(
+        (waiting.status, waiting.lease_owner.as_deref()),
+        (RunStatus::Waiting, None),
+        "a waiting run has no lease"
+    );
+    end_queued(&store, &active.id, at(5)).await;
+    let promoted = store
+        .promote_waiting(&conversation.id, first_events(&conversation.id), leased("c:1", at(100)), at(6))
+        .await
+        .expect("promote")
+        .expect("it starts");
+    assert_eq!(promoted.run.id, waiting.id);
+    assert_eq!(
+        (promoted.run.status, promoted.run.lease_owner.as_deref(), promoted.run.worker.as_deref()),
+        (RunStatus::Queued, Some("c:1"), Some("c"))
+    );
+    assert_eq!(promoted.run.lease_expires_at, Some(at(100)));
+    let ids = |claimed: Vec<Run>| claimed.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    // the first run's worker stopped committing (its lease ran to 70): that one is taken, not this
+    let claimed = store.claim_runs("b:2", at(99), at(160), false, 10).await.expect("claim");
+    assert_eq!(ids(claimed), vec![first.id.clone()]);
+    let claimed = store.claim_runs("b:2", at(100), at(160), false, 10).await.expect("claim");
+    assert_eq!(ids(claimed), vec![waiting.id.clone()]);
 }
 
 pub async fn concurrent_claimers_never_share_a_run(store: SharedStore) {
@@ -1898,6 +1983,7 @@ async fn enqueue(store: &SharedStore, conversation: &Conversation, content: &str
             now,
             events: first_events(&conversation.id),
             enqueue: Some(vec![EventKind::RunWaiting { conversation_id: conversation.id.clone() }]),
+            lease: None,
         })
         .await
         .expect("enqueue a message")
@@ -1962,6 +2048,7 @@ pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
             now: at(6),
             events: first_events(&conversation.id),
             enqueue: None,
+            lease: None,
         })
         .await;
     assert!(matches!(refused, Err(StoreError::RunActive(ref id)) if *id == order[0]), "{refused:?}");
@@ -1971,7 +2058,7 @@ pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
     for (n, expected) in waiting.iter().enumerate() {
         let now = at(10 + 10 * n as i64);
         let promoted = store
-            .promote_waiting(&conversation.id, first_events(&conversation.id), now)
+            .promote_waiting(&conversation.id, first_events(&conversation.id), None, now)
             .await
             .expect("promote")
             .expect("a waiting run starts");
@@ -1986,14 +2073,14 @@ pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
         assert_eq!(get_run(&store, &expected.run.id).await, promoted.run);
         assert_eq!(store.active_run(&conversation.id).await.expect("active").map(|r| r.id), Some(promoted.run.id));
         // while it is active, nothing else starts
-        let again = store.promote_waiting(&conversation.id, first_events(&conversation.id), now).await;
+        let again = store.promote_waiting(&conversation.id, first_events(&conversation.id), None, now).await;
         assert!(matches!(again, Ok(None)), "{again:?}");
         assert!(store.stranded_conversations(10).await.expect("stranded").is_empty());
         // the last one's end finds nothing waiting
         assert_eq!(end_queued(&store, &expected.run.id, now).await.waiting_behind, n + 1 < waiting.len());
     }
     assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2", "second", "third", "fourth"]);
-    let nothing = store.promote_waiting(&conversation.id, first_events(&conversation.id), at(50)).await;
+    let nothing = store.promote_waiting(&conversation.id, first_events(&conversation.id), None, at(50)).await;
     assert!(matches!(nothing, Ok(None)), "{nothing:?}");
     assert!(store.stranded_conversations(10).await.expect("stranded").is_empty());
 
@@ -2005,7 +2092,7 @@ pub async fn enqueued_messages_wait_and_start_in_order(store: SharedStore) {
     assert_eq!(version(store.clone(), conversation.id.clone()).await, 5);
     let missing = ConversationId::new();
     assert!(matches!(
-        store.promote_waiting(&missing, first_events(&missing), at(61)).await,
+        store.promote_waiting(&missing, first_events(&missing), None, at(61)).await,
         Err(StoreError::NotFound("conversation"))
     ));
 }
@@ -2021,7 +2108,7 @@ pub async fn concurrent_promoters_start_one_waiting_run(store: SharedStore) {
         .map(|_| {
             let store = store.clone();
             let id = conversation.id.clone();
-            tokio::spawn(async move { store.promote_waiting(&id, first_events(&id), at(5)).await })
+            tokio::spawn(async move { store.promote_waiting(&id, first_events(&id), None, at(5)).await })
         })
         .collect();
     let mut started = Vec::new();
@@ -2067,7 +2154,7 @@ pub async fn a_waiting_run_is_cancelled_without_running(store: SharedStore) {
 
     end_queued(&store, &first.id, at(6)).await;
     let promoted =
-        store.promote_waiting(&conversation.id, first_events(&conversation.id), at(7)).await.expect("promote");
+        store.promote_waiting(&conversation.id, first_events(&conversation.id), None, at(7)).await.expect("promote");
     assert_eq!(promoted.map(|s| s.run.id), Some(next.run.id));
     assert_eq!(contents(&store, &conversation.id).await, ["Cancel order ord-2", "this one"]);
 }

@@ -26,8 +26,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    Commit, Committed, Fence, InterruptChange, NewRun, RolledBack, StartedRun, StoreError, StoreResult, TextAppend,
-    ToolCallChange, ToolCallUpdate,
+    Commit, Committed, Fence, InterruptChange, NewLease, NewRun, RolledBack, StartedRun, StoreError, StoreResult,
+    TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -284,8 +284,8 @@ async fn insert_message<T: Tx>(tx: &mut T, m: &Message) -> StoreResult<()> {
 static INSERT_RUN: Sql = Sql::new(
     "INSERT INTO runs (id, conversation_id, user_message_id, user_id, agent_id, status, reason, \
      cancel_on_disconnect, cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, \
-     created_at, updated_at, pending_content) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)",
+     created_at, updated_at, pending_content, worker) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17)",
 );
 
 /// Inserts the run (with the text of its message while it waits, `pending`); `Ok(false)` if a
@@ -310,6 +310,7 @@ async fn insert_run<T: Tx>(tx: &mut T, run: &Run, pending: Option<&str>, one_act
         time(run.created_at),
         time(run.updated_at),
         Arg::Text(pending),
+        Arg::Text(run.worker.as_deref()),
     ];
     match tx.execute(INSERT_RUN.text(T::DIALECT), &args).await {
         Ok(_) => Ok(true),
@@ -406,6 +407,8 @@ pub(crate) async fn start_run<T: Tx>(
         _ => &new.events,
     };
     let events_len = i64::try_from(first_events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    // A run that starts at once may be created leased to its worker; a waiting one never is.
+    let lease = new.lease.as_ref().filter(|_| !waits);
     let run = Run {
         id: run_id,
         conversation_id: new.conversation_id.clone(),
@@ -417,9 +420,9 @@ pub(crate) async fn start_run<T: Tx>(
         cancel_on_disconnect: new.cancel_on_disconnect,
         cancel_requested: false,
         next_sequence: 1 + events_len,
-        lease_owner: None,
-        lease_expires_at: None,
-        worker: None,
+        lease_owner: lease.map(|l| l.owner.clone()),
+        lease_expires_at: lease.map(|l| T::stored(l.until)),
+        worker: lease.map(|l| lease_holder(&l.owner).to_owned()),
         checkpoint: Checkpoint::start(version),
         created_at: now,
         updated_at: now,
@@ -452,7 +455,8 @@ static OLDEST_WAITING: Sql = Sql::new(
 );
 static PROMOTE: Sql = Sql::new(
     "UPDATE runs SET status = 'queued', pending_content = NULL, next_sequence = next_sequence + $2, \
-     checkpoint = $3, updated_at = $4 WHERE id = $1 AND status = 'waiting'",
+     checkpoint = $3, updated_at = $4, lease_owner = $5, lease_expires_at = $6, worker = $7 \
+     WHERE id = $1 AND status = 'waiting'",
 );
 
 /// A waiting run that [`promote`] started: its id, its message (now stored) and the events it was
@@ -466,7 +470,8 @@ pub(crate) struct Promoted {
 /// Starts the conversation's oldest waiting run if the conversation has no active run: `waiting →
 /// queued` (conditional on `waiting`), its message stored with a new conversation version (the
 /// run's checkpoint's), `events` appended after the ones it has. `Ok(None)` when there is nothing
-/// to start; then nothing was written but the lock. `Conflict` when the run was promoted by another
+/// to start; then nothing was written but the lock. With `lease`, the run is leased to the worker
+/// that will drive it (see [`keel_core::store::NewLease`]). `Conflict` when the run was promoted by another
 /// writer after all (the caller rolls back the version it bumped; the one-active-run index refuses
 /// a second active run the same way).
 ///
@@ -477,6 +482,7 @@ pub(crate) async fn promote<T: Tx>(
     tx: &mut T,
     conversation_id: &ConversationId,
     events: &[EventKind],
+    lease: Option<&NewLease>,
     now: Timestamp,
     one_active_run: &str,
 ) -> StoreResult<Option<Promoted>> {
@@ -508,7 +514,15 @@ pub(crate) async fn promote<T: Tx>(
     let version = only(version)?.int("version")?;
     let checkpoint = T::encode("checkpoint", &Checkpoint::start(version))?;
     let n = i64::try_from(events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
-    let args = [text(run_id.as_str()), Arg::Int(Some(n)), Arg::Encoded(Some(&checkpoint)), time(now)];
+    let args = [
+        text(run_id.as_str()),
+        Arg::Int(Some(n)),
+        Arg::Encoded(Some(&checkpoint)),
+        time(now),
+        Arg::Text(lease.map(|l| l.owner.as_str())),
+        Arg::Time(lease.map(|l| T::stored(l.until))),
+        Arg::Text(lease.map(|l| lease_holder(&l.owner))),
+    ];
     match tx.execute(PROMOTE.text(T::DIALECT), &args).await {
         Ok(0) => return Err(StoreError::Conflict(format!("run {run_id} is no longer waiting"))),
         Ok(_) => {}

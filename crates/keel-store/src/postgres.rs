@@ -25,7 +25,8 @@ use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
-    MessagesThrough, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
+    MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError,
+    StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -615,18 +616,21 @@ impl RunStore for PostgresStore {
         &self,
         conversation_id: &ConversationId,
         events: Vec<EventKind>,
+        lease: Option<NewLease>,
         now: Timestamp,
     ) -> StoreResult<Option<StartedRun>> {
         let mut tx = self.begin().await?;
         // On an error the transaction is dropped, which rolls it back.
-        let promoted = match pipeline::promote(&mut PgTx(&mut tx), conversation_id, &events, now, ONE_ACTIVE_RUN).await
-        {
-            Ok(Some(promoted)) => promoted,
-            Ok(None) => return Ok(None),
-            // promoted by another instance after all: this transaction is rolled back
-            Err(StoreError::Conflict(_)) => return Ok(None),
-            Err(e) => return Err(e),
-        };
+        let promoted =
+            match pipeline::promote(&mut PgTx(&mut tx), conversation_id, &events, lease.as_ref(), now, ONE_ACTIVE_RUN)
+                .await
+            {
+                Ok(Some(promoted)) => promoted,
+                Ok(None) => return Ok(None),
+                // promoted by another instance after all: this transaction is rolled back
+                Err(StoreError::Conflict(_)) => return Ok(None),
+                Err(e) => return Err(e),
+            };
         let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
             .bind(promoted.run_id.as_str())
             .fetch_one(&mut *tx)
@@ -672,9 +676,8 @@ impl RunStore for PostgresStore {
         let rows = sqlx::query(
             "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3, worker = $6 \
              WHERE id IN (SELECT id FROM runs \
-                 WHERE status = 'queued' \
-                    OR (status = 'running' AND (lease_owner IS NULL OR lease_expires_at IS NULL \
-                        OR lease_expires_at <= $3 OR $4)) \
+                 WHERE status IN ('queued', 'running') AND (lease_owner IS NULL \
+                    OR lease_expires_at IS NULL OR lease_expires_at <= $3 OR $4) \
                  ORDER BY created_at, id LIMIT $5 FOR UPDATE SKIP LOCKED) \
              RETURNING *",
         )

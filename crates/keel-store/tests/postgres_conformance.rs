@@ -93,6 +93,7 @@ fn new_run(conversation_id: &keel_core::ids::ConversationId) -> NewRun {
         now: now(),
         events: vec![],
         enqueue: None,
+        lease: None,
     }
 }
 

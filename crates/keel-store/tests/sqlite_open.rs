@@ -58,6 +58,7 @@ async fn an_unreadable_row_is_a_backend_error() {
             now: now(),
             events: vec![],
             enqueue: None,
+            lease: None,
         })
         .await
         .expect("start");
@@ -202,6 +203,7 @@ async fn after_close_the_database_file_alone_holds_every_write() {
                             now: now(),
                             events: vec![],
                             enqueue: None,
+                            lease: None,
                         })
                         .await?;
                     Ok::<_, StoreError>(started.run.id)

@@ -37,6 +37,7 @@ async fn pruning_gives_the_space_back() {
                 now: at(1),
                 events: vec![],
                 enqueue: None,
+                lease: None,
             })
             .await
             .unwrap()

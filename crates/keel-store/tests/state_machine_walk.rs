@@ -43,6 +43,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
             now,
             events: vec![EventKind::RunStarted { conversation_id: conv.id.clone(), trace_id: None }],
             enqueue: None,
+            lease: None,
         })
         .await
         .unwrap();

@@ -327,6 +327,7 @@ async fn a_postgres_database_is_backed_up_with_pg_dump_and_restored_with_pg_rest
             now,
             events: vec![keel_core::EventKind::RunStarted { conversation_id: conversation.id.clone(), trace_id: None }],
             enqueue: None,
+            lease: None,
         })
         .await
         .unwrap();

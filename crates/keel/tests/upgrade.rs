@@ -90,6 +90,7 @@ async fn holds_what_it_held(store: &dyn Store) {
             now: chrono::Utc::now(),
             events: vec![],
             enqueue: None,
+            lease: None,
         })
         .await
         .unwrap();

@@ -32,8 +32,8 @@ use crate::mask::{looks_secret, mask_value, truncate, Masked};
 use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
 use crate::model::{ModelChunk, ModelError, ModelRequest};
 use crate::store::{
-    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewRun, RolledBack, RunChange,
-    StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease, NewRun, RolledBack,
+    RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use crate::stream::{run_events, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
@@ -483,6 +483,10 @@ impl Engine {
         // A key or password pasted into the chat is masked before it is stored, streamed or shown to
         // the model.
         let content = Masked::from(content);
+        // A run that starts at once is written leased to this instance's worker (when it has a free
+        // slot), so no other instance claims it before that worker's first commit. (A run written
+        // `waiting` gets no lease, and the slot is let go.)
+        let reserved = self.inner.reserve_worker();
         let started = self
             .inner
             .store
@@ -495,6 +499,7 @@ impl Engine {
                 now: self.inner.clock.now(),
                 events: first_events(conversation_id),
                 enqueue: enqueue.then(|| vec![EventKind::RunWaiting { conversation_id: conversation_id.clone() }]),
+                lease: reserved.as_ref().map(|(_, lease)| lease.clone()),
             })
             .await
             .map_err(|e| match e {
@@ -512,7 +517,7 @@ impl Engine {
             }
             return Ok(started);
         }
-        self.inner.start_worker(&started.run.id);
+        self.inner.start_worker(&started, reserved);
         Ok(started)
     }
 

@@ -280,6 +280,15 @@ impl Engine {
         // A slot for the worker that continues the run, taken before the claim so that a run this
         // instance has no room for is not left leased to it.
         let slot = inner.capacity.try_take();
+        // The run as the claim leaves it, for its worker (which then need not read it back).
+        let mut resumed = run.clone();
+        if let Some(change) = &commit.run {
+            resumed.status = change.to;
+        }
+        if let Some(checkpoint) = &commit.checkpoint {
+            resumed.checkpoint = checkpoint.clone();
+        }
+        resumed.lease_owner = Some(owner.clone());
         let committed = match inner.store.commit(commit).await {
             Ok(c) => c,
             Err(StoreError::Conflict(_)) => {
@@ -304,7 +313,11 @@ impl Engine {
             .map(|e| e.sequence)
             .unwrap_or_default();
         match slot {
-            Some(slot) => inner.spawn_worker(run.id.clone(), Lease::Held(owner), slot),
+            Some(slot) => {
+                resumed.cancel_requested = committed.cancel_requested;
+                resumed.next_sequence = committed.events.last().map_or(resumed.next_sequence, |e| e.sequence + 1);
+                inner.spawn_worker(resumed, owner, slot)
+            }
             None => {
                 // At capacity: the decision is committed (once), and the run is let go as it would
                 // be at a shutdown — `running` with no lease — so the first instance with a free

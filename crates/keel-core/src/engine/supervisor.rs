@@ -143,9 +143,13 @@ impl Inner {
         Ok(self.store.user_role(user_id).await?.or(self.config.default_role))
     }
 
-    /// Drives `run_id` on a task of its own, which holds `slot` until the worker stops.
-    pub(super) fn spawn_worker(self: &Arc<Self>, run_id: RunId, lease: Lease, slot: Slot) {
+    /// Drives `run` — as it is stored: this instance just wrote it, leased to `owner` — on a task of
+    /// its own, which holds `slot` until the worker stops.
+    pub(super) fn spawn_worker(self: &Arc<Self>, mut run: Run, owner: String, slot: Slot) {
         if self.shutting_down.load(Ordering::SeqCst) {
+            // Let go of the lease it was written or claimed with: the next process takes it at once.
+            let store = self.store.clone();
+            tokio::spawn(async move { store.release_lease(&run.id, &owner).await });
             return;
         }
         let inner = self.clone();
@@ -154,10 +158,7 @@ impl Inner {
         // by value a few times on the way in unless it is behind a pointer.
         let handle = tokio::spawn(Box::pin(async move {
             let _slot = slot;
-            let Ok(Some(mut run)) = inner.store.get_run(&run_id).await else {
-                tracing::warn!(run_id = %run_id, "run vanished before its worker started");
-                return;
-            };
+            let run_id = run.id.clone();
             let trace_id = match run.checkpoint.trace_id.clone() {
                 Some(id) => id,
                 None => inner.trace_id_of(&run_id).await,
@@ -173,7 +174,7 @@ impl Inner {
                 hook.call(&span, &trace_id);
             }
             run.checkpoint.trace_id = Some(trace_id);
-            inner.clone().work(run, lease).instrument(span).await;
+            inner.clone().work(run, owner).instrument(span).await;
         }));
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         workers.retain(|_, h| !h.is_finished());
@@ -194,14 +195,31 @@ impl Inner {
             .unwrap_or_else(new_trace_id)
     }
 
-    /// Drives a run that was just made `queued` here (a new message's, a promoted one's) when this
-    /// instance has a free slot; otherwise it stays queued, for this instance once a slot frees or
-    /// for any other instance's claim.
-    pub(super) fn start_worker(self: &Arc<Self>, run_id: &RunId) {
-        match self.capacity.try_take() {
-            Some(slot) => self.spawn_worker(run_id.clone(), Lease::Acquire(vec![RunStatus::Queued]), slot),
-            None => tracing::debug!(run_id = %run_id, "at capacity; the run waits, queued"),
+    /// A free slot for a run this instance is about to make `queued` (a new message's, a promoted
+    /// one's), and the lease the run is written with so that no other instance claims it before
+    /// its worker starts; `None` at capacity: the run is written without a lease, for this
+    /// instance once a slot frees or for any other instance's claim.
+    pub(super) fn reserve_worker(self: &Arc<Self>) -> Option<(Slot, NewLease)> {
+        let slot = self.capacity.try_take()?;
+        Some((slot, NewLease { owner: self.lease_token(), until: self.lease_until() }))
+    }
+
+    /// Drives a run just written `queued` here, with the slot and lease [`Inner::reserve_worker`]
+    /// gave (`None`: it waits, queued, for a claim).
+    pub(super) fn start_worker(self: &Arc<Self>, started: &StartedRun, reserved: Option<(Slot, NewLease)>) {
+        let Some((slot, lease)) = reserved else {
+            tracing::debug!(run_id = %started.run.id, "at capacity; the run waits, queued");
+            return;
+        };
+        let mut run = started.run.clone();
+        // The trace id is its `run_started`'s, which the worker's first commit records.
+        if run.checkpoint.trace_id.is_none() {
+            run.checkpoint.trace_id = started.events.iter().find_map(|e| match &e.kind {
+                EventKind::RunStarted { trace_id, .. } => trace_id.clone(),
+                _ => None,
+            });
         }
+        self.spawn_worker(run, lease.owner, slot);
     }
 
     /// [`Inner::promote_next`] on a task of its own (after a run's end: the commit that ended it is
@@ -234,13 +252,16 @@ impl Inner {
             return Ok(false);
         }
         let now = self.clock.now();
-        let Some(started) = self.store.promote_waiting(conversation_id, first_events(conversation_id), now).await?
+        let reserved = self.reserve_worker();
+        let lease = reserved.as_ref().map(|(_, lease)| lease.clone());
+        let Some(started) =
+            self.store.promote_waiting(conversation_id, first_events(conversation_id), lease, now).await?
         else {
             return Ok(false);
         };
         tracing::info!(run_id = %started.run.id, conversation_id = %conversation_id, "a waiting run's turn came; starting it");
         self.committed(&started.run, &started.events);
-        self.start_worker(&started.run.id);
+        self.start_worker(&started, reserved);
         Ok(true)
     }
 
@@ -281,13 +302,9 @@ impl Inner {
     }
 
     /// One worker's life: drive the run from its checkpoint until it pauses, ends or is not ours.
-    pub(super) async fn work(self: Arc<Self>, run: Run, lease: Lease) {
+    pub(super) async fn work(self: Arc<Self>, run: Run, owner: String) {
         let inner = self;
         let run_id = run.id.clone();
-        let (owner, acquire) = match lease {
-            Lease::Held(owner) => (owner, None),
-            Lease::Acquire(from) => (inner.lease_token(), Some(from)),
-        };
         let cancel_signal = Arc::new(tokio::sync::Notify::new());
         inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
         let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
@@ -303,12 +320,11 @@ impl Inner {
             agent_missing,
             run,
             owner,
-            acquire,
             cancel_signal,
             deferred: Vec::new(),
             deferred_text: Vec::new(),
             held: None,
-            held_acquires: false,
+            held_first: false,
             planned_calls: None,
         };
         let outcome = match worker.drive().await {
@@ -381,7 +397,7 @@ impl Inner {
             let n = claimed.len();
             for (run, slot) in claimed.into_iter().zip(slots.drain(..)) {
                 tracing::info!(run_id = %run.id, step = %run.checkpoint.next_step, "continuing run from its checkpoint");
-                self.spawn_worker(run.id, Lease::Held(owner.clone()), slot);
+                self.spawn_worker(run, owner.clone(), slot);
             }
             total += n;
             if n < want {

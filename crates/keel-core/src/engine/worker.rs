@@ -2,21 +2,12 @@
 
 use super::*;
 
-/// How a worker holds its run.
-#[derive(Debug, Clone)]
-pub(super) enum Lease {
-    /// Already holds the lease (from a claim or a resume).
-    Held(String),
-    /// Takes it with the first commit, from one of these statuses.
-    Acquire(Vec<RunStatus>),
-}
-
 /// Why a worker stopped.
 #[derive(Debug)]
 pub(super) enum Stop {
     /// The run paused or ended.
     Settled,
-    /// Someone else holds the run now (or the acquire lost): not ours to touch.
+    /// Someone else holds the run now (or got it first): not ours to touch.
     NotOurs,
     /// Graceful shutdown: the run stays `running` and is continued by the next process.
     Shutdown,
@@ -45,9 +36,9 @@ pub(super) struct Worker {
     /// The run names an agent this process does not run: it fails at once.
     pub(super) agent_missing: bool,
     pub(super) run: Run,
+    /// The lease the worker holds: taken before it started (written with a new or promoted run, by
+    /// a claim, by a resume), renewed by every commit.
     pub(super) owner: String,
-    /// The first commit takes the lease.
-    pub(super) acquire: Option<Vec<RunStatus>>,
     pub(super) cancel_signal: Arc<tokio::sync::Notify>,
     /// Events, and text, that go at the front of the worker's next commit. Only for what needs no
     /// commit of its own because the next one follows at once, with no wait (no model or tool call)
@@ -57,8 +48,9 @@ pub(super) struct Worker {
     pub(super) deferred_text: Vec<TextAppend>,
     /// A whole commit held back to be written with the worker's next one ([`Worker::hold`]).
     pub(super) held: Option<Commit>,
-    /// The held commit takes the lease: a refusal means another worker has the run, not an error.
-    pub(super) held_acquires: bool,
+    /// The held commit is the worker's first: a refusal means another worker (or a cancel) got the
+    /// run first, not that a lease this worker had was lost.
+    pub(super) held_first: bool,
     /// The tool calls a held model commit inserts, for the tools step that follows (it can't read
     /// them back from the store before they are written).
     pub(super) planned_calls: Option<Vec<ToolCall>>,
@@ -76,10 +68,7 @@ impl Worker {
     pub(super) fn new_commit(&mut self) -> Commit {
         let now = self.now();
         let lease_until = now + chrono_dur(self.inner.config.lease_ttl);
-        let fence = match self.acquire.take() {
-            Some(from) => Fence::Acquire { owner: self.owner.clone(), from, lease_until },
-            None => Fence::Lease { owner: self.owner.clone(), lease_until },
-        };
+        let fence = Fence::Lease { owner: self.owner.clone(), lease_until };
         let mut commit = Commit::new(self.run.id.clone(), fence, now);
         commit.events = std::mem::take(&mut self.deferred);
         commit.text = std::mem::take(&mut self.deferred_text);
@@ -100,7 +89,6 @@ impl Worker {
     pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
         let commit = self.behind_held(commit).await?;
         self.adopt(&commit);
-        self.held_acquires = matches!(commit.fence, Fence::Acquire { .. });
         self.held = Some(commit);
         Ok(())
     }
@@ -150,7 +138,7 @@ impl Worker {
             }
         };
         self.inner.committed_by(&self.run, &committed);
-        self.held_acquires = false;
+        self.held_first = false;
         self.adopt(&commit);
         self.run.cancel_requested = committed.cancel_requested;
         Ok(committed)
@@ -191,6 +179,7 @@ impl Worker {
         // cut-off message: the context read must not see that message.
         if first.discard_messages.is_empty() {
             self.hold(first).await?;
+            self.held_first = true;
         } else {
             match self.commit(first).await {
                 Ok(_) => {}
@@ -227,8 +216,8 @@ impl Worker {
                     self.flush_held().await?;
                     return Ok(Stop::Settled);
                 }
-                Err(WorkerError::Store(StoreError::Conflict(_))) if std::mem::take(&mut self.held_acquires) => {
-                    // The held first commit lost the lease: another worker took the run first.
+                Err(WorkerError::Store(StoreError::Conflict(_))) if std::mem::take(&mut self.held_first) => {
+                    // The held first commit was refused: another worker took the run first.
                     return Ok(Stop::NotOurs);
                 }
                 Err(WorkerError::Store(StoreError::Conflict(msg))) => {

@@ -32,7 +32,8 @@ use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
     BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
-    MessagesThrough, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError, StoreResult,
+    MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError,
+    StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
@@ -219,13 +220,15 @@ impl RunStore for SqliteStore {
         &self,
         conversation_id: &ConversationId,
         events: Vec<EventKind>,
+        lease: Option<NewLease>,
         now: Timestamp,
     ) -> StoreResult<Option<StartedRun>> {
         let conversation_id = conversation_id.to_owned();
         let promoted = self
             .db
             .write(move |c| {
-                let Some(promoted) = ready(pipeline::promote(&mut SqliteTx(c), &conversation_id, &events, now, ""))?
+                let Some(promoted) =
+                    ready(pipeline::promote(&mut SqliteTx(c), &conversation_id, &events, lease.as_ref(), now, ""))?
                 else {
                     return Ok(None);
                 };
@@ -288,9 +291,8 @@ impl RunStore for SqliteStore {
                     "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3, \
                      worker = ?6 \
                      WHERE id IN (SELECT id FROM runs \
-                         WHERE status = 'queued' \
-                            OR (status = 'running' AND (lease_owner IS NULL OR lease_expires_at IS NULL \
-                                OR lease_expires_at <= ?3 OR ?4)) \
+                         WHERE (status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
+                            OR lease_expires_at IS NULL OR lease_expires_at <= ?3 OR ?4) \
                          ORDER BY created_at, id LIMIT ?5) \
                      RETURNING *",
                     params![owner, ts(&lease_until), ts(&now), steal, i64::from(limit), worker],
