@@ -1544,6 +1544,7 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     c.tool_calls.push(ToolCallChange::Insert(a.clone()));
     c.messages.extend([result_a.clone(), answer_1.clone()]);
     c.facts.push(fact("order", "ord-2", FactSource::ToolResult, at(4)));
+    c.facts.push(fact("customer", "cus-7", FactSource::UserConfirmed, at(4)));
     c.run = to(RunStatus::Completed);
     commit_ok(&store, c).await;
 
@@ -1565,7 +1566,11 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
         "no summary: every message"
     );
     assert_eq!(window.tool_calls, vec![a.clone(), b.clone()]);
-    assert_eq!(window.facts, vec![fact("order", "ord-2", FactSource::ToolResult, at(4))]);
+    let facts = vec![
+        fact("customer", "cus-7", FactSource::UserConfirmed, at(4)),
+        fact("order", "ord-2", FactSource::ToolResult, at(4)),
+    ];
+    assert_eq!(window.facts, facts, "by key");
 
     // a summary through the first turn: the window starts after it
     let summary = Summary {
@@ -1580,7 +1585,7 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     assert_eq!(window.summary, Some(summary));
     assert_eq!(window.messages, vec![user_2.clone(), result_b.clone()]);
     assert_eq!(window.tool_calls, vec![b.clone()], "only the calls the window's results answer");
-    assert_eq!(window.facts.len(), 1);
+    assert_eq!(window.facts, facts);
 
     // the latest messages that are not tool results, in order; a run's own messages
     let recent = store.recent_messages(&conversation.id, 2).await.expect("recent");

@@ -523,6 +523,92 @@ fn tool_call_from(row: &PgRow) -> StoreResult<ToolCall> {
     })
 }
 
+/// The context window's one statement: the conversation's summary (`k` 0), the messages after the
+/// last one it covers, by the index on (conversation_id, seq) (`k` 1), the calls their tool results
+/// answer, by id (`k` 2), and the facts (`k` 3), as the rows of one `UNION ALL`, in that order.
+/// Each part fills the columns its reader ([`summary_from`], [`message_from`], [`tool_call_from`],
+/// [`fact_from`]) takes, by name, and leaves the others NULL; those readers read these rows as
+/// they read their own tables'. (Four statements sent at once cost the database four times its
+/// per-statement work, on four connections; a step reads its context at every model call.)
+fn context_window_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        // every column a reader takes, with its type
+        const COLUMNS: [(&str, &str); 22] = [
+            ("seq", "bigint"),
+            ("id", "text"),
+            ("conversation_id", "text"),
+            ("run_id", "text"),
+            ("role", "text"),
+            ("content", "text"),
+            ("tool_call_id", "text"),
+            ("created_at", "timestamptz"),
+            ("through_message_id", "text"),
+            ("text", "text"),
+            ("name", "text"),
+            ("args", "jsonb"),
+            ("state", "text"),
+            ("result", "jsonb"),
+            ("summary", "text"),
+            ("attempts", "integer"),
+            ("started_at", "timestamptz"),
+            ("finished_at", "timestamptz"),
+            ("key", "text"),
+            ("value", "text"),
+            ("source", "text"),
+            ("updated_at", "timestamptz"),
+        ];
+        const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
+                             WHERE s.conversation_id = $1), 0)";
+        let part = |k: u8, from: &str, has: &[&str], filter: &str| {
+            let columns: Vec<String> = COLUMNS
+                .iter()
+                .map(
+                    |(name, ty)| {
+                        if has.contains(name) {
+                            format!("t.{name}")
+                        } else {
+                            format!("NULL::{ty} AS {name}")
+                        }
+                    },
+                )
+                .collect();
+            format!("SELECT {k} AS k, {} FROM {from} t WHERE {filter}", columns.join(", "))
+        };
+        let summary =
+            part(0, "summaries", &["conversation_id", "through_message_id", "text"], "t.conversation_id = $1");
+        let messages = part(
+            1,
+            "messages",
+            &["seq", "id", "conversation_id", "run_id", "role", "content", "tool_call_id", "created_at"],
+            &format!("t.conversation_id = $1 AND t.seq > {AFTER}"),
+        );
+        let calls = part(
+            2,
+            "tool_calls",
+            &[
+                "seq",
+                "id",
+                "run_id",
+                "name",
+                "args",
+                "state",
+                "result",
+                "summary",
+                "attempts",
+                "started_at",
+                "finished_at",
+            ],
+            &format!(
+                "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = $1 AND seq > {AFTER} \
+                 AND tool_call_id IS NOT NULL)"
+            ),
+        );
+        let facts = part(3, "facts", &["key", "value", "source", "updated_at"], "t.conversation_id = $1");
+        format!("{summary} UNION ALL {messages} UNION ALL {calls} UNION ALL {facts} ORDER BY k, seq, key")
+    })
+}
+
 fn all<T>(rows: &[PgRow], from: fn(&PgRow) -> StoreResult<T>) -> StoreResult<Vec<T>> {
     rows.iter().map(from).collect()
 }
@@ -1132,54 +1218,24 @@ impl ConversationStore for PostgresStore {
     }
 
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
-        // Four independent reads, sent together: the messages after the last one the summary
-        // covers (by the index on (conversation_id, seq)), the calls their tool results answer (by
-        // id), the summary and the facts. Only the run's own worker writes a conversation's
-        // messages and summary, so the reads agree.
-        const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
-                             WHERE s.conversation_id = $1), 0)";
-        let conversation = conversation_id.as_str();
-        let messages_sql = format!("SELECT * FROM messages WHERE conversation_id = $1 AND seq > {AFTER} ORDER BY seq");
-        let calls_sql = format!(
-            "SELECT * FROM tool_calls WHERE id IN (SELECT tool_call_id FROM messages \
-             WHERE conversation_id = $1 AND seq > {AFTER} AND tool_call_id IS NOT NULL) ORDER BY seq"
-        );
-        let (summary, messages, tool_calls, facts) = tokio::try_join!(
-            async {
-                sqlx::query("SELECT * FROM summaries WHERE conversation_id = $1")
-                    .bind(conversation)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(db("get the summary"))
-            },
-            async {
-                sqlx::query(&messages_sql)
-                    .bind(conversation)
-                    .fetch_all(&self.pool)
-                    .await
-                    .map_err(db("list the context's messages"))
-            },
-            async {
-                sqlx::query(&calls_sql)
-                    .bind(conversation)
-                    .fetch_all(&self.pool)
-                    .await
-                    .map_err(db("list the context's tool calls"))
-            },
-            async {
-                sqlx::query("SELECT * FROM facts WHERE conversation_id = $1 ORDER BY key")
-                    .bind(conversation)
-                    .fetch_all(&self.pool)
-                    .await
-                    .map_err(db("list facts"))
-            },
-        )?;
-        Ok(ContextWindow {
-            summary: summary.as_ref().map(summary_from).transpose()?,
-            messages: all(&messages, message_from)?,
-            tool_calls: all(&tool_calls, tool_call_from)?,
-            facts: all(&facts, fact_from)?,
-        })
+        // One statement (one snapshot, one round trip, one of the database's statement overheads
+        // instead of four): see [`context_window_sql`].
+        let rows = sqlx::query(context_window_sql())
+            .bind(conversation_id.as_str())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("read the context window"))?;
+        let mut window =
+            ContextWindow { summary: None, messages: Vec::new(), tool_calls: Vec::new(), facts: Vec::new() };
+        for row in &rows {
+            match Cols::new(row, "context window").get::<i32>("k")? {
+                0 => window.summary = Some(summary_from(row)?),
+                1 => window.messages.push(message_from(row)?),
+                2 => window.tool_calls.push(tool_call_from(row)?),
+                _ => window.facts.push(fact_from(row)?),
+            }
+        }
+        Ok(window)
     }
 
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
