@@ -106,6 +106,38 @@ impl ToolCallChange {
     pub fn transition(id: &CallId, from: ToolCallState, to: ToolCallState) -> Self {
         ToolCallChange::Update(ToolCallUpdate::new(id, from, to))
     }
+
+    /// What the store makes of `calls` (a run's, in order, as they were before the commit) once
+    /// this change is written: an insert adds its call at the end; an update moves a call that is
+    /// in its `from` state and sets what it sets. For a writer that knows the calls it just
+    /// changed and need not read them back.
+    pub fn apply_to(&self, calls: &mut Vec<ToolCall>) {
+        match self {
+            ToolCallChange::Insert(call) => calls.push(call.clone()),
+            ToolCallChange::Update(u) => {
+                let Some(call) = calls.iter_mut().find(|c| c.id == u.id && c.state == u.from) else { return };
+                call.state = u.to;
+                if let Some(args) = &u.args {
+                    call.args = args.clone();
+                }
+                if let Some(result) = &u.result {
+                    call.result = Some(result.clone());
+                }
+                if let Some(summary) = &u.summary {
+                    call.summary = Some(summary.clone());
+                }
+                if let Some(attempts) = u.attempts {
+                    call.attempts = attempts;
+                }
+                if let Some(at) = u.started_at {
+                    call.started_at = Some(at);
+                }
+                if let Some(at) = u.finished_at {
+                    call.finished_at = Some(at);
+                }
+            }
+        }
+    }
 }
 
 /// Conditional on the interrupt being `pending` (and, for `resolved`, not past its expiry at `now`).
@@ -610,6 +642,54 @@ mod tests {
 
     fn at(secs: i64) -> Timestamp {
         chrono::DateTime::from_timestamp(secs, 0).unwrap()
+    }
+
+    #[test]
+    fn a_change_applied_to_calls_is_what_the_store_makes_of_them() {
+        let run = RunId::new();
+        let call = |name: &str, state| ToolCall {
+            id: CallId::new(),
+            run_id: run.clone(),
+            name: name.into(),
+            args: Masked::new(serde_json::json!({"n": 1})),
+            state,
+            result: None,
+            summary: None,
+            attempts: 0,
+            started_at: None,
+            finished_at: None,
+        };
+        let (approved, rejected, settled) = (
+            call("restart", ToolCallState::Asking),
+            call("delete", ToolCallState::Asking),
+            call("lookup", ToolCallState::Succeeded),
+        );
+        let mut calls = vec![approved.clone(), rejected.clone(), settled.clone()];
+        let edited = Masked::new(serde_json::json!({"n": 2}));
+        ToolCallChange::Update(ToolCallUpdate {
+            args: Some(edited.clone()),
+            ..ToolCallUpdate::new(&approved.id, ToolCallState::Asking, ToolCallState::Allowed)
+        })
+        .apply_to(&mut calls);
+        ToolCallChange::Update(ToolCallUpdate {
+            result: Some(Masked::new(serde_json::json!({"status": "denied"}))),
+            summary: Some(Masked::from("rejected".to_owned())),
+            finished_at: Some(at(5)),
+            ..ToolCallUpdate::new(&rejected.id, ToolCallState::Asking, ToolCallState::Denied)
+        })
+        .apply_to(&mut calls);
+        // conditional, as in the store: a call not in `from` is left as it is
+        ToolCallChange::transition(&settled.id, ToolCallState::Asking, ToolCallState::Allowed).apply_to(&mut calls);
+        let added = call("notify", ToolCallState::Requested);
+        ToolCallChange::Insert(added.clone()).apply_to(&mut calls);
+
+        assert_eq!(calls.len(), 4);
+        assert_eq!((calls[0].state, &calls[0].args), (ToolCallState::Allowed, &edited));
+        assert_eq!(calls[0].result, None, "what an update does not set stays");
+        assert_eq!((calls[1].state, calls[1].finished_at), (ToolCallState::Denied, Some(at(5))));
+        assert_eq!(calls[1].summary.as_ref().map(|s| s.as_str()), Some("rejected"));
+        assert_eq!(calls[2], settled);
+        assert_eq!(calls[3], added);
     }
 
     #[test]

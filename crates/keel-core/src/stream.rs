@@ -45,6 +45,31 @@ impl Until {
 
 const PAGE: u32 = 256;
 
+/// What the caller of [`run_events`] knew of the run, from a read made before the stream
+/// subscribed (the request's own check of the run, or the write that started or resumed it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Known {
+    /// Nothing: after its first catch-up the stream reads the run, to end at once if the run is
+    /// over and the cursor is at (or past) its last event.
+    Unknown,
+    /// The run was not over: its end is an event still to come, which the catch-up (committed
+    /// before the subscription) or the bus (after it) brings, so the stream need not read the run.
+    Active,
+    /// The run was over, its last event this one.
+    Over { last_sequence: i64 },
+}
+
+impl Known {
+    /// What `run`, as just read, says.
+    pub fn of(run: &crate::domain::Run) -> Self {
+        if run.status.is_terminal() {
+            Known::Over { last_sequence: run.last_sequence() }
+        } else {
+            Known::Active
+        }
+    }
+}
+
 /// Why an event stream reads the store (the label of [`Recorder::stream_store_read`]).
 mod reason {
     /// Its first read, or one after the bus showed a gap, a lagged or a closed receiver, or after
@@ -163,18 +188,21 @@ impl Drop for IdleWatch {
     }
 }
 
-/// Events of `run_id` with `sequence > after`, stored then live, until `until`.
+/// Events of `run_id` with `sequence > after`, stored then live, until `until`. `known`: what a
+/// read of the run made before this call said (it spares the stream a read of its own).
 ///
 /// `idle`: the process's [`IdleWatch`], where other processes may commit events the bus does not
 /// bring; `None` where the bus delivers every event (one process, the local bus): an idle stream
 /// then costs no store reads at all, and the store is read only on a gap, a lagged or a closed
 /// receiver.
+#[allow(clippy::too_many_arguments)]
 pub fn run_events(
     store: Arc<dyn Store>,
     bus: Arc<dyn Bus>,
     run_id: RunId,
     after: i64,
     until: Until,
+    known: Known,
     idle: Option<Arc<IdleWatch>>,
     metrics: Metrics,
 ) -> impl Stream<Item = Result<Event, StoreError>> + Send {
@@ -182,6 +210,7 @@ pub fn run_events(
         let mut rx = bus.subscribe(&run_id);
         let mut last = after;
         let watched = idle.as_ref().map(|watch| watch.watch(&run_id, after));
+        let mut known = known;
         'outer: loop {
             // Catch up from the store.
             loop {
@@ -208,11 +237,22 @@ pub fn run_events(
                 }
             }
             // Nothing more is stored. A run that already ended has nothing more to say: a reader
-            // whose cursor is at (or past) its terminal event ends here instead of waiting.
-            metrics.stream_store_read(reason::CATCH_UP);
-            if let Some(run) = store.get_run(&run_id).await? {
-                if run.status.is_terminal() && last >= run.last_sequence() {
-                    break 'outer;
+            // whose cursor is at (or past) its terminal event ends here instead of waiting. (What
+            // the caller knew serves the first time; a run is read after a later catch-up.)
+            match std::mem::replace(&mut known, Known::Unknown) {
+                Known::Active => {}
+                Known::Over { last_sequence } => {
+                    if last >= last_sequence {
+                        break 'outer;
+                    }
+                }
+                Known::Unknown => {
+                    metrics.stream_store_read(reason::CATCH_UP);
+                    if let Some(run) = store.get_run(&run_id).await? {
+                        if run.status.is_terminal() && last >= run.last_sequence() {
+                            break 'outer;
+                        }
+                    }
                 }
             }
             // Then follow the bus until something is out of order.

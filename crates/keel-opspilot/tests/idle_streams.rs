@@ -55,7 +55,7 @@ async fn paused_run(h: &Harness) -> (RunId, i64) {
 
 /// A stream of `run` after `after`, read on a task of its own.
 fn open_stream(h: &Harness, run: &RunId, after: i64) -> tokio::task::JoinHandle<Vec<Event>> {
-    let stream = h.engine.events(run, after, Until::Terminal);
+    let stream = h.engine.events(run, after, Until::Terminal, keel_core::stream::Known::Unknown);
     tokio::spawn(async move { stream.map(|e| e.unwrap()).collect::<Vec<_>>().await })
 }
 

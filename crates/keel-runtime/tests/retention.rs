@@ -112,6 +112,7 @@ async fn a_reader_never_replays_across_a_pruned_hole() {
             run.clone(),
             after,
             keel_core::stream::Until::Terminal,
+            keel_core::stream::Known::Unknown,
             None,
             keel_core::metrics::Metrics::noop(),
         )

@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use futures::{FutureExt, Stream, StreamExt};
 use keel_core::engine::Engine;
 use keel_core::store::StoreError;
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::{Event, RunId};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::SendTimeoutError;
@@ -58,15 +58,23 @@ pub fn permit_if_streaming(
     state.limits.streams.acquire(&caller.0).map(Some)
 }
 
-/// `permit` holds the caller's stream slot for as long as the stream is fed.
-pub fn stream_run(state: &AppState, permit: StreamPermit, run_id: RunId, after: i64, until: Until) -> Response {
+/// `permit` holds the caller's stream slot for as long as the stream is fed; `known`: what the
+/// request's read or write of the run said of it (see [`Known`]).
+pub fn stream_run(
+    state: &AppState,
+    permit: StreamPermit,
+    run_id: RunId,
+    after: i64,
+    until: Until,
+    known: Known,
+) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
     // Counted open for as long as the body lives: the server drops it when the response ends or
     // the client goes away.
     let connection = state.metrics.connection_opened(SSE);
     let state = state.clone();
     tokio::spawn(async move {
-        feed(state, tx, run_id, after, until).await;
+        feed(state, tx, run_id, after, until, known).await;
         drop(permit);
     });
     let body = ReceiverStream::new(rx).map(move |frame| {
@@ -108,7 +116,7 @@ struct Pacing {
     send_timeout: Duration,
 }
 
-async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i64, until: Until) {
+async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i64, until: Until, known: Known) {
     let engine: Arc<Engine> = state.engine.clone();
     let pacing = Pacing {
         retry_ms: state.config.sse_retry_ms,
@@ -122,7 +130,7 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i6
     // twice, and pinning them in `feed`'s scope would keep that room beside `client_detached`'s
     // future. That halves an idle stream's task (4.1 → 2.2 KiB).
     let end = {
-        let events = pin!(engine.events(&run_id, after, until));
+        let events = pin!(engine.events(&run_id, after, until, known));
         let shutdown = pin!(state.shutdown.wait());
         pump(&tx, events, pacing, shutdown, delivered).await
     };
@@ -376,7 +384,7 @@ mod tests {
         ));
         let state = AppState::new(engine, crate::ServerConfig::default());
         let (tx, _rx) = mpsc::channel(1);
-        let feed = feed(state, tx, RunId::new(), 0, Until::Terminal);
+        let feed = feed(state, tx, RunId::new(), 0, Until::Terminal, Known::Unknown);
         let size = std::mem::size_of_val(&feed);
         assert!(size <= 3 * 1024, "the feed future takes {size} bytes");
     }

@@ -120,7 +120,8 @@ impl Engine {
         let now = inner.clock.now();
         self.refuse_if_expired(&interrupt, now).await?;
         let hash = result_hash(run_id, &call_id, &outcome);
-        let claim = self.claim_tool_result(&run, &interrupt, call, outcome, user_id, &req.idempotency_key, now);
+        let claim =
+            self.claim_tool_result(&run, &interrupt, &calls, call, outcome, (user_id, role), &req.idempotency_key, now);
         self.under_key(user_id, &req.idempotency_key, &hash, now, "tool-result", claim).await
     }
 
@@ -129,9 +130,10 @@ impl Engine {
         &self,
         run: &Run,
         interrupt: &Interrupt,
+        calls: &[ToolCall],
         call: &ToolCall,
         outcome: ClientOutcome,
-        user_id: &str,
+        (user_id, role): (&str, Option<UserRole>),
         key: &str,
         now: Timestamp,
     ) -> EngineResult<ToolResultAccepted> {
@@ -215,7 +217,8 @@ impl Engine {
             response: serde_json::to_value(&accepted).unwrap_or(Value::Null),
             expires_at: now + chrono::Duration::hours(24),
         });
-        let resumed_sequence = self.commit_claim(run, interrupt, commit, owner).await.map_err(|e| match e {
+        let primed = Primed::after(&commit, calls, run, user_id, role);
+        let resumed_sequence = self.commit_claim(run, interrupt, commit, owner, primed).await.map_err(|e| match e {
             EngineError::InterruptAlreadyResolved => EngineError::ToolCallAlreadyAnswered,
             other => other,
         })?;

@@ -35,7 +35,7 @@ use crate::store::{
     Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease, NewRun, RolledBack,
     RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
 };
-use crate::stream::{run_events, Until};
+use crate::stream::{run_events, Known, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
 
 mod client;
@@ -582,7 +582,7 @@ impl Engine {
         if run.status.is_terminal() {
             return Ok(());
         }
-        let events = self.events(run_id, run.last_sequence(), Until::Terminal);
+        let events = self.events(run_id, run.last_sequence(), Until::Terminal, Known::Unknown);
         let drained = async {
             let mut events = std::pin::pin!(events);
             while let Some(e) = events.next().await {
@@ -641,12 +641,14 @@ impl Engine {
     }
 
     /// The run's events after `after`, stored then live, until `until`. Check ownership first with
-    /// [`Engine::run`].
+    /// [`Engine::run`]; `known` is what that read (or the write that started or resumed the run)
+    /// said of it ([`Known::of`]), or [`Known::Unknown`].
     pub fn events(
         &self,
         run_id: &RunId,
         after: i64,
         until: Until,
+        known: Known,
     ) -> impl Stream<Item = Result<Event, StoreError>> + Send + 'static {
         run_events(
             self.inner.store.clone(),
@@ -654,6 +656,7 @@ impl Engine {
             run_id.clone(),
             after,
             until,
+            known,
             self.inner.idle.clone(),
             self.inner.config.metrics.clone(),
         )
@@ -662,7 +665,7 @@ impl Engine {
     /// Waits until the run pauses or ends; returns its events after `after` up to that point.
     pub async fn wait_settled(&self, run_id: &RunId, after: i64) -> EngineResult<Vec<Event>> {
         let mut events = Vec::new();
-        let mut stream = std::pin::pin!(self.events(run_id, after, Until::PauseOrTerminal));
+        let mut stream = std::pin::pin!(self.events(run_id, after, Until::PauseOrTerminal, Known::Unknown));
         while let Some(e) = stream.next().await {
             events.push(e?);
         }

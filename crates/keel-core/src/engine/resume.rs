@@ -114,7 +114,7 @@ impl Engine {
         // 3. The idempotency key, then the claim; the answer is stored under the key in the
         //    claim's own transaction.
         let hash = request_hash(run_id, &req.interrupt_id, &req.decision.to_value(), req.note.as_deref());
-        let claim = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, now);
+        let claim = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, role, now);
         self.under_key(user_id, &req.idempotency_key, &hash, now, "resume", claim).await
     }
 
@@ -171,6 +171,7 @@ impl Engine {
         decisions: BTreeMap<CallId, CallDecision>,
         calls: &[ToolCall],
         user_id: &str,
+        role: Option<UserRole>,
         now: Timestamp,
     ) -> EngineResult<ResumeAccepted> {
         let inner = &self.inner;
@@ -254,7 +255,8 @@ impl Engine {
             expires_at: now + chrono::Duration::hours(24),
         });
 
-        let resumed_sequence = self.commit_claim(run, interrupt, commit, owner).await?;
+        let primed = Primed::after(&commit, calls, run, user_id, role);
+        let resumed_sequence = self.commit_claim(run, interrupt, commit, owner, primed).await?;
         if resumed_sequence != accepted.resumed_sequence {
             // Can't happen under the fence; if it ever does, the stored answer is corrected.
             tracing::warn!(run_id = %run.id, "the resumed event's sequence differed from the run's next sequence");
@@ -275,6 +277,7 @@ impl Engine {
         interrupt: &Interrupt,
         commit: Commit,
         owner: String,
+        primed: Primed,
     ) -> EngineResult<i64> {
         let inner = &self.inner;
         // A slot for the worker that continues the run, taken before the claim so that a run this
@@ -316,7 +319,7 @@ impl Engine {
             Some(slot) => {
                 resumed.cancel_requested = committed.cancel_requested;
                 resumed.next_sequence = committed.events.last().map_or(resumed.next_sequence, |e| e.sequence + 1);
-                inner.spawn_worker(resumed, owner, slot)
+                inner.spawn_worker(resumed, owner, slot, primed)
             }
             None => {
                 // At capacity: the decision is committed (once), and the run is let go as it would

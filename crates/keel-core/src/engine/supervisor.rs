@@ -145,7 +145,7 @@ impl Inner {
 
     /// Drives `run` — as it is stored: this instance just wrote it, leased to `owner` — on a task of
     /// its own, which holds `slot` until the worker stops.
-    pub(super) fn spawn_worker(self: &Arc<Self>, mut run: Run, owner: String, slot: Slot) {
+    pub(super) fn spawn_worker(self: &Arc<Self>, mut run: Run, owner: String, slot: Slot, primed: Primed) {
         if self.shutting_down.load(Ordering::SeqCst) {
             // Let go of the lease it was written or claimed with: the next process takes it at once.
             let store = self.store.clone();
@@ -174,7 +174,7 @@ impl Inner {
                 hook.call(&span, &trace_id);
             }
             run.checkpoint.trace_id = Some(trace_id);
-            inner.clone().work(run, owner).instrument(span).await;
+            inner.clone().work(run, owner, primed).instrument(span).await;
         }));
         let mut workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
         workers.retain(|_, h| !h.is_finished());
@@ -219,7 +219,7 @@ impl Inner {
                 _ => None,
             });
         }
-        self.spawn_worker(run, lease.owner, slot);
+        self.spawn_worker(run, lease.owner, slot, Primed::default());
     }
 
     /// [`Inner::promote_next`] on a task of its own (after a run's end: the commit that ended it is
@@ -302,7 +302,7 @@ impl Inner {
     }
 
     /// One worker's life: drive the run from its checkpoint until it pauses, ends or is not ours.
-    pub(super) async fn work(self: Arc<Self>, run: Run, owner: String) {
+    pub(super) async fn work(self: Arc<Self>, run: Run, owner: String, primed: Primed) {
         let inner = self;
         let run_id = run.id.clone();
         let cancel_signal = Arc::new(tokio::sync::Notify::new());
@@ -325,7 +325,8 @@ impl Inner {
             deferred_text: Vec::new(),
             held: None,
             held_first: false,
-            planned_calls: None,
+            planned_calls: primed.calls,
+            primed_role: primed.role,
         };
         let outcome = match worker.drive().await {
             Ok(Stop::Settled) => "settled",
@@ -397,7 +398,7 @@ impl Inner {
             let n = claimed.len();
             for (run, slot) in claimed.into_iter().zip(slots.drain(..)) {
                 tracing::info!(run_id = %run.id, step = %run.checkpoint.next_step, "continuing run from its checkpoint");
-                self.spawn_worker(run, owner.clone(), slot);
+                self.spawn_worker(run, owner.clone(), slot, Primed::default());
             }
             total += n;
             if n < want {

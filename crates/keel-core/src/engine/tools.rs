@@ -23,7 +23,8 @@ enum Attempt {
 }
 
 impl Worker {
-    pub(super) async fn execute_tools(&mut self) -> Result<bool, WorkerError> {
+    /// One tools step. `primed_role`: the run's user's role as read just before (see [`Primed`]).
+    pub(super) async fn execute_tools(&mut self, primed_role: Option<Option<UserRole>>) -> Result<bool, WorkerError> {
         let started = Instant::now();
         let pending = self.run.checkpoint.pending_call_ids.clone();
         let all_calls = match self.planned_calls.take() {
@@ -33,7 +34,10 @@ impl Worker {
         };
         let calls: Vec<ToolCall> =
             pending.iter().filter_map(|id| all_calls.iter().find(|c| &c.id == id).cloned()).collect();
-        let role = self.inner.role_of(&self.run.user_id).await?;
+        let role = match primed_role {
+            Some(role) => role,
+            None => self.inner.role_of(&self.run.user_id).await?,
+        };
         let max_attempts = self.inner.config.tool_max_attempts.max(1);
 
         // announced with the commit that follows the classification

@@ -2,6 +2,29 @@
 
 use super::*;
 
+/// What the write that started a worker knows that the worker would otherwise read first.
+#[derive(Debug, Default)]
+pub(super) struct Primed {
+    /// The run's tool calls as that write left them (a resume's claim).
+    pub(super) calls: Option<Vec<ToolCall>>,
+    /// The role of the run's user, read by that request just before (a resume by the run's own
+    /// user): for the worker's first step, as fresh as its own read would be.
+    pub(super) role: Option<Option<UserRole>>,
+}
+
+impl Primed {
+    /// After an answer to an interrupt of `run` by `user_id` (whose role is `role`), committed as
+    /// `commit`, with the run's calls as they were before it: the calls as the commit leaves them,
+    /// and the role when the one who answered is the run's user.
+    pub(super) fn after(commit: &Commit, calls: &[ToolCall], run: &Run, user_id: &str, role: Option<UserRole>) -> Self {
+        let mut calls = calls.to_vec();
+        for change in &commit.tool_calls {
+            change.apply_to(&mut calls);
+        }
+        Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role) }
+    }
+}
+
 /// Why a worker stopped.
 #[derive(Debug)]
 pub(super) enum Stop {
@@ -54,6 +77,9 @@ pub(super) struct Worker {
     /// The tool calls a held model commit inserts, for the tools step that follows (it can't read
     /// them back from the store before they are written).
     pub(super) planned_calls: Option<Vec<ToolCall>>,
+    /// The run's user's role, read just before the worker started ([`Primed::role`]): serves its
+    /// first step only.
+    pub(super) primed_role: Option<Option<UserRole>>,
 }
 
 impl Worker {
@@ -200,9 +226,10 @@ impl Worker {
                 return Ok(Stop::Shutdown);
             }
             let step = self.run.checkpoint.next_step;
+            let primed_role = self.primed_role.take();
             let result = match step {
                 NextStep::CallModel => self.call_model().await,
-                NextStep::ExecuteTools => self.execute_tools().instrument(node_span(nodes::TOOLS)).await,
+                NextStep::ExecuteTools => self.execute_tools(primed_role).instrument(node_span(nodes::TOOLS)).await,
                 NextStep::Finalize => self.finalize().instrument(node_span(nodes::FINALIZE)).await,
                 // A paused run has no worker; one that got here was resumed elsewhere.
                 NextStep::AwaitInterrupt | NextStep::AwaitExternal => {

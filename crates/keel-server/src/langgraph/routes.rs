@@ -16,7 +16,7 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use keel_core::engine::{EngineError, MultitaskStrategy, ResumeRequest, SendMessage};
 use keel_core::store::StoreError;
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::{Conversation, ConversationId, Event, EventKind, Interrupt, InterruptId, RunId, RunStatus};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
@@ -935,7 +935,7 @@ async fn cancel_and_wait(state: &AppState, caller: &Caller, run_id: &RunId) -> A
     engine.cancel(&caller.0, run_id).await?;
     let run = engine.run(&caller.0, run_id).await?;
     if !run.status.is_terminal() {
-        let events = engine.events(run_id, run.last_sequence(), Until::Terminal);
+        let events = engine.events(run_id, run.last_sequence(), Until::Terminal, Known::Active);
         tokio::pin!(events);
         let ended = tokio::time::timeout(Duration::from_secs(60), async {
             while let Some(e) = events.next().await {
@@ -1381,7 +1381,7 @@ async fn feed(
                 return write(&send, mapper.fail("INTERNAL", "internal error"), None, 0).await.unwrap_or(End::Finished);
             }
         };
-        let events = engine.events(&run_id, after, Until::PauseOrTerminal);
+        let events = engine.events(&run_id, after, Until::PauseOrTerminal, Known::Unknown);
         tokio::pin!(events);
         let shutdown = state.shutdown.wait();
         tokio::pin!(shutdown);

@@ -15,7 +15,7 @@ use axum::extract::{Path, State};
 use axum::response::Response;
 use futures::StreamExt;
 use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage, ToolResultAccepted, ToolResultRequest};
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::{CallId, Conversation, ConversationId, Event, EventKind, MessageId, RunId};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
@@ -341,7 +341,7 @@ async fn feed(
                 return end;
             }
         }
-        let events = engine.events(&run_id, after, Until::PauseOrTerminal);
+        let events = engine.events(&run_id, after, Until::PauseOrTerminal, Known::Unknown);
         tokio::pin!(events);
         let shutdown = state.shutdown.wait();
         tokio::pin!(shutdown);

@@ -5,7 +5,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use keel_core::engine::{ConversationView, MultitaskStrategy, SendMessage};
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::wire::{CreateConversation, MessageAccepted, PostMessage};
 use keel_core::{Conversation, ConversationId};
 
@@ -118,7 +118,8 @@ pub async fn post_message(
     let started = state.engine.send_message_with(&caller.0, &id, message, strategy).await?;
     let run_id = started.run.id;
     if let Some(permit) = permit {
-        return Ok(sse::stream_run(&state, permit, run_id, 0, Until::PauseOrTerminal));
+        // just started (or waiting its turn): not over
+        return Ok(sse::stream_run(&state, permit, run_id, 0, Until::PauseOrTerminal, Known::Active));
     }
     if wait {
         return Ok(Json(super::settle_turn(&state, &caller, &run_id, 0).await?).into_response());

@@ -7,7 +7,7 @@ use axum::Json;
 use keel_core::engine::{
     ClientOutcome, Decision, EngineError, ResumeAccepted, ResumeRequest, ToolResultAccepted, ToolResultRequest,
 };
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::wire::{ResumeBody, RunList, RunSummary, ToolResultBody};
 use keel_core::{InterruptId, RunId, RunStatus, TicketScope};
 use serde_json::Value;
@@ -134,7 +134,7 @@ pub async fn events(
         return Ok(Json(EventPage { events, has_more: last < run.last_sequence() }).into_response());
     }
     let permit = state.limits.streams.acquire(&caller.0)?;
-    Ok(sse::stream_run(&state, permit, id, after, Until::Terminal))
+    Ok(sse::stream_run(&state, permit, id, after, Until::Terminal, Known::of(&run)))
 }
 
 /// `?limit=N`, 1 to `max`; absent is `max`.
@@ -218,7 +218,8 @@ pub async fn resume(
     let accepted = state.engine.resume(&caller.0, &id, request).await?;
     let after = (accepted.resumed_sequence - 1).max(0);
     if let Some(permit) = permit {
-        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal));
+        // just resumed: not over
+        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal, Known::Active));
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;
@@ -291,7 +292,8 @@ pub async fn tool_result(
     let accepted = state.engine.submit_tool_result(&caller.0, &id, request).await?;
     let after = (accepted.resumed_sequence - 1).max(0);
     if let Some(permit) = permit {
-        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal));
+        // just resumed: not over
+        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal, Known::Active));
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;

@@ -20,7 +20,7 @@ use axum::http::StatusCode;
 use axum::response::Response;
 use futures::{SinkExt, StreamExt};
 use keel_core::engine::{Decision, EngineError, ResumeRequest, SendMessage, ToolResultRequest};
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::{ConversationId, InterruptId, RunId};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -462,7 +462,7 @@ async fn handle(
 
 /// Forwards one run's events after `after`, stored then live, until its terminal event.
 async fn subscription(state: AppState, outbox: Outbox, run_id: RunId, after: i64, request_id: Option<Value>) {
-    let events = state.engine.events(&run_id, after, Until::Terminal);
+    let events = state.engine.events(&run_id, after, Until::Terminal, Known::Unknown);
     tokio::pin!(events);
     while let Some(next) = events.next().await {
         match next {
