@@ -353,7 +353,8 @@ pub struct Run {
     pub lease_owner: Option<String>,
     pub lease_expires_at: Option<Timestamp>,
     /// The instance that holds or last held the run's lease ([`lease_holder`] of the owner token);
-    /// kept when the lease is let go, so a finished run says where it ran. `None` until claimed.
+    /// kept when the lease is let go, so a finished run says where it ran. `None` until leased
+    /// (written leased, or claimed).
     #[serde(default)]
     pub worker: Option<String>,
     pub checkpoint: Checkpoint,

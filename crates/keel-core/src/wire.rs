@@ -140,7 +140,8 @@ pub struct RunBody {
     pub cancel_requested: bool,
     pub last_sequence: i64,
     /// The instance (its `--instance-id`) that holds the run's lease, or held it last: where the
-    /// run runs or ran. `null` while it has never been claimed (queued).
+    /// run runs or ran (from the start, for a run its instance starts at once). `null` while it
+    /// waits, queued, for an instance with a free slot.
     #[serde(default)]
     pub worker: Option<String>,
     /// The run's trace id (from its first worker on): its spans and log lines carry it.

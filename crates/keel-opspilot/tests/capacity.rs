@@ -151,3 +151,43 @@ async fn a_resume_at_capacity_is_let_go_and_continued_once_a_slot_frees() {
     assert_eq!(h.engine.peak_workers(), 1);
     assert_contiguous(&h.all_events(&paused).await);
 }
+
+/// A run this instance starts is written leased to the worker it starts for it, so another
+/// instance's claim can't take it in the moment before that worker's first commit (which is held
+/// until its next one); a run it has no slot for is written with no lease, for any instance to claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_started_here_is_leased_to_its_worker_from_the_start() {
+    let dir = TempDir::new().unwrap();
+    let (h, gate) = harness(&dir, 1).await;
+    let instance = h.engine.config().instance_id.clone();
+    let claim = |owner: &'static str| {
+        let store = h.store.clone();
+        let now = keel_core::clock::Clock::now(&*h.clock);
+        async move { store.claim_runs(owner, now, now + chrono::Duration::seconds(60), false, 10).await.unwrap() }
+    };
+
+    let first = start(&h, "hold: look at the recent errors of payment-api").await;
+    // at once: its worker may not have written anything yet
+    let run = h.store.get_run(&first).await.unwrap().unwrap();
+    assert!(matches!(run.status, RunStatus::Queued | RunStatus::Running), "{:?}", run.status);
+    assert_eq!(run.worker.as_deref(), Some(instance.as_str()));
+    assert!(run.lease_owner.as_deref().is_some_and(|owner| owner.starts_with(&format!("{instance}:"))));
+    assert!(claim("other:1").await.is_empty(), "another instance's claim takes nothing");
+
+    // The one slot is taken: the next run is written with no lease, and is anyone's to claim.
+    let second = start(&h, "hold: and the recent errors of checkout").await;
+    let queued = h.store.get_run(&second).await.unwrap().unwrap();
+    assert_eq!(
+        (queued.status, queued.lease_owner.as_deref(), queued.worker.as_deref()),
+        (RunStatus::Queued, None, None)
+    );
+    let claimed = claim("other:1").await;
+    assert_eq!(claimed.iter().map(|r| r.id.clone()).collect::<Vec<_>>(), vec![second.clone()]);
+
+    // The first run's worker goes on as the lease's holder.
+    gate.add_permits(1);
+    until("the first run completed", || async {
+        statuses(&h, std::slice::from_ref(&first)).await == [RunStatus::Completed]
+    })
+    .await;
+}
