@@ -293,6 +293,18 @@ pub struct NewRun {
     pub lease: Option<NewLease>,
 }
 
+/// What [`RunStore::answer_view`] reads.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AnswerView {
+    pub run: Option<Run>,
+    /// The run's interrupts, oldest first.
+    pub interrupts: Vec<Interrupt>,
+    /// The run's tool calls, in order.
+    pub tool_calls: Vec<ToolCall>,
+    /// The role stored for the user (`None`: none is).
+    pub role: Option<UserRole>,
+}
+
 /// The lease a run gets when it is created or started ([`NewRun::lease`],
 /// [`RunStore::promote_waiting`]): it stays `queued`, held by `owner` until `until`.
 #[derive(Debug, Clone, PartialEq)]
@@ -431,6 +443,11 @@ pub trait RunStore: Send + Sync {
     async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>>;
 
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>>;
+    /// What an answer to one of the run's interrupts (a resume, a client tool's result) checks
+    /// before its claim, read at once — one statement on PostgreSQL, one read on SQLite: the run,
+    /// its interrupts (oldest first), its tool calls (in order), and the stored role of the user
+    /// who answers. A run that does not exist: `run` is `None` and the rest empty.
+    async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView>;
     /// Every call of every run of the conversation, in the order they were requested, but those of
     /// rolled-back runs (no longer part of the conversation; [`RunStore::list_tool_calls`] of the run
     /// still has them).

@@ -20,9 +20,9 @@ use keel_core::domain::{
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::store::{
-    Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough, NewLease,
-    NewRun, PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend, ToolCallChange,
-    ToolCallUpdate,
+    AnswerView, Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough,
+    NewLease, NewRun, PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend,
+    ToolCallChange, ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -54,6 +54,7 @@ macro_rules! conformance_tests {
             run_changes_follow_the_state_machine,
             expired_interrupt_cannot_be_resolved,
             interrupt_is_resolved_once,
+            an_answer_view_is_the_run_its_interrupts_calls_and_the_role,
             tool_call_updates_are_conditional,
             a_refused_part_rolls_back_the_whole_commit,
             tool_call_attempts_are_counted,
@@ -838,6 +839,42 @@ pub async fn expired_interrupt_cannot_be_resolved(store: SharedStore) {
     assert_eq!((expired.status, expired.resolved_at), (InterruptStatus::Expired, Some(at(301))));
     assert_eq!(get_run(&store, &run.id).await.status, RunStatus::Cancelled);
     assert_eq!(store.pending_interrupt(&run.id).await.expect("pending"), None);
+}
+
+/// What an answer to an interrupt reads in one go is what the separate reads give: the run, its
+/// interrupts (a resolved one too, oldest first), its calls in order, and the answering user's
+/// stored role; nothing for a run that does not exist, and no role for a user without one.
+pub async fn an_answer_view_is_the_run_its_interrupts_calls_and_the_role(store: SharedStore) {
+    let (_, run, first) = interrupted(&store, at(300)).await;
+    // the first interrupt answered, a second one asked, in one commit each
+    let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(400)), at(10));
+    c.run = to(RunStatus::Running);
+    c.interrupt_changes.push(resolve(&first, "alice"));
+    c.events.push(resumed(&first, "alice"));
+    commit_ok(&store, c).await;
+    let call = tool_call(&run.id, "refund_order", "ord-2", ToolCallState::Asking);
+    let second = Interrupt { created_at: at(11), ..interrupt(&run.id, vec![call.id.clone()], at(300)) };
+    let mut c = Commit::new(run.id.clone(), lease("w2", at(400)), at(11));
+    c.run = to(RunStatus::Interrupted);
+    c.tool_calls.push(ToolCallChange::Insert(call));
+    c.new_interrupts.push(second);
+    commit_ok(&store, c).await;
+    store.set_user_role("alice", UserRole::Operator).await.expect("role");
+
+    let view = store.answer_view(&run.id, "alice").await.expect("view");
+    assert_eq!(view.run, Some(get_run(&store, &run.id).await));
+    assert_eq!(view.interrupts, store.list_interrupts(&run.id).await.expect("interrupts"));
+    assert_eq!(view.interrupts.len(), 2);
+    assert_eq!(view.interrupts[0].status, InterruptStatus::Resolved);
+    assert_eq!(view.tool_calls, store.list_tool_calls(&run.id).await.expect("calls"));
+    assert!(!view.tool_calls.is_empty());
+    assert_eq!(view.role, Some(UserRole::Operator));
+
+    assert_eq!(store.answer_view(&run.id, "nobody").await.expect("view").role, None);
+    assert_eq!(
+        store.answer_view(&RunId::new(), "alice").await.expect("view"),
+        AnswerView { role: Some(UserRole::Operator), ..AnswerView::default() }
+    );
 }
 
 pub async fn interrupt_is_resolved_once(store: SharedStore) {

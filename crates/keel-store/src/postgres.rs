@@ -24,7 +24,7 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
+    AnswerView, BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
     MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError,
     StoreResult,
 };
@@ -523,17 +523,38 @@ fn tool_call_from(row: &PgRow) -> StoreResult<ToolCall> {
     })
 }
 
+/// One statement over the rows of several tables: a `UNION ALL` of `parts` — `(k, table, the columns
+/// its reader takes, condition)` — each of which yields `k` and every one of `columns` (`(name,
+/// type)`): its own, and NULL of that type for the others. The rows of each table are then read by
+/// that table's row reader, by name, as it reads the table's own rows. (Statements sent at once
+/// cost the database its per-statement work each, on as many connections.)
+fn union_sql(columns: &[(&str, &str)], parts: &[(u8, &str, &[&str], &str)], order: &str) -> String {
+    let parts: Vec<String> = parts
+        .iter()
+        .map(|(k, from, has, filter)| {
+            let columns: Vec<String> = columns
+                .iter()
+                .map(
+                    |(name, ty)| if has.contains(name) { format!("t.{name}") } else { format!("NULL::{ty} AS {name}") },
+                )
+                .collect();
+            format!("SELECT {k} AS k, {} FROM {from} t WHERE {filter}", columns.join(", "))
+        })
+        .collect();
+    format!("{} ORDER BY {order}", parts.join(" UNION ALL "))
+}
+
+/// The columns [`tool_call_from`] takes.
+const TOOL_CALL_COLUMNS: [&str; 11] =
+    ["seq", "id", "run_id", "name", "args", "state", "result", "summary", "attempts", "started_at", "finished_at"];
+
 /// The context window's one statement: the conversation's summary (`k` 0), the messages after the
 /// last one it covers, by the index on (conversation_id, seq) (`k` 1), the calls their tool results
-/// answer, by id (`k` 2), and the facts (`k` 3), as the rows of one `UNION ALL`, in that order.
-/// Each part fills the columns its reader ([`summary_from`], [`message_from`], [`tool_call_from`],
-/// [`fact_from`]) takes, by name, and leaves the others NULL; those readers read these rows as
-/// they read their own tables'. (Four statements sent at once cost the database four times its
-/// per-statement work, on four connections; a step reads its context at every model call.)
+/// answer, by id (`k` 2), and the facts (`k` 3), in that order ([`union_sql`]; a step reads its
+/// context at every model call).
 fn context_window_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
-        // every column a reader takes, with its type
         const COLUMNS: [(&str, &str); 22] = [
             ("seq", "bigint"),
             ("id", "text"),
@@ -560,52 +581,123 @@ fn context_window_sql() -> &'static str {
         ];
         const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
                              WHERE s.conversation_id = $1), 0)";
-        let part = |k: u8, from: &str, has: &[&str], filter: &str| {
-            let columns: Vec<String> = COLUMNS
-                .iter()
-                .map(
-                    |(name, ty)| {
-                        if has.contains(name) {
-                            format!("t.{name}")
-                        } else {
-                            format!("NULL::{ty} AS {name}")
-                        }
-                    },
-                )
-                .collect();
-            format!("SELECT {k} AS k, {} FROM {from} t WHERE {filter}", columns.join(", "))
-        };
-        let summary =
-            part(0, "summaries", &["conversation_id", "through_message_id", "text"], "t.conversation_id = $1");
-        let messages = part(
-            1,
-            "messages",
-            &["seq", "id", "conversation_id", "run_id", "role", "content", "tool_call_id", "created_at"],
-            &format!("t.conversation_id = $1 AND t.seq > {AFTER}"),
+        let messages = format!("t.conversation_id = $1 AND t.seq > {AFTER}");
+        let calls = format!(
+            "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = $1 AND seq > {AFTER} \
+             AND tool_call_id IS NOT NULL)"
         );
-        let calls = part(
-            2,
-            "tool_calls",
+        union_sql(
+            &COLUMNS,
             &[
-                "seq",
-                "id",
-                "run_id",
-                "name",
-                "args",
-                "state",
-                "result",
-                "summary",
-                "attempts",
-                "started_at",
-                "finished_at",
+                (0, "summaries", &["conversation_id", "through_message_id", "text"], "t.conversation_id = $1"),
+                (
+                    1,
+                    "messages",
+                    &["seq", "id", "conversation_id", "run_id", "role", "content", "tool_call_id", "created_at"],
+                    &messages,
+                ),
+                (2, "tool_calls", &TOOL_CALL_COLUMNS, &calls),
+                (3, "facts", &["key", "value", "source", "updated_at"], "t.conversation_id = $1"),
             ],
-            &format!(
-                "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = $1 AND seq > {AFTER} \
-                 AND tool_call_id IS NOT NULL)"
-            ),
-        );
-        let facts = part(3, "facts", &["key", "value", "source", "updated_at"], "t.conversation_id = $1");
-        format!("{summary} UNION ALL {messages} UNION ALL {calls} UNION ALL {facts} ORDER BY k, seq, key")
+            "k, seq, key",
+        )
+    })
+}
+
+/// [`RunStore::answer_view`]'s one statement: the run (`k` 0), its interrupts, oldest first (`k` 1),
+/// its tool calls, in order (`k` 2), and the role of the user (`k` 3) ([`union_sql`]).
+fn answer_view_sql() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        const COLUMNS: [(&str, &str); 36] = [
+            ("seq", "bigint"),
+            ("created_at", "timestamptz"),
+            ("id", "text"),
+            ("run_id", "text"),
+            ("conversation_id", "text"),
+            ("user_message_id", "text"),
+            ("user_id", "text"),
+            ("agent_id", "text"),
+            ("status", "text"),
+            ("reason", "text"),
+            ("cancel_on_disconnect", "boolean"),
+            ("cancel_requested", "boolean"),
+            ("next_sequence", "bigint"),
+            ("lease_owner", "text"),
+            ("lease_expires_at", "timestamptz"),
+            ("worker", "text"),
+            ("checkpoint", "jsonb"),
+            ("updated_at", "timestamptz"),
+            ("hidden_at", "timestamptz"),
+            ("kind", "text"),
+            ("payload", "jsonb"),
+            ("call_ids", "jsonb"),
+            ("expires_at", "timestamptz"),
+            ("decision", "jsonb"),
+            ("note", "text"),
+            ("resolved_by", "text"),
+            ("resolved_at", "timestamptz"),
+            ("name", "text"),
+            ("args", "jsonb"),
+            ("state", "text"),
+            ("result", "jsonb"),
+            ("summary", "text"),
+            ("attempts", "integer"),
+            ("started_at", "timestamptz"),
+            ("finished_at", "timestamptz"),
+            ("role", "text"),
+        ];
+        union_sql(
+            &COLUMNS,
+            &[
+                (
+                    0,
+                    "runs",
+                    &[
+                        "id",
+                        "conversation_id",
+                        "user_message_id",
+                        "user_id",
+                        "agent_id",
+                        "status",
+                        "reason",
+                        "cancel_on_disconnect",
+                        "cancel_requested",
+                        "next_sequence",
+                        "lease_owner",
+                        "lease_expires_at",
+                        "worker",
+                        "checkpoint",
+                        "created_at",
+                        "updated_at",
+                        "hidden_at",
+                    ],
+                    "t.id = $1",
+                ),
+                (
+                    1,
+                    "interrupts",
+                    &[
+                        "id",
+                        "run_id",
+                        "kind",
+                        "status",
+                        "payload",
+                        "call_ids",
+                        "created_at",
+                        "expires_at",
+                        "decision",
+                        "note",
+                        "resolved_by",
+                        "resolved_at",
+                    ],
+                    "t.run_id = $1",
+                ),
+                (2, "tool_calls", &TOOL_CALL_COLUMNS, "t.run_id = $1"),
+                (3, "users", &["role"], "t.id = $2"),
+            ],
+            "k, seq, created_at, id",
+        )
     })
 }
 
@@ -959,6 +1051,25 @@ impl RunStore for PostgresStore {
             .await
             .map_err(db("list tool calls"))?;
         all(&rows, tool_call_from)
+    }
+
+    async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView> {
+        let rows = sqlx::query(answer_view_sql())
+            .bind(run_id.as_str())
+            .bind(user_id)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("read a run for an answer"))?;
+        let mut view = AnswerView::default();
+        for row in &rows {
+            match Cols::new(row, "answer view").get::<i32>("k")? {
+                0 => view.run = Some(run_from(row)?),
+                1 => view.interrupts.push(interrupt_from(row)?),
+                2 => view.tool_calls.push(tool_call_from(row)?),
+                _ => view.role = Some(Cols::new(row, "users").parse("role", UserRole::parse)?),
+            }
+        }
+        Ok(view)
     }
 
     async fn list_conversation_tool_calls(&self, conversation_id: &ConversationId) -> StoreResult<Vec<ToolCall>> {

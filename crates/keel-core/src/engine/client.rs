@@ -64,20 +64,21 @@ impl Engine {
             return Err(EngineError::ShuttingDown);
         }
         let inner = &self.inner;
-        let store = &inner.store;
-        let run = self.run(user_id, run_id).await?;
+        // The run, its interrupts and calls, and the caller's role: one read.
+        let view = self.answer_view(user_id, run_id).await?;
+        let run = view.run;
         check_key(&req.idempotency_key)?;
         let agent = inner.agent_of_run(&run).ok_or(EngineError::UnknownAgent)?;
         // The call: one of this run's, of a client-side tool. The id is the client's: never echoed.
         let unknown = || EngineError::UnknownCall("callId: not a client-side tool call of this run".into());
         let call_id = CallId::parse(&req.call_id).map_err(|_| unknown())?;
-        let calls = store.list_tool_calls(run_id).await?;
+        let calls = view.tool_calls;
         let call = calls.iter().find(|c| c.id == call_id).ok_or_else(unknown)?;
         if agent.tools.get(&call.name).and_then(|t| t.client_side()).is_none() {
             return Err(unknown());
         }
-        // The caller as of now: a role the tool's policy denies may not answer for it.
-        let role = inner.role_of(user_id).await?;
+        // The caller as of now (the read above): a role the tool's policy denies may not answer for it.
+        let role = view.role.or(inner.config.default_role);
         if agent.tools.get(&call.name).map(|t| t.spec().policy_for(role)).unwrap_or(Policy::Deny) == Policy::Deny {
             return Err(EngineError::Forbidden(format!(
                 "your role ({}) may not answer for {}",
@@ -86,9 +87,8 @@ impl Engine {
             )));
         }
         // Its interrupt: the last `tool_call` interrupt that asked for it.
-        let interrupt = store
-            .list_interrupts(run_id)
-            .await?
+        let interrupt = view
+            .interrupts
             .into_iter()
             .rev()
             .find(|i| i.kind == InterruptKind::ToolCall && i.call_ids.contains(&call_id))

@@ -185,6 +185,14 @@ pub struct EngineParts {
     pub clock: Arc<dyn Clock>,
 }
 
+/// [`crate::store::AnswerView`] of a run that is the caller's.
+pub(super) struct AnswerRead {
+    pub(super) run: Run,
+    pub(super) interrupts: Vec<Interrupt>,
+    pub(super) tool_calls: Vec<ToolCall>,
+    pub(super) role: Option<UserRole>,
+}
+
 struct Inner {
     store: Arc<dyn Store>,
     agents: Agents,
@@ -623,6 +631,18 @@ impl Engine {
     }
 
     // ---------------------------------------------------------------- runs
+
+    /// What an answer to an interrupt of `user_id`'s run checks, in one read ([`RunStore::answer_view`]);
+    /// someone else's run is `NotFound`.
+    pub(super) async fn answer_view(&self, user_id: &str, run_id: &RunId) -> EngineResult<AnswerRead> {
+        let view = self.inner.store.answer_view(run_id, user_id).await?;
+        match view.run {
+            Some(run) if run.user_id == user_id => {
+                Ok(AnswerRead { run, interrupts: view.interrupts, tool_calls: view.tool_calls, role: view.role })
+            }
+            _ => Err(EngineError::NotFound("run")),
+        }
+    }
 
     /// The run of `user_id`; someone else's is `NotFound`.
     pub async fn run(&self, user_id: &str, run_id: &RunId) -> EngineResult<Run> {

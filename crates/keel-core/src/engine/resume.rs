@@ -71,11 +71,11 @@ impl Engine {
             return Err(EngineError::ShuttingDown);
         }
         let inner = &self.inner;
-        let store = &inner.store;
-        let run = self.run(user_id, run_id).await?;
-        let interrupt = match store.get_interrupt(&req.interrupt_id).await? {
-            Some(i) if i.run_id == run.id => i,
-            _ => return Err(EngineError::NotFound("interrupt")),
+        // The run, its interrupts and calls, and the caller's role: one read.
+        let view = self.answer_view(user_id, run_id).await?;
+        let run = view.run;
+        let Some(interrupt) = view.interrupts.into_iter().find(|i| i.id == req.interrupt_id) else {
+            return Err(EngineError::NotFound("interrupt"));
         };
         super::client::check_key(&req.idempotency_key)?;
         if let Some(note) = &req.note {
@@ -85,13 +85,13 @@ impl Engine {
                 )));
             }
         }
-        let calls = store.list_tool_calls(run_id).await?;
+        let calls = view.tool_calls;
         let agent = inner.agent_of_run(&run).ok_or(EngineError::UnknownAgent)?;
         let decisions = per_call(&interrupt, &req.decision, &calls, &agent.tools)?;
 
-        // 1. Authorize the caller as of now, not as of when the run started: anything but a
-        //    rejection needs a role the tool's policy does not deny.
-        let role = inner.role_of(user_id).await?;
+        // 1. Authorize the caller as of now (the read above), not as of when the run started:
+        //    anything but a rejection needs a role the tool's policy does not deny.
+        let role = view.role.or(inner.config.default_role);
         for (call_id, decision) in &decisions {
             if *decision == CallDecision::Reject {
                 continue;

@@ -31,7 +31,7 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
+    AnswerView, BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
     MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError,
     StoreResult,
 };
@@ -503,6 +503,39 @@ impl RunStore for SqliteStore {
                     [run_id.as_str()],
                     tool_call_from,
                 )
+            })
+            .await
+    }
+
+    async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView> {
+        let (run_id, user_id) = (run_id.to_owned(), user_id.to_owned());
+        self.db
+            .read(move |c| {
+                let run = run_id.as_str();
+                Ok(AnswerView {
+                    run: one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [run], run_from)?,
+                    interrupts: many(
+                        c,
+                        "list interrupts",
+                        "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id",
+                        [run],
+                        interrupt_from,
+                    )?,
+                    tool_calls: many(
+                        c,
+                        "list tool calls",
+                        "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
+                        [run],
+                        tool_call_from,
+                    )?,
+                    role: one(
+                        c,
+                        "get a user's role",
+                        "SELECT role FROM users WHERE id = ?",
+                        [user_id.as_str()],
+                        |r| Cols::new(r, "users").parse("role", UserRole::parse),
+                    )?,
+                })
             })
             .await
     }
