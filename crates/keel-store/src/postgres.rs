@@ -523,20 +523,36 @@ fn tool_call_from(row: &PgRow) -> StoreResult<ToolCall> {
     })
 }
 
+/// A column a row reader takes, with its type.
+type Column = (&'static str, &'static str);
+
 /// One statement over the rows of several tables: a `UNION ALL` of `parts` — `(k, table, the columns
-/// its reader takes, condition)` — each of which yields `k` and every one of `columns` (`(name,
-/// type)`): its own, and NULL of that type for the others. The rows of each table are then read by
-/// that table's row reader, by name, as it reads the table's own rows. (Statements sent at once
-/// cost the database its per-statement work each, on as many connections.)
-fn union_sql(columns: &[(&str, &str)], parts: &[(u8, &str, &[&str], &str)], order: &str) -> String {
+/// its reader takes, condition)` — each of which yields `k` and every column any part takes: its
+/// own, and NULL of that type for the others. The rows of each table are then read by that
+/// table's row reader, by name, as it reads the table's own rows. (Statements sent at once cost
+/// the database its per-statement work each, on as many connections.)
+fn union_sql(parts: &[(u8, &str, &[Column], &str)], order: &str) -> String {
+    let mut columns: Vec<Column> = Vec::new();
+    for (_, _, has, _) in parts {
+        for column in *has {
+            match columns.iter().find(|(name, _)| *name == column.0) {
+                Some(known) => debug_assert_eq!(known, column, "one column name, one type"),
+                None => columns.push(*column),
+            }
+        }
+    }
     let parts: Vec<String> = parts
         .iter()
         .map(|(k, from, has, filter)| {
             let columns: Vec<String> = columns
                 .iter()
-                .map(
-                    |(name, ty)| if has.contains(name) { format!("t.{name}") } else { format!("NULL::{ty} AS {name}") },
-                )
+                .map(|(name, ty)| {
+                    if has.iter().any(|(own, _)| own == name) {
+                        format!("t.{name}")
+                    } else {
+                        format!("NULL::{ty} AS {name}")
+                    }
+                })
                 .collect();
             format!("SELECT {k} AS k, {} FROM {from} t WHERE {filter}", columns.join(", "))
         })
@@ -545,8 +561,19 @@ fn union_sql(columns: &[(&str, &str)], parts: &[(u8, &str, &[&str], &str)], orde
 }
 
 /// The columns [`tool_call_from`] takes.
-const TOOL_CALL_COLUMNS: [&str; 11] =
-    ["seq", "id", "run_id", "name", "args", "state", "result", "summary", "attempts", "started_at", "finished_at"];
+const TOOL_CALL_COLUMNS: [Column; 11] = [
+    ("seq", "bigint"),
+    ("id", "text"),
+    ("run_id", "text"),
+    ("name", "text"),
+    ("args", "jsonb"),
+    ("state", "text"),
+    ("result", "jsonb"),
+    ("summary", "text"),
+    ("attempts", "integer"),
+    ("started_at", "timestamptz"),
+    ("finished_at", "timestamptz"),
+];
 
 /// The context window's one statement: the conversation's summary (`k` 0), the messages after the
 /// last one it covers, by the index on (conversation_id, seq) (`k` 1), the calls their tool results
@@ -555,7 +582,15 @@ const TOOL_CALL_COLUMNS: [&str; 11] =
 fn context_window_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
-        const COLUMNS: [(&str, &str); 22] = [
+        const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
+                             WHERE s.conversation_id = $1), 0)";
+        let messages = format!("t.conversation_id = $1 AND t.seq > {AFTER}");
+        let calls = format!(
+            "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = $1 AND seq > {AFTER} \
+             AND tool_call_id IS NOT NULL)"
+        );
+        let summary: &[Column] = &[("conversation_id", "text"), ("through_message_id", "text"), ("text", "text")];
+        let message: &[Column] = &[
             ("seq", "bigint"),
             ("id", "text"),
             ("conversation_id", "text"),
@@ -564,40 +599,14 @@ fn context_window_sql() -> &'static str {
             ("content", "text"),
             ("tool_call_id", "text"),
             ("created_at", "timestamptz"),
-            ("through_message_id", "text"),
-            ("text", "text"),
-            ("name", "text"),
-            ("args", "jsonb"),
-            ("state", "text"),
-            ("result", "jsonb"),
-            ("summary", "text"),
-            ("attempts", "integer"),
-            ("started_at", "timestamptz"),
-            ("finished_at", "timestamptz"),
-            ("key", "text"),
-            ("value", "text"),
-            ("source", "text"),
-            ("updated_at", "timestamptz"),
         ];
-        const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
-                             WHERE s.conversation_id = $1), 0)";
-        let messages = format!("t.conversation_id = $1 AND t.seq > {AFTER}");
-        let calls = format!(
-            "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = $1 AND seq > {AFTER} \
-             AND tool_call_id IS NOT NULL)"
-        );
+        let fact: &[Column] = &[("key", "text"), ("value", "text"), ("source", "text"), ("updated_at", "timestamptz")];
         union_sql(
-            &COLUMNS,
             &[
-                (0, "summaries", &["conversation_id", "through_message_id", "text"], "t.conversation_id = $1"),
-                (
-                    1,
-                    "messages",
-                    &["seq", "id", "conversation_id", "run_id", "role", "content", "tool_call_id", "created_at"],
-                    &messages,
-                ),
+                (0, "summaries", summary, "t.conversation_id = $1"),
+                (1, "messages", message, &messages),
                 (2, "tool_calls", &TOOL_CALL_COLUMNS, &calls),
-                (3, "facts", &["key", "value", "source", "updated_at"], "t.conversation_id = $1"),
+                (3, "facts", fact, "t.conversation_id = $1"),
             ],
             "k, seq, key",
         )
@@ -609,11 +618,8 @@ fn context_window_sql() -> &'static str {
 fn answer_view_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
-        const COLUMNS: [(&str, &str); 36] = [
-            ("seq", "bigint"),
-            ("created_at", "timestamptz"),
+        let run: &[Column] = &[
             ("id", "text"),
-            ("run_id", "text"),
             ("conversation_id", "text"),
             ("user_message_id", "text"),
             ("user_id", "text"),
@@ -627,74 +633,30 @@ fn answer_view_sql() -> &'static str {
             ("lease_expires_at", "timestamptz"),
             ("worker", "text"),
             ("checkpoint", "jsonb"),
+            ("created_at", "timestamptz"),
             ("updated_at", "timestamptz"),
             ("hidden_at", "timestamptz"),
+        ];
+        let interrupt: &[Column] = &[
+            ("id", "text"),
+            ("run_id", "text"),
             ("kind", "text"),
+            ("status", "text"),
             ("payload", "jsonb"),
             ("call_ids", "jsonb"),
+            ("created_at", "timestamptz"),
             ("expires_at", "timestamptz"),
             ("decision", "jsonb"),
             ("note", "text"),
             ("resolved_by", "text"),
             ("resolved_at", "timestamptz"),
-            ("name", "text"),
-            ("args", "jsonb"),
-            ("state", "text"),
-            ("result", "jsonb"),
-            ("summary", "text"),
-            ("attempts", "integer"),
-            ("started_at", "timestamptz"),
-            ("finished_at", "timestamptz"),
-            ("role", "text"),
         ];
         union_sql(
-            &COLUMNS,
             &[
-                (
-                    0,
-                    "runs",
-                    &[
-                        "id",
-                        "conversation_id",
-                        "user_message_id",
-                        "user_id",
-                        "agent_id",
-                        "status",
-                        "reason",
-                        "cancel_on_disconnect",
-                        "cancel_requested",
-                        "next_sequence",
-                        "lease_owner",
-                        "lease_expires_at",
-                        "worker",
-                        "checkpoint",
-                        "created_at",
-                        "updated_at",
-                        "hidden_at",
-                    ],
-                    "t.id = $1",
-                ),
-                (
-                    1,
-                    "interrupts",
-                    &[
-                        "id",
-                        "run_id",
-                        "kind",
-                        "status",
-                        "payload",
-                        "call_ids",
-                        "created_at",
-                        "expires_at",
-                        "decision",
-                        "note",
-                        "resolved_by",
-                        "resolved_at",
-                    ],
-                    "t.run_id = $1",
-                ),
+                (0, "runs", run, "t.id = $1"),
+                (1, "interrupts", interrupt, "t.run_id = $1"),
                 (2, "tool_calls", &TOOL_CALL_COLUMNS, "t.run_id = $1"),
-                (3, "users", &["role"], "t.id = $2"),
+                (3, "users", &[("role", "text")], "t.id = $2"),
             ],
             "k, seq, created_at, id",
         )
