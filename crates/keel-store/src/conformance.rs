@@ -1568,11 +1568,23 @@ fn message(run: &Run, role: Role, content: &str, call: Option<&CallId>, secs: i6
     }
 }
 
-/// The context's read: every message while there is no summary; once there is one, only the
-/// messages after the last it covers and the calls those answer; the facts either way. And the
-/// two other bounded message reads: a conversation's latest messages, a run's messages.
-pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
-    let (conversation, first) = running(&store, "w1").await;
+/// A conversation of two turns: the first run (completed) read order ord-2 (call `a`, its result,
+/// the answer, with `facts`); the second (running, `w2`'s) cancelled it (call `b`, its result).
+struct TwoTurns {
+    conversation: Conversation,
+    first: Run,
+    user_1: Message,
+    a: ToolCall,
+    result_a: Message,
+    answer_1: Message,
+    second: StartedRun,
+    user_2: Message,
+    b: ToolCall,
+    result_b: Message,
+}
+
+async fn two_turns(store: &SharedStore, facts: Vec<Fact>) -> TwoTurns {
+    let (conversation, first) = running(store, "w1").await;
     let user_1 = store.list_messages(&conversation.id).await.expect("messages").remove(0);
     let a = tool_call(&first.id, "get_order", "ord-2", ToolCallState::Succeeded);
     let result_a = message(&first, Role::Tool, "{\"status\":\"late\"}", Some(&a.id), 3);
@@ -1580,12 +1592,11 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(4));
     c.tool_calls.push(ToolCallChange::Insert(a.clone()));
     c.messages.extend([result_a.clone(), answer_1.clone()]);
-    c.facts.push(fact("order", "ord-2", FactSource::ToolResult, at(4)));
-    c.facts.push(fact("customer", "cus-7", FactSource::UserConfirmed, at(4)));
+    c.facts.extend(facts);
     c.run = to(RunStatus::Completed);
-    commit_ok(&store, c).await;
+    commit_ok(store, c).await;
 
-    let second = start(&store, &conversation, at(5)).await;
+    let second = start(store, &conversation, at(5)).await;
     let user_2 = second.message.clone();
     let b = tool_call(&second.run.id, "cancel_order", "ord-2", ToolCallState::Succeeded);
     let result_b = message(&second.run, Role::Tool, "{\"cancelled\":true}", Some(&b.id), 7);
@@ -1593,7 +1604,20 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     c.run = to(RunStatus::Running);
     c.tool_calls.push(ToolCallChange::Insert(b.clone()));
     c.messages.push(result_b.clone());
-    commit_ok(&store, c).await;
+    commit_ok(store, c).await;
+    TwoTurns { conversation, first, user_1, a, result_a, answer_1, second, user_2, b, result_b }
+}
+
+/// The context's read: every message while there is no summary; once there is one, only the
+/// messages after the last it covers and the calls those answer; the facts either way. And the
+/// two other bounded message reads: a conversation's latest messages, a run's messages.
+pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
+    let facts = vec![
+        fact("order", "ord-2", FactSource::ToolResult, at(4)),
+        fact("customer", "cus-7", FactSource::UserConfirmed, at(4)),
+    ];
+    let TwoTurns { conversation, first, user_1, a, result_a, answer_1, second, user_2, b, result_b } =
+        two_turns(&store, facts).await;
 
     let window = store.context_window(&conversation.id).await.expect("window");
     assert_eq!(window.summary, None);
@@ -1640,26 +1664,8 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
 /// A thread's state after a run: the newest messages up to that run's last one, newest first, with
 /// the calls their results answer; later runs' messages are not in it; bounded by `limit`.
 pub async fn messages_through_a_run_are_the_conversation_as_it_stood(store: SharedStore) {
-    let (conversation, first) = running(&store, "w1").await;
-    let user_1 = store.list_messages(&conversation.id).await.expect("messages").remove(0);
-    let a = tool_call(&first.id, "get_order", "ord-2", ToolCallState::Succeeded);
-    let result_a = message(&first, Role::Tool, "{\"status\":\"late\"}", Some(&a.id), 3);
-    let answer_1 = message(&first, Role::Assistant, "ord-2 is late", None, 4);
-    let mut c = Commit::new(first.id.clone(), lease("w1", at(60)), at(4));
-    c.tool_calls.push(ToolCallChange::Insert(a.clone()));
-    c.messages.extend([result_a.clone(), answer_1.clone()]);
-    c.run = to(RunStatus::Completed);
-    commit_ok(&store, c).await;
-
-    let second = start(&store, &conversation, at(5)).await;
-    let user_2 = second.message.clone();
-    let b = tool_call(&second.run.id, "cancel_order", "ord-2", ToolCallState::Succeeded);
-    let result_b = message(&second.run, Role::Tool, "{\"cancelled\":true}", Some(&b.id), 7);
-    let mut c = Commit::new(second.run.id.clone(), acquire("w2", RunStatus::Queued, at(60)), at(7));
-    c.run = to(RunStatus::Running);
-    c.tool_calls.push(ToolCallChange::Insert(b.clone()));
-    c.messages.push(result_b.clone());
-    commit_ok(&store, c).await;
+    let TwoTurns { conversation, first, user_1, a, result_a, answer_1, second, user_2, b, result_b } =
+        two_turns(&store, Vec::new()).await;
 
     let through_first = store.messages_through_run(&conversation.id, &first.id, 100).await.expect("through");
     assert_eq!(through_first.messages, vec![answer_1.clone(), result_a.clone(), user_1.clone()]);

@@ -65,8 +65,7 @@ impl Engine {
         }
         let inner = &self.inner;
         // The run, its interrupts and calls, and the caller's role: one read.
-        let view = self.answer_view(user_id, run_id).await?;
-        let run = view.run;
+        let (run, view) = self.answer_view(user_id, run_id).await?;
         check_key(&req.idempotency_key)?;
         let agent = inner.agent_of_run(&run).ok_or(EngineError::UnknownAgent)?;
         // The call: one of this run's, of a client-side tool. The id is the client's: never echoed.

@@ -32,8 +32,8 @@ use crate::mask::{looks_secret, mask_value, truncate, Masked};
 use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
 use crate::model::{ModelChunk, ModelError, ModelRequest};
 use crate::store::{
-    Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease, NewRun, RolledBack,
-    RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
+    AnswerView, Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease, NewRun,
+    RolledBack, RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use crate::stream::{run_events, Known, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
@@ -183,14 +183,6 @@ pub struct EngineParts {
     pub agents: Agents,
     pub bus: Arc<dyn Bus>,
     pub clock: Arc<dyn Clock>,
-}
-
-/// [`crate::store::AnswerView`] of a run that is the caller's.
-pub(super) struct AnswerRead {
-    pub(super) run: Run,
-    pub(super) interrupts: Vec<Interrupt>,
-    pub(super) tool_calls: Vec<ToolCall>,
-    pub(super) role: Option<UserRole>,
 }
 
 struct Inner {
@@ -632,14 +624,12 @@ impl Engine {
 
     // ---------------------------------------------------------------- runs
 
-    /// What an answer to an interrupt of `user_id`'s run checks, in one read ([`RunStore::answer_view`]);
-    /// someone else's run is `NotFound`.
-    pub(super) async fn answer_view(&self, user_id: &str, run_id: &RunId) -> EngineResult<AnswerRead> {
-        let view = self.inner.store.answer_view(run_id, user_id).await?;
-        match view.run {
-            Some(run) if run.user_id == user_id => {
-                Ok(AnswerRead { run, interrupts: view.interrupts, tool_calls: view.tool_calls, role: view.role })
-            }
+    /// What an answer to an interrupt of `user_id`'s run checks, in one read ([`RunStore::answer_view`]):
+    /// the run, and the rest of the view; someone else's run is `NotFound`.
+    pub(super) async fn answer_view(&self, user_id: &str, run_id: &RunId) -> EngineResult<(Run, AnswerView)> {
+        let mut view = self.inner.store.answer_view(run_id, user_id).await?;
+        match view.run.take() {
+            Some(run) if run.user_id == user_id => Ok((run, view)),
             _ => Err(EngineError::NotFound("run")),
         }
     }

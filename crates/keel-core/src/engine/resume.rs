@@ -72,8 +72,7 @@ impl Engine {
         }
         let inner = &self.inner;
         // The run, its interrupts and calls, and the caller's role: one read.
-        let view = self.answer_view(user_id, run_id).await?;
-        let run = view.run;
+        let (run, view) = self.answer_view(user_id, run_id).await?;
         let Some(interrupt) = view.interrupts.into_iter().find(|i| i.id == req.interrupt_id) else {
             return Err(EngineError::NotFound("interrupt"));
         };
@@ -285,12 +284,7 @@ impl Engine {
         let slot = inner.capacity.try_take();
         // The run as the claim leaves it, for its worker (which then need not read it back).
         let mut resumed = run.clone();
-        if let Some(change) = &commit.run {
-            resumed.status = change.to;
-        }
-        if let Some(checkpoint) = &commit.checkpoint {
-            resumed.checkpoint = checkpoint.clone();
-        }
+        adopt(&mut resumed, &commit);
         resumed.lease_owner = Some(owner.clone());
         let committed = match inner.store.commit(commit).await {
             Ok(c) => c,
@@ -318,7 +312,6 @@ impl Engine {
         match slot {
             Some(slot) => {
                 resumed.cancel_requested = committed.cancel_requested;
-                resumed.next_sequence = committed.events.last().map_or(resumed.next_sequence, |e| e.sequence + 1);
                 inner.spawn_worker(resumed, owner, slot, primed)
             }
             None => {

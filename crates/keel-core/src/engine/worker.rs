@@ -25,6 +25,16 @@ impl Primed {
     }
 }
 
+/// `run` (a writer's view of it) as `commit` leaves it: its checkpoint and status.
+pub(super) fn adopt(run: &mut Run, commit: &Commit) {
+    if let Some(cp) = &commit.checkpoint {
+        run.checkpoint = cp.clone();
+    }
+    if let Some(change) = &commit.run {
+        run.status = change.to;
+    }
+}
+
 /// Why a worker stopped.
 #[derive(Debug)]
 pub(super) enum Stop {
@@ -114,7 +124,7 @@ impl Worker {
     /// already is joined with this one (or, if both move the run's status, written first).
     pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
         let commit = self.behind_held(commit).await?;
-        self.adopt(&commit);
+        adopt(&mut self.run, &commit);
         self.held = Some(commit);
         Ok(())
     }
@@ -165,23 +175,14 @@ impl Worker {
         };
         self.inner.committed_by(&self.run, &committed);
         self.held_first = false;
-        self.adopt(&commit);
+        adopt(&mut self.run, &commit);
         self.run.cancel_requested = committed.cancel_requested;
         Ok(committed)
     }
 
-    /// The worker's view of the run as `commit` leaves it: its checkpoint and status.
-    fn adopt(&mut self, commit: &Commit) {
-        if let Some(cp) = &commit.checkpoint {
-            self.run.checkpoint = cp.clone();
-        }
-        if let Some(change) = &commit.run {
-            self.run.status = change.to;
-        }
-    }
-
     pub(super) async fn drive(&mut self) -> Result<Stop, WorkerError> {
-        // The first commit takes the lease (queued → running), or proves we still hold it.
+        // The first commit moves a run written for this worker to running, or proves the lease
+        // (taken before the worker started) is still held.
         let mut first = self.new_commit();
         // Records the trace id for the workers that continue the run (the first one sets it).
         first.checkpoint = Some(self.run.checkpoint.clone());

@@ -139,6 +139,33 @@ impl SqliteStore {
     }
 }
 
+// Reads a store method makes alone, and `answer_view` makes together in one read.
+
+fn read_run(c: &rusqlite::Connection, id: &RunId) -> StoreResult<Option<Run>> {
+    one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from)
+}
+
+fn read_interrupts(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+    let sql = "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id";
+    many(c, "list interrupts", sql, [run_id.as_str()], interrupt_from)
+}
+
+fn read_tool_calls(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
+    many(
+        c,
+        "list tool calls",
+        "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
+        [run_id.as_str()],
+        tool_call_from,
+    )
+}
+
+fn read_role(c: &rusqlite::Connection, user_id: &str) -> StoreResult<Option<UserRole>> {
+    one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
+        Cols::new(r, "users").parse("role", UserRole::parse)
+    })
+}
+
 #[async_trait]
 impl RunStore for SqliteStore {
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
@@ -160,7 +187,7 @@ impl RunStore for SqliteStore {
 
     async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>> {
         let id = id.to_owned();
-        self.db.read(move |c| one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from)).await
+        self.db.read(move |c| read_run(c, &id)).await
     }
 
     async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
@@ -479,62 +506,23 @@ impl RunStore for SqliteStore {
 
     async fn list_interrupts(&self, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
         let run_id = run_id.to_owned();
-        self.db
-            .read(move |c| {
-                many(
-                    c,
-                    "list interrupts",
-                    "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id",
-                    [run_id.as_str()],
-                    interrupt_from,
-                )
-            })
-            .await
+        self.db.read(move |c| read_interrupts(c, &run_id)).await
     }
 
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
         let run_id = run_id.to_owned();
-        self.db
-            .read(move |c| {
-                many(
-                    c,
-                    "list tool calls",
-                    "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
-                    [run_id.as_str()],
-                    tool_call_from,
-                )
-            })
-            .await
+        self.db.read(move |c| read_tool_calls(c, &run_id)).await
     }
 
     async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView> {
         let (run_id, user_id) = (run_id.to_owned(), user_id.to_owned());
         self.db
             .read(move |c| {
-                let run = run_id.as_str();
                 Ok(AnswerView {
-                    run: one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [run], run_from)?,
-                    interrupts: many(
-                        c,
-                        "list interrupts",
-                        "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id",
-                        [run],
-                        interrupt_from,
-                    )?,
-                    tool_calls: many(
-                        c,
-                        "list tool calls",
-                        "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
-                        [run],
-                        tool_call_from,
-                    )?,
-                    role: one(
-                        c,
-                        "get a user's role",
-                        "SELECT role FROM users WHERE id = ?",
-                        [user_id.as_str()],
-                        |r| Cols::new(r, "users").parse("role", UserRole::parse),
-                    )?,
+                    run: read_run(c, &run_id)?,
+                    interrupts: read_interrupts(c, &run_id)?,
+                    tool_calls: read_tool_calls(c, &run_id)?,
+                    role: read_role(c, &user_id)?,
                 })
             })
             .await
@@ -931,13 +919,7 @@ impl ConversationStore for SqliteStore {
 impl IdentityStore for SqliteStore {
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
         let user_id = user_id.to_owned();
-        self.db
-            .read(move |c| {
-                one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
-                    Cols::new(r, "users").parse("role", UserRole::parse)
-                })
-            })
-            .await
+        self.db.read(move |c| read_role(c, &user_id)).await
     }
 
     async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()> {
