@@ -93,28 +93,25 @@ fn contains_secret_word(key: &str) -> bool {
 
 /// `token`, `access_token`, `refreshToken`, `csrftoken`: a word of the key ends in "token". Not
 /// `max_tokens` or `tokenizer`, which count or name tokens of text. Words break at any character
-/// that is not an ASCII letter or digit, and before the upper case letter of `camelCase`.
+/// that is not an ASCII letter or digit, and before the upper case letter of `camelCase`. Byte by
+/// byte: a byte of a multi-byte character is not an ASCII letter or digit, as the character is not.
 fn names_a_token(key: &str) -> bool {
-    // the last five characters of the current word, lower case, and how many it has
-    let mut tail = [0u8; 5];
-    let mut len = 0usize;
-    let ends_in_token = |tail: &[u8; 5], len: usize| len >= 5 && tail == b"token";
+    let ends_in_token = |word: &[u8]| word.len() >= 5 && word[word.len() - 5..].eq_ignore_ascii_case(b"token");
+    let key = key.as_bytes();
+    let mut start = 0;
     let mut after_lower = false;
-    for c in key.chars() {
-        if !c.is_ascii_alphanumeric() || (c.is_ascii_uppercase() && after_lower) {
-            if ends_in_token(&tail, len) {
+    for (at, &c) in key.iter().enumerate() {
+        let alphanumeric = c.is_ascii_alphanumeric();
+        if !alphanumeric || (c.is_ascii_uppercase() && after_lower) {
+            if ends_in_token(&key[start..at]) {
                 return true;
             }
-            len = 0;
+            // an upper case letter starts the next word; anything else is between words
+            start = if alphanumeric { at } else { at + 1 };
         }
         after_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
-        if c.is_ascii_alphanumeric() {
-            tail.rotate_left(1);
-            tail[4] = c.to_ascii_lowercase() as u8;
-            len += 1;
-        }
     }
-    ends_in_token(&tail, len)
+    ends_in_token(&key[start..])
 }
 
 /// Replaces the values of secret-looking keys and secret-looking strings with `"***"`.
@@ -137,7 +134,11 @@ fn mask_value_in_place(value: &mut Value) {
             }
         }
         Value::Array(items) => items.iter_mut().for_each(mask_value_in_place),
-        Value::String(s) => *s = mask_text(s),
+        Value::String(s) => {
+            if let Cow::Owned(masked) = mask_text_cow(s) {
+                *s = masked;
+            }
+        }
         _ => {}
     }
 }
@@ -153,91 +154,114 @@ pub fn mask_fact(key: &str, value: &str) -> String {
 
 /// Masks secrets in free text (see the module documentation).
 pub fn mask_text(text: &str) -> String {
+    mask_text_cow(text).into_owned()
+}
+
+/// [`mask_text`], borrowed when nothing is masked (most texts): then nothing is copied.
+fn mask_text_cow(text: &str) -> Cow<'_, str> {
     // NUL can't be stored by every backend, and nothing needs it.
-    let stripped;
-    let text = if text.contains('\0') {
-        stripped = text.replace('\0', "");
-        stripped.as_str()
-    } else {
-        text
-    };
-    if text.contains("-----BEGIN") && text.contains("PRIVATE KEY") {
-        return MASK.into();
+    if text.contains('\0') {
+        return Cow::Owned(mask_text_cow(&text.replace('\0', "")).into_owned());
     }
-    let mut out = String::with_capacity(text.len());
+    if text.contains("-----BEGIN") && text.contains("PRIVATE KEY") {
+        return Cow::Owned(MASK.into());
+    }
+    let mut out = Edits { text, edited: None, copied: 0 };
     // The next word is a secret: after `Bearer`, or after `password:` with the value apart.
     let mut mask_next = false;
-    // The word before was a secret key on its own, so `=` or `:` may follow apart.
-    let mut after_key = false;
-    for piece in pieces(text) {
+    // The word before, when it could be a secret key on its own, so that `=` or `:` may follow
+    // apart. Whether it names a secret is asked only when one does: most words are followed by
+    // neither, and the check reads the whole word.
+    let mut key_before: Option<&str> = None;
+    for (at, piece) in pieces(text) {
         if piece.starts_with(char::is_whitespace) {
-            out.push_str(piece);
             continue;
         }
-        let (lead, core, trail) = unwrap(piece);
+        let (lead, core, _) = unwrap(piece);
         if core.is_empty() {
-            out.push_str(piece);
             continue;
         }
+        let core_at = at + lead.len();
         if mask_next {
             // `Authorization: Bearer xyz`: the scheme stays, the word after it goes.
-            if is_auth_scheme(core) {
-                out.push_str(piece);
-            } else {
+            if !is_auth_scheme(core) {
                 mask_next = false;
-                out.push_str(lead);
-                out.push_str(MASK);
-                out.push_str(trail);
+                out.replace(core_at, core.len(), MASK);
             }
             continue;
         }
         if core.eq_ignore_ascii_case("bearer") {
             mask_next = true;
-            out.push_str(piece);
             continue;
         }
         // `password = hunter2`, `"password" : "hunter2"`, `password =hunter2`.
-        if std::mem::take(&mut after_key) {
+        if let Some(key) = key_before.take() {
             if core == "=" || core == ":" {
-                mask_next = true;
-                out.push_str(piece);
-                continue;
-            }
-            if let Some(value) = core.strip_prefix(['=', ':']).filter(|v| !v.is_empty()) {
-                out.push_str(lead);
-                out.push_str(&core[..core.len() - value.len()]);
-                out.push_str(MASK);
-                out.push_str(trail);
-                continue;
+                if is_secret_key(key) {
+                    mask_next = true;
+                    continue;
+                }
+            } else if let Some(value) = core.strip_prefix(['=', ':']).filter(|v| !v.is_empty()) {
+                if is_secret_key(key) {
+                    out.replace(core_at + 1, value.len(), MASK);
+                    continue;
+                }
             }
         }
-        after_key = !core.contains(['=', ':']) && is_secret_key(core);
+        key_before = (!core.contains(['=', ':'])).then_some(core);
         let (masked, wants_next) = mask_word(core);
         mask_next = wants_next;
-        out.push_str(lead);
-        out.push_str(&masked);
-        out.push_str(trail);
+        if let Cow::Owned(masked) = masked {
+            out.replace(core_at, core.len(), &masked);
+        }
     }
-    out
+    out.finish()
 }
 
-/// Runs of whitespace and runs of anything else, in order.
-fn pieces(text: &str) -> Vec<&str> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    let mut in_space = None;
-    for (i, c) in text.char_indices() {
-        let space = c.is_whitespace();
-        if in_space.is_some_and(|s| s != space) {
-            out.push(&text[start..i]);
-            start = i;
+/// A text with some of its ranges replaced, copied only once the first one is.
+struct Edits<'a> {
+    text: &'a str,
+    edited: Option<String>,
+    /// How much of `text` is in `edited` (or stands for itself).
+    copied: usize,
+}
+
+impl<'a> Edits<'a> {
+    /// Replaces `len` bytes at `at` (at or after what was replaced before) with `with`.
+    fn replace(&mut self, at: usize, len: usize, with: &str) {
+        let edited = self.edited.get_or_insert_with(|| String::with_capacity(self.text.len()));
+        edited.push_str(&self.text[self.copied..at]);
+        edited.push_str(with);
+        self.copied = at + len;
+    }
+
+    fn finish(self) -> Cow<'a, str> {
+        match self.edited {
+            None => Cow::Borrowed(self.text),
+            Some(mut edited) => {
+                edited.push_str(&self.text[self.copied..]);
+                Cow::Owned(edited)
+            }
         }
-        in_space = Some(space);
     }
-    if start < text.len() {
-        out.push(&text[start..]);
-    }
-    out
+}
+
+/// Runs of whitespace and runs of anything else, in order, each with where it starts.
+fn pieces(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    let mut chars = text.char_indices().peekable();
+    std::iter::from_fn(move || {
+        let (start, first) = chars.next()?;
+        let space = first.is_whitespace();
+        let mut end = text.len();
+        while let Some(&(i, c)) = chars.peek() {
+            if c.is_whitespace() != space {
+                end = i;
+                break;
+            }
+            chars.next();
+        }
+        Some((start, &text[start..end]))
+    })
 }
 
 /// Splits quotes and brackets around a word off it (`"abc",` → `"`, `abc`, `",`). `:` and `=` stay
@@ -267,13 +291,15 @@ fn mask_word(word: &str) -> (Cow<'_, str>, bool) {
     }
     // Connection strings and query strings: `Server=db;Password=x`, `?a=1&token=x`, compact JSON.
     let mut out = String::with_capacity(word.len());
+    let mut changed = false;
     let mut rest = &word[..];
     loop {
         let end = rest.find([';', '&', '?', ',']).unwrap_or(rest.len());
         let (masked, next) = mask_segment(&rest[..end]);
+        changed |= matches!(masked, Cow::Owned(_));
         out.push_str(&masked);
         if end == rest.len() {
-            return (Cow::Owned(out), next);
+            return (if changed { Cow::Owned(out) } else { word }, next);
         }
         out.push_str(&rest[end..end + 1]);
         rest = &rest[end + 1..];
@@ -320,6 +346,10 @@ fn mask_segment(segment: &str) -> (Cow<'_, str>, bool) {
 
 /// A token recognisable by its shape.
 fn is_secret_token(word: &str) -> bool {
+    // The shortest is `sk-` and six more: most words are shorter, and need no look at their letters.
+    if word.len() < 9 {
+        return false;
+    }
     let word_chars = |s: &str| s.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
     for prefix in ["sk-", "sk_"] {
         if let Some(rest) = word.strip_prefix(prefix) {
@@ -347,6 +377,10 @@ fn is_secret_token(word: &str) -> bool {
 
 /// `scheme://user:pw@host…` → `scheme://***@host…`.
 fn mask_url_credentials(word: &str) -> Cow<'_, str> {
+    // a byte search first: most words have no `:` at all
+    if !word.contains(':') {
+        return Cow::Borrowed(word);
+    }
     if let Some(scheme_end) = word.find("://") {
         let rest = &word[scheme_end + 3..];
         let authority = &rest[..rest.find('/').unwrap_or(rest.len())];
@@ -602,12 +636,122 @@ mod tests {
         SECRET_KEYS.iter().any(|s| lower.contains(s)) || words.iter().any(|w| w.ends_with("token"))
     }
 
+    /// The text masker as first written: a copy of every text, a check of every word as a key.
+    fn mask_text_plainly(text: &str) -> String {
+        // NUL can't be stored by every backend, and nothing needs it.
+        let stripped;
+        let text = if text.contains('\0') {
+            stripped = text.replace('\0', "");
+            stripped.as_str()
+        } else {
+            text
+        };
+        if text.contains("-----BEGIN") && text.contains("PRIVATE KEY") {
+            return MASK.into();
+        }
+        let mut out = String::with_capacity(text.len());
+        // The next word is a secret: after `Bearer`, or after `password:` with the value apart.
+        let mut mask_next = false;
+        // The word before was a secret key on its own, so `=` or `:` may follow apart.
+        let mut after_key = false;
+        for piece in pieces_plainly(text) {
+            if piece.starts_with(char::is_whitespace) {
+                out.push_str(piece);
+                continue;
+            }
+            let (lead, core, trail) = unwrap(piece);
+            if core.is_empty() {
+                out.push_str(piece);
+                continue;
+            }
+            if mask_next {
+                // `Authorization: Bearer xyz`: the scheme stays, the word after it goes.
+                if is_auth_scheme(core) {
+                    out.push_str(piece);
+                } else {
+                    mask_next = false;
+                    out.push_str(lead);
+                    out.push_str(MASK);
+                    out.push_str(trail);
+                }
+                continue;
+            }
+            if core.eq_ignore_ascii_case("bearer") {
+                mask_next = true;
+                out.push_str(piece);
+                continue;
+            }
+            // `password = hunter2`, `"password" : "hunter2"`, `password =hunter2`.
+            if std::mem::take(&mut after_key) {
+                if core == "=" || core == ":" {
+                    mask_next = true;
+                    out.push_str(piece);
+                    continue;
+                }
+                if let Some(value) = core.strip_prefix(['=', ':']).filter(|v| !v.is_empty()) {
+                    out.push_str(lead);
+                    out.push_str(&core[..core.len() - value.len()]);
+                    out.push_str(MASK);
+                    out.push_str(trail);
+                    continue;
+                }
+            }
+            after_key = !core.contains(['=', ':']) && is_secret_key(core);
+            let (masked, wants_next) = mask_word(core);
+            mask_next = wants_next;
+            out.push_str(lead);
+            out.push_str(&masked);
+            out.push_str(trail);
+        }
+        out
+    }
+
+    fn pieces_plainly(text: &str) -> Vec<&str> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        let mut in_space = None;
+        for (i, c) in text.char_indices() {
+            let space = c.is_whitespace();
+            if in_space.is_some_and(|s| s != space) {
+                out.push(&text[start..i]);
+                start = i;
+            }
+            in_space = Some(space);
+        }
+        if start < text.len() {
+            out.push(&text[start..]);
+        }
+        out
+    }
+
     proptest::proptest! {
         #[test]
         fn the_key_check_agrees_with_its_plain_definition(
             key in "([a-zA-Z0-9_\\- .:é]|Token|TOKEN|token|Api-Key|PASS-word|secret|Access_Key){0,8}"
         ) {
             proptest::prop_assert_eq!(is_secret_key(&key), is_secret_key_plainly(&key), "{:?}", key);
+        }
+
+        #[test]
+        fn the_text_masker_agrees_with_its_plain_definition(
+            words in proptest::collection::vec(
+                "(password|Password|api_key|TOKEN|token|sk-live-12345678|sk_4bcdefg1|x=1|key=|secret:|pw=s3cret;|=|:|=v|:v|\
+                 Bearer|bearer|Basic|Authorization:|abc|[a-zA-Z]{1,6}|https://u:p@h/x|https://h/x|a,b|p?token=x&y=1|\
+                 AKIAIOSFODNN7EXAMPLE|ghp_0123456789abcdefXYZ|eyJhbGciOi.eyJzdWIi.c2lnbmF0dXJl|\\(\"|\",|错误|é)",
+                0..14),
+            // ASCII whitespace, Unicode whitespace (no-break, em, next-line), or none: words joined
+            spaces in proptest::collection::vec("( |  |\n|\t| \r\n|\u{0B}|\u{0C}|\u{A0}|\u{2003}|\u{85}|)", 14),
+        ) {
+            let mut text = String::new();
+            for (word, space) in words.iter().zip(&spaces) {
+                text.push_str(word);
+                text.push_str(space);
+            }
+            let text = text.trim_end_matches(' ');
+            let masked = mask_text_cow(text);
+            let plainly = mask_text_plainly(text);
+            proptest::prop_assert_eq!(masked.as_ref(), plainly.as_str(), "{:?}", text);
+            proptest::prop_assert_eq!(matches!(masked, Cow::Borrowed(_)), masked == text, "{:?}", text);
         }
 
         #[test]
