@@ -98,13 +98,13 @@ impl Agent {
             tools: self
                 .tools
                 .specs()
-                .into_iter()
+                .iter()
                 .map(|t| ToolInfo {
-                    name: t.name,
-                    description: t.description,
+                    name: t.name.clone(),
+                    description: t.description.clone(),
                     side_effect: t.side_effect,
                     idempotent: t.idempotent,
-                    policies: t.policies,
+                    policies: t.policies.clone(),
                 })
                 .collect(),
         }

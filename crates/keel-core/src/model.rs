@@ -1,6 +1,7 @@
 //! The model contract: a stream of text deltas and tool calls.
 
 use std::pin::Pin;
+use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures::Stream;
@@ -30,7 +31,8 @@ pub enum ModelMessage {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelRequest {
     pub messages: Vec<ModelMessage>,
-    pub tools: Vec<ToolSpec>,
+    /// The tools the model may call, shared with the agent's registry.
+    pub tools: Arc<[ToolSpec]>,
     /// The confirmed facts, also rendered into the system message; structured here for models that
     /// can use them directly.
     pub facts: FactMap,

@@ -435,6 +435,9 @@ pub enum RegistryError {
 pub struct ToolRegistry {
     tools: Vec<Entry>,
     by_name: BTreeMap<String, usize>,
+    /// The tools' specs, shared: every model call offers them, and a copy of each schema per call
+    /// would cost as much as the call's own bookkeeping.
+    specs: Arc<[ToolSpec]>,
 }
 
 impl ToolRegistry {
@@ -466,6 +469,7 @@ impl ToolRegistry {
         };
         self.by_name.insert(name, self.tools.len());
         self.tools.push(Entry { tool, args, result });
+        self.specs = self.tools.iter().map(|e| e.tool.spec().clone()).collect();
         Ok(())
     }
 
@@ -485,8 +489,9 @@ impl ToolRegistry {
         self.entry(name).map(|e| &e.tool)
     }
 
-    pub fn specs(&self) -> Vec<ToolSpec> {
-        self.tools.iter().map(|e| e.tool.spec().clone()).collect()
+    /// The tools' specs, in order (shared, not copied).
+    pub fn specs(&self) -> Arc<[ToolSpec]> {
+        self.specs.clone()
     }
 
     pub fn names(&self) -> impl Iterator<Item = &str> {

@@ -387,7 +387,7 @@ mod tests {
     fn req(messages: Vec<ModelMessage>, facts: &[(&str, &str)]) -> ModelRequest {
         ModelRequest {
             messages,
-            tools: vec![],
+            tools: std::sync::Arc::default(),
             facts: facts.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
         }
     }

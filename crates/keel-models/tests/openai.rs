@@ -222,7 +222,7 @@ fn request(user: &str) -> ModelRequest {
             ModelMessage::System { content: "You are OpsPilot.".into() },
             ModelMessage::User { content: user.into() },
         ],
-        tools: vec![ToolSpec::new("restart_instance", "Restart one instance.", instance_schema(), true)],
+        tools: vec![ToolSpec::new("restart_instance", "Restart one instance.", instance_schema(), true)].into(),
         facts: Default::default(),
     }
 }
@@ -560,7 +560,8 @@ async fn the_request_has_the_openai_shape() {
         tools: vec![
             ToolSpec::new("restart_instance", "Restart one instance.", instance_schema(), true),
             ToolSpec::new("list_services", "List the services.", json!({}), false),
-        ],
+        ]
+        .into(),
         facts: Default::default(),
     };
     let (_, err) = collect(&OpenAiCompatible::new(config).unwrap(), req.clone()).await;
@@ -609,7 +610,7 @@ async fn the_request_has_the_openai_shape() {
 async fn no_tools_means_no_tools_field() {
     let mock = Mock::start(vec![sse(&[text("ok"), finish("stop")])]).await;
     let mut req = request("hi");
-    req.tools.clear();
+    req.tools = std::sync::Arc::default();
     let (_, err) = collect(&mock.model(), req).await;
     assert_eq!(err, None);
     assert!(mock.received()[0].body.get("tools").is_none());

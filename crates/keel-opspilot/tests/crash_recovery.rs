@@ -49,7 +49,7 @@ fn hanging(name: &'static str, entered: Arc<Notify>, idempotent: Option<bool>, a
     Arc::new(move |fleet, calls| {
         let base = keel_opspilot::registry(fleet, calls);
         let mut r = ToolRegistry::new();
-        for spec in base.specs() {
+        for spec in base.specs().iter() {
             let tool = base.get(&spec.name).unwrap().clone();
             if spec.name == name {
                 let mut spec = spec.clone();
@@ -151,7 +151,7 @@ async fn cut_off_restart(applied: bool) -> (TempDir, Harness, keel_core::RunId, 
     let tools: Tools = Arc::new(|fleet, calls| {
         let base = keel_opspilot::registry(fleet, calls);
         let mut r = ToolRegistry::new();
-        for spec in base.specs() {
+        for spec in base.specs().iter() {
             let tool = base.get(&spec.name).unwrap().clone();
             r.register(if spec.name == "restart_instance" { Arc::new(NotIdempotent(tool)) } else { tool }).unwrap();
         }

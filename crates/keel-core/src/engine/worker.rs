@@ -485,7 +485,7 @@ impl Worker {
         &self,
         messages: Vec<crate::model::ModelMessage>,
     ) -> Result<Option<String>, ModelError> {
-        let request = ModelRequest { messages, tools: Vec::new(), facts: FactMap::new() };
+        let request = ModelRequest { messages, tools: Arc::default(), facts: FactMap::new() };
         let call = async {
             let mut stream = self.agent.model.stream(request).await?;
             let mut text = String::new();

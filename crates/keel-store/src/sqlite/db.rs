@@ -532,7 +532,7 @@ fn run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Option<Strin
 fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> StoreResult<()> {
     let mut refused = vec![false; group.len()];
     'attempt: loop {
-        conn.execute_batch("BEGIN IMMEDIATE").map_err(db("begin a transaction"))?;
+        control(conn, "BEGIN IMMEDIATE", "begin a transaction")?;
         for (job, refused) in group.iter_mut().zip(refused.iter_mut()) {
             if *refused {
                 continue;
@@ -541,17 +541,23 @@ fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> StoreRes
                 *refused = true;
                 // a write that panicked mid-statement may have left it unfinished: the rollback
                 // undoes that too
-                conn.execute_batch("ROLLBACK").map_err(db("roll back"))?;
+                control(conn, "ROLLBACK", "roll back")?;
                 continue 'attempt;
             }
         }
         if refused.iter().all(|r| *r) {
-            conn.execute_batch("ROLLBACK").map_err(db("roll back"))?;
+            control(conn, "ROLLBACK", "roll back")?;
         } else {
-            conn.execute_batch("COMMIT").map_err(db("commit"))?;
+            control(conn, "COMMIT", "commit")?;
         }
         return Ok(());
     }
+}
+
+/// A transaction's `BEGIN`, `COMMIT` or `ROLLBACK`, prepared once and kept, as every other
+/// statement is (`execute_batch` would parse it again each time: two of them per transaction).
+fn control(conn: &Connection, sql: &str, what: &'static str) -> StoreResult<()> {
+    conn.prepare_cached(sql).and_then(|mut statement| statement.execute([])).map(drop).map_err(db(what))
 }
 
 // --- migrations
