@@ -44,7 +44,9 @@ pub type StoreResult<T> = Result<T, StoreError>;
 /// Who may write a commit, checked against the run row inside the transaction.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Fence {
-    /// The run's worker: `lease_owner` must equal `owner`. Renews the lease to `lease_until`.
+    /// The run's worker: `lease_owner` must equal `owner`. A commit that moves the run's status
+    /// renews the lease to `lease_until` (or releases it, for a paused or finished run); one that
+    /// leaves the status as it is leaves the lease as it is, which the worker's renewer keeps.
     Lease { owner: String, lease_until: Timestamp },
     /// Take the lease of a run nobody works on: status must be one of `from`; the lease becomes
     /// `owner` until `lease_until`. Used by resume.

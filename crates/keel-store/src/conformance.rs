@@ -670,6 +670,8 @@ pub async fn concurrent_commits_each_get_their_own_answer(store: SharedStore) {
             continue;
         }
         assert_eq!(after.tool_calls[0].state, ToolCallState::Allowed, "run {i}");
+        // grouped or not, a commit that leaves the status as it is leaves the lease as it is
+        assert_eq!(after.run.lease_expires_at, Some(at(60)), "run {i}");
         let n = after.run.last_sequence();
         assert_eq!(sequences(&store, &run.id).await, (1..=n).collect::<Vec<_>>(), "run {i}");
         let written: usize = (0..ROUNDS).map(|round| 1 + (i + round as usize) % 4).sum();
@@ -1316,6 +1318,16 @@ pub async fn leases_renew_and_release(store: SharedStore) {
     assert!(store.renew_lease(&run.id, "w1", at(100)).await.expect("renew"));
     assert_eq!(get_run(&store, &run.id).await.lease_expires_at, Some(at(100)));
     assert!(store.claim_runs("w2", at(80), at(140), false, 10).await.expect("claim").is_empty(), "renewed");
+
+    // a commit that leaves the status as it is leaves the lease as it is (the renewer keeps it)
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(500)), at(20));
+    c.events = vec![EventKind::NodeStarted { node: "model".into() }];
+    commit_ok(&store, c).await;
+    let after = get_run(&store, &run.id).await;
+    assert_eq!((after.status, after.lease_owner.as_deref()), (RunStatus::Running, Some("w1")));
+    assert_eq!(after.lease_expires_at, Some(at(100)), "not moved by a commit without a status change");
+    // and another owner's commit is still refused
+    assert_conflict(store.commit(Commit::new(run.id.clone(), lease("w2", at(500)), at(21))).await);
 
     store.release_lease(&run.id, "w2").await.expect("release by another");
     assert_eq!(get_run(&store, &run.id).await.lease_owner.as_deref(), Some("w1"));

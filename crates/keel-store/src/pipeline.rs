@@ -718,6 +718,18 @@ fn make_fence_sql(dialect: Dialect, fence: &Fence, to: Option<RunStatus>) -> Str
     const COMMON: &str = "next_sequence = next_sequence + $1, updated_at = $2, status = COALESCE($4, status), \
          reason = CASE WHEN $4 IS NULL THEN reason ELSE $5 END, checkpoint = COALESCE($6, checkpoint)";
     let sql = match fence {
+        // A commit that leaves the run's status as it is (most of a run's) names neither the status
+        // nor the lease in its `SET`: SQLite rewrites the entries of every index whose columns, or
+        // whose condition's columns, the `SET` names — the one-active-run and claim indexes, two
+        // more pages in every transaction's WAL — even when the values stay the same. The lease
+        // is kept alive by the worker's renewer (every third of its time to live), not by commits.
+        // Its parameters are bound as for the other shapes; the ones it does not name ($4, $5: no
+        // status; $7, $8: no lease change) are left unread.
+        Fence::Lease { .. } if to.is_none() => format!(
+            "UPDATE runs SET next_sequence = next_sequence + $1, updated_at = $2, \
+             checkpoint = COALESCE($6, checkpoint) \
+             WHERE id = $3 AND lease_owner = $9 AND {ACTIVE}"
+        ),
         Fence::Lease { .. } => format!(
             "UPDATE runs SET {COMMON}, lease_owner = CASE WHEN $7 THEN NULL ELSE lease_owner END, \
              lease_expires_at = CASE WHEN $7 THEN NULL ELSE $8 END \

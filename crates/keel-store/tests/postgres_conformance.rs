@@ -15,7 +15,7 @@ use keel_core::domain::{Checkpoint, Fact, FactSource, Message, Role, RunStatus, 
 use keel_core::event::EventKind;
 use keel_core::ids::{MessageId, RunId};
 use keel_core::store::{
-    Commit, ConversationStore, Fence, IdempotencyBegin, NewRun, RunStore, Store, StoreError, ToolCallChange,
+    Commit, ConversationStore, Fence, IdempotencyBegin, NewRun, RunChange, RunStore, Store, StoreError, ToolCallChange,
 };
 use keel_store::{PostgresOptions, PostgresStore};
 use sqlx::{Connection, PgConnection};
@@ -429,6 +429,36 @@ async fn a_commit_refused_inside_a_group_fails_alone() {
     assert!(store.list_events(&runs[1], 0, 100).await.expect("events").is_empty());
     assert_eq!(store.get_run(&runs[1]).await.expect("get").expect("run").next_sequence, 1);
     assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grouped_commit_moves_the_lease_only_with_the_status() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let start = now();
+    let lease_until = start + chrono::Duration::seconds(60);
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let run = queued_run(&store).await;
+        let from = vec![RunStatus::Queued];
+        let mut take = Commit::new(run.clone(), Fence::Acquire { owner: "w1".into(), from, lease_until }, start);
+        take.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        store.commit(take).await.expect("take the run");
+        runs.push(run);
+    }
+    let later = start + chrono::Duration::seconds(600);
+    let lease = || Fence::Lease { owner: "w1".into(), lease_until: later };
+    let same = Commit::new(runs[0].clone(), lease(), start).event(EventKind::NodeStarted { node: "a".into() });
+    let mut done = Commit::new(runs[1].clone(), lease(), start).event(EventKind::NodeStarted { node: "b".into() });
+    done.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+    for result in as_one_group(&url, &store, vec![same, done]).await {
+        result.expect("commit");
+    }
+    let same = store.get_run(&runs[0]).await.expect("get").expect("run");
+    assert_eq!((same.status, same.lease_owner.as_deref()), (RunStatus::Running, Some("w1")));
+    assert_eq!(same.lease_expires_at, Some(lease_until), "the status stayed: so did the lease");
+    let done = store.get_run(&runs[1]).await.expect("get").expect("run");
+    assert_eq!((done.status, done.lease_owner, done.lease_expires_at), (RunStatus::Completed, None, None));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -70,7 +70,8 @@ pub(super) struct Worker {
     pub(super) agent_missing: bool,
     pub(super) run: Run,
     /// The lease the worker holds: taken before it started (written with a new or promoted run, by
-    /// a claim, by a resume), renewed by every commit.
+    /// a claim, by a resume), kept alive by its renewer (and renewed by a commit that moves the
+    /// run's status).
     pub(super) owner: String,
     pub(super) cancel_signal: Arc<tokio::sync::Notify>,
     /// Events, and text, that go at the front of the worker's next commit. Only for what needs no

@@ -516,7 +516,9 @@ impl Batch {
         let (mut lease_owner, mut lease_expires_at) = (run.lease_owner.clone(), run.lease_expires_at);
         let mut worker = None;
         match &c.fence {
-            Fence::Lease { lease_until, .. } => lease_expires_at = Some(*lease_until),
+            // renewed by a status move only, as the one-commit fence does (`Fence::Lease`)
+            Fence::Lease { lease_until, .. } if c.run.is_some() => lease_expires_at = Some(*lease_until),
+            Fence::Lease { .. } => {}
             Fence::Acquire { owner, lease_until, .. } => {
                 lease_owner = Some(owner.clone());
                 lease_expires_at = Some(*lease_until);
