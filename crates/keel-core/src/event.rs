@@ -19,6 +19,7 @@ pub struct Event {
     pub run_id: RunId,
     pub sequence: i64,
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
+    #[serde(serialize_with = "crate::rfc3339::serialize")]
     pub ts: Timestamp,
 }
 

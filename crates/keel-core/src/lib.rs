@@ -13,6 +13,7 @@ pub mod ids;
 pub mod mask;
 pub mod metrics;
 pub mod model;
+pub mod rfc3339;
 pub mod store;
 pub mod stream;
 pub mod tool;

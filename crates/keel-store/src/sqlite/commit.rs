@@ -2,7 +2,6 @@
 //! connection, inside the writer's transaction, and the encodings SQLite stores (timestamps as
 //! fixed-width text, JSON as text).
 
-use chrono::SecondsFormat;
 use keel_core::domain::Timestamp;
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::RunId;
@@ -18,7 +17,7 @@ use super::rows::exec_or;
 
 /// Fixed width, UTC, nanoseconds: sorts as text, round-trips exactly.
 pub fn ts(t: &Timestamp) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Nanos, true)
+    keel_core::rfc3339::format(t, keel_core::rfc3339::Fraction::Nanos).as_str().to_owned()
 }
 
 pub fn opt_ts(t: &Option<Timestamp>) -> Option<String> {
