@@ -296,13 +296,11 @@ async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mp
         let mut keys = BTreeSet::new();
         let mut count = 0;
         for event in batches.drain(..).flatten() {
-            let json = match serde_json::to_string(&event) {
-                Ok(json) => json,
-                Err(e) => {
-                    shared.drop_events(1, &format_args!("an event did not serialize: {e}"));
-                    continue;
-                }
-            };
+            let mut json = Vec::new();
+            if let Err(e) = event.write_json(&mut json) {
+                shared.drop_events(1, &format_args!("an event did not serialize: {e}"));
+                continue;
+            }
             let key = shared.key(&event.run_id);
             pipe.cmd("XADD")
                 .arg(&key)

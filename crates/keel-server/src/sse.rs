@@ -242,48 +242,20 @@ const MAX_BATCH_BYTES: usize = 4 * 1024;
 fn encode_into(out: &mut Vec<u8>, event: &Event) -> Result<(), serde_json::Error> {
     // byte by byte: `write!` goes through `fmt::write` for every frame
     out.extend_from_slice(b"id: ");
-    push_decimal(out, event.sequence);
+    serde_json::to_writer(&mut *out, &event.sequence)?;
     out.extend_from_slice(b"\nevent: ");
     out.extend_from_slice(event.type_name().as_bytes());
     out.extend_from_slice(b"\ndata: ");
     // serde_json escapes every control character inside strings, so the JSON is one line.
-    serde_json::to_writer(&mut *out, event)?;
+    event.write_json(out)?;
     out.extend_from_slice(b"\n\n");
     Ok(())
-}
-
-/// `n` in decimal.
-fn push_decimal(out: &mut Vec<u8>, n: i64) {
-    let mut digits = [0u8; 20];
-    let mut at = digits.len();
-    let mut rest = n.unsigned_abs();
-    loop {
-        at -= 1;
-        digits[at] = b'0' + (rest % 10) as u8;
-        rest /= 10;
-        if rest == 0 {
-            break;
-        }
-    }
-    if n < 0 {
-        out.push(b'-');
-    }
-    out.extend_from_slice(&digits[at..]);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use keel_core::EventKind;
-
-    #[test]
-    fn decimals_are_rusts() {
-        for n in [0, 1, 9, 10, 99, 100, 12_345, -1, -10, i64::MAX, i64::MIN] {
-            let mut out = Vec::new();
-            push_decimal(&mut out, n);
-            assert_eq!(String::from_utf8(out).unwrap(), n.to_string());
-        }
-    }
 
     #[test]
     fn frames_are_exact() {
