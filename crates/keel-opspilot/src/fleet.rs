@@ -269,15 +269,23 @@ fn sql(what: &'static str) -> impl Fn(rusqlite::Error) -> StoreError {
     move |e| StoreError::Backend(format!("{what}: {e}"))
 }
 
+/// The columns [`instance_row`] reads, in its order (by position: a lookup by name compares every
+/// column's name, a few hundred instructions a value).
+macro_rules! instance_columns {
+    () => {
+        "id, service, env, status, restart_count, release, previous_release"
+    };
+}
+
 fn instance_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Instance> {
     Ok(Instance {
-        id: r.get("id")?,
-        service: r.get("service")?,
-        env: r.get("env")?,
-        status: r.get("status")?,
-        restart_count: r.get("restart_count")?,
-        release: r.get("release")?,
-        previous_release: r.get("previous_release")?,
+        id: r.get(0)?,
+        service: r.get(1)?,
+        env: r.get(2)?,
+        status: r.get(3)?,
+        restart_count: r.get(4)?,
+        release: r.get(5)?,
+        previous_release: r.get(6)?,
     })
 }
 
@@ -346,7 +354,11 @@ impl Fleet for SqliteFleet {
             .0
             .read_with(move |c| {
                 let mut st = c
-                    .prepare_cached("SELECT * FROM opspilot_instances ORDER BY id LIMIT ?")
+                    .prepare_cached(concat!(
+                        "SELECT ",
+                        instance_columns!(),
+                        " FROM opspilot_instances ORDER BY id LIMIT ?"
+                    ))
                     .map_err(sql("list instances"))?;
                 let rows = st.query_map([limit], instance_row).map_err(sql("list instances"))?;
                 rows.collect::<Result<Vec<_>, _>>().map_err(sql("list instances"))
@@ -359,7 +371,7 @@ impl Fleet for SqliteFleet {
         Ok(self
             .0
             .read_with(move |c| {
-                c.prepare_cached("SELECT * FROM opspilot_instances WHERE id = ?")
+                c.prepare_cached(concat!("SELECT ", instance_columns!(), " FROM opspilot_instances WHERE id = ?"))
                     .and_then(|mut st| st.query_row([&id], instance_row).optional())
                     .map_err(sql("read an instance"))
             })
@@ -411,7 +423,12 @@ impl Fleet for SqliteFleet {
                     .prepare_cached(&format!("SELECT COUNT(*) FROM (SELECT 1 {WHERE} LIMIT ?4)"))
                     .and_then(|mut st| st.query_row(params![service, env, exclude, count_up_to], |r| r.get(0)))
                     .map_err(&fail)?;
-                let mut st = c.prepare_cached(&format!("SELECT * {WHERE} ORDER BY id LIMIT ?4")).map_err(&fail)?;
+                let mut st = c
+                    .prepare_cached(&format!(
+                        concat!("SELECT ", instance_columns!(), " {} ORDER BY id LIMIT ?4"),
+                        WHERE
+                    ))
+                    .map_err(&fail)?;
                 let rows = st.query_map(params![service, env, exclude, limit], instance_row).map_err(&fail)?;
                 Ok((rows.collect::<Result<Vec<_>, _>>().map_err(&fail)?, total))
             })
