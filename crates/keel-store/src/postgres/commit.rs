@@ -5,7 +5,7 @@
 use keel_core::domain::Timestamp;
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::RunId;
-use keel_core::store::StoreResult;
+use keel_core::store::{StoreError, StoreResult};
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -102,13 +102,14 @@ impl Tx for PgTx<'_> {
         for (sequence, kind) in (first_sequence..).zip(kinds) {
             sequences.push(sequence);
             types.push(kind.type_name());
-            data.push(kind.to_data());
+            // the data as JSON text, cast by the statement: no `Value` built to be serialized again
+            data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
             events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: now });
         }
         sqlx::query(
             "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
-             SELECT $1, e.sequence, e.type, e.data, $5 \
-             FROM unnest($2::bigint[], $3::text[], $4::jsonb[]) AS e (sequence, type, data)",
+             SELECT $1, e.sequence, e.type, e.data::jsonb, $5 \
+             FROM unnest($2::bigint[], $3::text[], $4::text[]) AS e (sequence, type, data)",
         )
         .bind(run_id.as_str())
         .bind(&sequences)

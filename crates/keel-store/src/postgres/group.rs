@@ -453,7 +453,8 @@ struct Events {
     run_ids: Vec<String>,
     sequences: Vec<i64>,
     types: Vec<&'static str>,
-    data: Vec<Value>,
+    /// JSON text, cast by the statement (no `Value` built to be serialized again).
+    data: Vec<String>,
     created_at: Vec<DateTime<Utc>>,
 }
 
@@ -660,7 +661,7 @@ impl Batch {
             e.run_ids.push(run_id.to_owned());
             e.sequences.push(sequence);
             e.types.push(kind.type_name());
-            e.data.push(kind.to_data());
+            e.data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
             e.created_at.push(now);
         }
         if let Some(answer) = &c.idempotency {
@@ -918,7 +919,9 @@ impl Batch {
         if !e.run_ids.is_empty() {
             sqlx::query(
                 "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
-                 SELECT * FROM unnest($1::text[], $2::bigint[], $3::text[], $4::jsonb[], $5::timestamptz[])",
+                 SELECT e.run_id, e.sequence, e.type, e.data::jsonb, e.created_at \
+                 FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::timestamptz[]) \
+                      AS e (run_id, sequence, type, data, created_at)",
             )
             .bind(&e.run_ids)
             .bind(&e.sequences)
