@@ -46,6 +46,7 @@ fn bind<'q>(mut query: Query<'q, Postgres, PgArguments>, args: &[Arg<'q>]) -> Qu
             // This backend's `encode` never makes text. Were it handed some, it goes as `text`, which
             // the server refuses for a `jsonb` column: an error, never a value stored wrongly.
             Arg::Encoded(Some(Encoded::Text(v))) => query.bind(v.as_str()),
+            Arg::Texts(v) => query.bind(v),
         };
     }
     query

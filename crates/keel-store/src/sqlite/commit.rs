@@ -91,6 +91,10 @@ fn bind(statement: &mut CachedStatement<'_>, args: &[Arg<'_>]) -> rusqlite::Resu
             Arg::Encoded(None) => statement.raw_bind_parameter(i, None::<&str>)?,
             Arg::Encoded(Some(Encoded::Text(v))) => statement.raw_bind_parameter(i, v.as_str())?,
             Arg::Encoded(Some(Encoded::Json(v))) => statement.raw_bind_parameter(i, v.to_string())?,
+            // the pipeline binds arrays on PostgreSQL only: were one handed here, an error
+            Arg::Texts(_) => {
+                return Err(rusqlite::Error::ToSqlConversionFailure("an array parameter on SQLite".into()))
+            }
         }
     }
     Ok(())
