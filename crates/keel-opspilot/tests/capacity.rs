@@ -129,9 +129,16 @@ async fn a_resume_at_capacity_is_let_go_and_continued_once_a_slot_frees() {
     assert_eq!(last_type(&events), "interrupt");
     let (interrupt, _) = interrupt_of(&events);
 
-    // Another run takes the one slot and holds it.
+    // Another run takes the one slot and holds it. Its run leased (to the worker it was written
+    // for, or to a claim once the paused run's worker let go of the slot) says it holds the slot;
+    // one worker alive says the paused run's worker is gone (it may still be finishing when the
+    // `interrupt` event arrives, and would count as the one).
     let holder = start(&h, "hold: look at the recent errors of payment-api").await;
-    until("the holder runs", || async { h.engine.active_workers() == 1 }).await;
+    until("the holder runs", || async {
+        let leased = h.store.get_run(&holder).await.unwrap().unwrap().lease_owner.is_some();
+        leased && h.engine.active_workers() == 1
+    })
+    .await;
 
     // The approval is committed, but this instance has no slot for the run: it is let go, running
     // with no lease, for the first free slot.
