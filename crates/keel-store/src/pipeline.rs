@@ -214,6 +214,19 @@ pub(crate) trait Tx {
 }
 
 /// Runs a future that never waits (SQLite's pipeline) to its end.
+/// An event's data as `run_events.data` stores it: its fields as JSON text, without the type.
+pub(crate) fn event_data(kind: &EventKind) -> StoreResult<String> {
+    kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))
+}
+
+/// `kinds` as the events they are once written as the run's from `first_sequence` on, at `now`.
+pub(crate) fn numbered(run_id: &RunId, first_sequence: i64, kinds: &[EventKind], now: Timestamp) -> Vec<Event> {
+    (first_sequence..)
+        .zip(kinds)
+        .map(|(sequence, kind)| Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: now })
+        .collect()
+}
+
 pub(crate) fn ready<T>(future: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
     let mut future = std::pin::pin!(future);
     match future.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
@@ -664,18 +677,10 @@ async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fen
     // On PostgreSQL the commit's events go in with the fence, in its statement: a round trip fewer
     // per commit (SQLite's writer makes no round trips, and inserts them at the commit's end).
     let events_written = T::DIALECT == Dialect::Postgres && !c.events.is_empty();
-    let (types, data) = if events_written {
-        let types = c.events.iter().map(|k| k.type_name().to_owned()).collect::<Vec<_>>();
-        let data = c
-            .events
-            .iter()
-            .map(|k| k.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}"))))
-            .collect::<StoreResult<Vec<_>>>()?;
-        (types, data)
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    let (types, data): (Vec<String>, Vec<String>);
     if events_written {
+        types = c.events.iter().map(|k| k.type_name().to_owned()).collect();
+        data = c.events.iter().map(event_data).collect::<StoreResult<_>>()?;
         debug_assert_eq!(args.len(), fence_params(&c.fence), "the events' arrays follow the fence's parameters");
         args.extend([Arg::Texts(&types), Arg::Texts(&data)]);
     }
@@ -1109,10 +1114,7 @@ pub(crate) async fn apply_commit<T: Tx>(tx: &mut T, c: &Commit) -> StoreResult<C
         _ => false,
     };
     let events = if run.events_written {
-        (run.first_sequence..)
-            .zip(&c.events)
-            .map(|(sequence, kind)| Event { kind: kind.clone(), run_id: c.run_id.clone(), sequence, ts: now })
-            .collect()
+        numbered(&c.run_id, run.first_sequence, &c.events, now)
     } else {
         tx.insert_events(&c.run_id, run.first_sequence, &c.events, now).await?
     };

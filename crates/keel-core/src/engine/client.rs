@@ -77,7 +77,7 @@ impl Engine {
             return Err(unknown());
         }
         // The caller as of now (the read above): a role the tool's policy denies may not answer for it.
-        let role = view.role.or(inner.config.default_role);
+        let role = inner.role_or_default(view.role);
         if agent.tools.get(&call.name).map(|t| t.spec().policy_for(role)).unwrap_or(Policy::Deny) == Policy::Deny {
             return Err(EngineError::Forbidden(format!(
                 "your role ({}) may not answer for {}",

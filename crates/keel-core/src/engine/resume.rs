@@ -90,7 +90,7 @@ impl Engine {
 
         // 1. Authorize the caller as of now (the read above), not as of when the run started:
         //    anything but a rejection needs a role the tool's policy does not deny.
-        let role = view.role.or(inner.config.default_role);
+        let role = inner.role_or_default(view.role);
         for (call_id, decision) in &decisions {
             if *decision == CallDecision::Reject {
                 continue;

@@ -140,7 +140,12 @@ impl Inner {
     }
 
     pub(super) async fn role_of(&self, user_id: &str) -> Result<Option<UserRole>, StoreError> {
-        Ok(self.store.user_role(user_id).await?.or(self.config.default_role))
+        Ok(self.role_or_default(self.store.user_role(user_id).await?))
+    }
+
+    /// A user's role as the engine acts on it: the stored one, or the configured default.
+    pub(super) fn role_or_default(&self, stored: Option<UserRole>) -> Option<UserRole> {
+        stored.or(self.config.default_role)
     }
 
     /// Drives `run` — as it is stored: this instance just wrote it, leased to `owner` — on a task of

@@ -5,14 +5,14 @@
 use keel_core::domain::Timestamp;
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::RunId;
-use keel_core::store::{StoreError, StoreResult};
+use keel_core::store::StoreResult;
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::Query;
 use sqlx::{PgConnection, Postgres, Row};
 
-use crate::pipeline::{Arg, Cell, DbError, Dialect, Encoded, Tx, Ty};
+use crate::pipeline::{event_data, numbered, Arg, Cell, DbError, Dialect, Encoded, Tx, Ty};
 
 use super::{insert, json, micros};
 
@@ -96,17 +96,11 @@ impl Tx for PgTx<'_> {
         if kinds.is_empty() {
             return Ok(Vec::new());
         }
-        let mut sequences = Vec::with_capacity(kinds.len());
-        let mut types = Vec::with_capacity(kinds.len());
-        let mut data = Vec::with_capacity(kinds.len());
-        let mut events = Vec::with_capacity(kinds.len());
-        for (sequence, kind) in (first_sequence..).zip(kinds) {
-            sequences.push(sequence);
-            types.push(kind.type_name());
-            // the data as JSON text, cast by the statement: no `Value` built to be serialized again
-            data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
-            events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: now });
-        }
+        let events = numbered(run_id, first_sequence, kinds, now);
+        let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
+        let types: Vec<&str> = kinds.iter().map(EventKind::type_name).collect();
+        // the data as JSON text, cast by the statement: no `Value` built to be serialized again
+        let data = kinds.iter().map(event_data).collect::<StoreResult<Vec<_>>>()?;
         sqlx::query(
             "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
              SELECT $1, e.sequence, e.type, e.data::jsonb, $5 \

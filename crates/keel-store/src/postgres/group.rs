@@ -661,7 +661,7 @@ impl Batch {
             e.run_ids.push(run_id.to_owned());
             e.sequences.push(sequence);
             e.types.push(kind.type_name());
-            e.data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
+            e.data.push(crate::pipeline::event_data(kind)?);
             e.created_at.push(now);
         }
         if let Some(answer) = &c.idempotency {

@@ -10,7 +10,7 @@ use rusqlite::{CachedStatement, Connection, ToSql};
 use serde::Serialize;
 
 pub use crate::pipeline::ACTIVE;
-use crate::pipeline::{Arg, Cell, DbError, Dialect, Encoded, Tx, Ty};
+use crate::pipeline::{event_data, numbered, Arg, Cell, DbError, Dialect, Encoded, Tx, Ty};
 
 use super::db::{insert, is_unique_violation};
 use super::rows::exec_or;
@@ -41,30 +41,18 @@ fn insert_events(
     now: &Timestamp,
 ) -> StoreResult<Vec<Event>> {
     let created_at = ts(now);
-    let mut events = Vec::with_capacity(kinds.len());
-    let mut kinds = kinds.iter().peekable();
-    let mut sequence = first_sequence;
-    while kinds.peek().is_some() {
-        let chunk: Vec<&EventKind> = kinds.by_ref().take(EVENTS_PER_INSERT).collect();
-        let mut data = Vec::with_capacity(chunk.len());
-        for kind in &chunk {
-            data.push(kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))?);
-        }
-        let sequences: Vec<i64> = (sequence..).take(chunk.len()).collect();
-        let types: Vec<&str> = chunk.iter().map(|k| k.type_name()).collect();
-        let run = run_id.as_str();
+    let events = numbered(run_id, first_sequence, kinds, *now);
+    let run = run_id.as_str();
+    for chunk in events.chunks(EVENTS_PER_INSERT) {
+        let data = chunk.iter().map(|e| event_data(&e.kind)).collect::<StoreResult<Vec<_>>>()?;
+        let types: Vec<&str> = chunk.iter().map(Event::type_name).collect();
         let mut values: Vec<&dyn ToSql> = Vec::with_capacity(chunk.len() * 5);
-        for ((type_name, data), sequence) in types.iter().zip(&data).zip(&sequences) {
-            values.extend([&run as &dyn ToSql, sequence, type_name, data, &created_at]);
+        for ((event, type_name), data) in chunk.iter().zip(&types).zip(&data) {
+            values.extend([&run as &dyn ToSql, &event.sequence, type_name, data, &created_at]);
         }
         let rows = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
         let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
         exec_or(conn, &sql, values.as_slice(), insert("event"))?;
-        drop(values);
-        for (kind, sequence) in chunk.into_iter().zip(sequences) {
-            events.push(Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: *now });
-        }
-        sequence += i64::try_from(data.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
     }
     Ok(events)
 }
