@@ -138,6 +138,25 @@ pub async fn long_conversation(
               "latencyMs": latency, "serverCpuMs": cpu}))
 }
 
+/// Shell commands run around each run of [`flow`], waited for (e.g. to zero and dump a profiler's
+/// counts, so a count holds the runs and not the re-seeding between them).
+#[derive(Debug, Default)]
+pub struct Hooks {
+    pub before_run: Option<String>,
+    pub after_run: Option<String>,
+}
+
+impl Hooks {
+    async fn run(&self, command: Option<&str>) -> Result<()> {
+        let Some(command) = command else { return Ok(()) };
+        let status = tokio::process::Command::new("sh").arg("-c").arg(command).status().await?;
+        if !status.success() {
+            bail!("`{command}` failed: {status}");
+        }
+        Ok(())
+    }
+}
+
 /// The seeds' flow, `runs` times, one at a time: a message that makes the agent look something up
 /// and then ask to act on it, approved, streamed to `done`. With `reset`, the demo is re-seeded
 /// before each run (outside the measured time), so a small fleet has its abnormal instance again.
@@ -149,6 +168,7 @@ pub async fn flow(
     reset: bool,
     describe_fleet: bool,
     pid: Option<u32>,
+    hooks: &Hooks,
 ) -> Result<Value> {
     let mut latency = Vec::with_capacity(runs);
     let mut cpu = Vec::with_capacity(runs);
@@ -165,6 +185,7 @@ pub async fn flow(
         if i == 0 && describe_fleet {
             fleet = Client::json(client.get("/v1/demo/services")).await?;
         }
+        hooks.run(hooks.before_run.as_deref()).await?;
         let conv = client.conversation().await?;
         let before = pid.map(cpu_ns).transpose()?;
         let t0 = Instant::now();
@@ -178,6 +199,7 @@ pub async fn flow(
             bail!("run {} ended with {end}", ran.run_id);
         }
         let after = pid.map(cpu_ns).transpose()?;
+        hooks.run(hooks.after_run.as_deref()).await?;
         latency.push(ms(took));
         if let (Some(b), Some(a)) = (before, after) {
             cpu.push((a - b) as f64 / 1e6);

@@ -127,6 +127,14 @@ enum Scenario {
         /// The server's pid, to read its CPU time around each run.
         #[arg(long)]
         server_pid: Option<u32>,
+        /// A shell command run just before each run (after the re-seeding), waited for: e.g.
+        /// `callgrind_control -z PID`, so a count holds the runs and not what lies between them.
+        #[arg(long)]
+        before_run: Option<String>,
+        /// A shell command run just after each run ends, waited for: e.g.
+        /// `sleep 0.3; callgrind_control -d PID`.
+        #[arg(long)]
+        after_run: Option<String>,
     },
     /// A burst of runs posted through this instance of several sharing a database; the share each
     /// instance ran (each run's `worker`).
@@ -193,8 +201,9 @@ async fn main() -> Result<()> {
                 growth::long_conversation(&client, *turns, content, *window, *server_pid, conversation.as_deref())
                     .await?
             }
-            Scenario::Flow { runs, content, reset_each, no_fleet_summary, server_pid } => {
-                growth::flow(&client, *runs, content, *reset_each, !*no_fleet_summary, *server_pid).await?
+            Scenario::Flow { runs, content, reset_each, no_fleet_summary, server_pid, before_run, after_run } => {
+                let hooks = growth::Hooks { before_run: before_run.clone(), after_run: after_run.clone() };
+                growth::flow(&client, *runs, content, *reset_each, !*no_fleet_summary, *server_pid, &hooks).await?
             }
             Scenario::Spread { runs, concurrency, content } => {
                 spread::spread(&client, *runs, *concurrency, content).await?

@@ -74,6 +74,7 @@ macro_rules! conformance_tests {
             conversation_tool_calls_span_runs,
             the_context_window_starts_after_the_summary,
             messages_through_a_run_are_the_conversation_as_it_stood,
+            the_calls_a_window_answers_come_in_the_order_they_were_made,
             user_roles,
             api_keys_map_hashes_to_users_until_revoked,
             stream_tickets_are_redeemed_once_before_expiry,
@@ -1671,6 +1672,33 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     let other = store.create_conversation("alice", &"other".into(), "ops", at(0)).await.expect("create");
     assert_eq!(store.context_window(&other.id).await.expect("window"), ContextWindow::default());
     assert!(store.recent_messages(&other.id, 10).await.expect("recent").is_empty());
+}
+
+/// The calls a window's tool results answer come in the order they were made, whatever the order
+/// of their results (calls run side by side finish in any order).
+pub async fn the_calls_a_window_answers_come_in_the_order_they_were_made(store: SharedStore) {
+    let conversation = conversation(&store, "alice").await;
+    let run = start(&store, &conversation, at(1)).await.run;
+    // made (and written) in the reverse of their ids' order, which is the order ids are minted in
+    let mut calls: Vec<ToolCall> =
+        (0..5).map(|i| tool_call(&run.id, "get_order", &format!("ord-{i}"), ToolCallState::Succeeded)).collect();
+    calls.reverse();
+    let mut c = Commit::new(run.id.clone(), acquire("w1", RunStatus::Queued, at(60)), at(2));
+    c.run = to(RunStatus::Running);
+    c.tool_calls.extend(calls.iter().cloned().map(ToolCallChange::Insert));
+    commit_ok(&store, c).await;
+    // their results in another order still
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(3));
+    for (i, call) in calls.iter().cycle().skip(2).take(calls.len()).enumerate() {
+        c.messages.push(message(&run, Role::Tool, "{}", Some(&call.id), 3 + i as i64));
+    }
+    commit_ok(&store, c).await;
+
+    let window = store.context_window(&conversation.id).await.expect("window");
+    assert_eq!(window.messages.len(), 6, "the user's message and the five results");
+    assert_eq!(window.tool_calls, calls);
+    let through = store.messages_through_run(&conversation.id, &run.id, 100).await.expect("through");
+    assert_eq!(through.tool_calls, calls);
 }
 
 /// A thread's state after a run: the newest messages up to that run's last one, newest first, with

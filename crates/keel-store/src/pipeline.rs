@@ -340,6 +340,32 @@ static BUMP_CONVERSATION: Sql =
 /// wait, and a promotion that may find nothing to start, bump the version only once they know
 /// their message joins the conversation.
 static LOCK_CONVERSATION: Sql = Sql::new("UPDATE conversations SET version = version WHERE id = $1 RETURNING version");
+static BUMP_CONVERSATION_ONLY: Sql = Sql::new("UPDATE conversations SET version = version + 1 WHERE id = $1");
+static CONVERSATION_VERSION: Sql = Sql::new("SELECT version FROM conversations WHERE id = $1");
+
+/// The conversation's version, one more than before with `bump`. On PostgreSQL the update locks
+/// the row and returns it. On SQLite, whose one writer needs no lock and whose `RETURNING` goes
+/// through a temporary b-tree, the update (when it bumps) and then a read of the version.
+async fn conversation_version<T: Tx>(
+    tx: &mut T,
+    op: &'static str,
+    bump: bool,
+    conversation: &[Arg<'_>],
+) -> StoreResult<i64> {
+    let found = match T::DIALECT {
+        Dialect::Postgres => {
+            let sql = if bump { &BUMP_CONVERSATION } else { &LOCK_CONVERSATION };
+            row(tx, op, sql, conversation, &[Ty::Int]).await?
+        }
+        Dialect::Sqlite => {
+            if bump {
+                execute(tx, op, &BUMP_CONVERSATION_ONLY, conversation).await?;
+            }
+            row(tx, op, &CONVERSATION_VERSION, conversation, &[Ty::Int]).await?
+        }
+    };
+    only(found.ok_or(StoreError::NotFound("conversation"))?)?.int("version")
+}
 static ACTIVE_RUN: Sql = Sql::new(
     "SELECT id FROM runs WHERE conversation_id = $1 \
      AND (status = 'queued' OR status = 'running' OR status = 'interrupted') LIMIT 1",
@@ -400,19 +426,13 @@ pub(crate) async fn start_run<T: Tx>(
 ) -> StoreResult<Option<StartedRun>> {
     let now = T::stored(new.now);
     let conversation = [text(new.conversation_id.as_str())];
-    let lock = if new.enqueue.is_some() { &LOCK_CONVERSATION } else { &BUMP_CONVERSATION };
-    let version =
-        row(tx, "start a run", lock, &conversation, &[Ty::Int]).await?.ok_or(StoreError::NotFound("conversation"))?;
-    let mut version = only(version)?.int("version")?;
+    let mut version = conversation_version(tx, "start a run", new.enqueue.is_none(), &conversation).await?;
     let waits = match (blocking_run_id(tx, &new.conversation_id).await?, &new.enqueue) {
         (Some(blocking), None) => return Err(StoreError::RunActive(blocking)),
         (Some(_), Some(_)) => true,
         (None, Some(_)) => {
             // nothing ahead: it starts now, as a message that would not wait
-            let bumped = row(tx, "start a run", &BUMP_CONVERSATION, &conversation, &[Ty::Int])
-                .await?
-                .ok_or(StoreError::NotFound("conversation"))?;
-            version = only(bumped)?.int("version")?;
+            version = conversation_version(tx, "start a run", true, &conversation).await?;
             false
         }
         (None, None) => false,
@@ -503,9 +523,7 @@ pub(crate) async fn promote<T: Tx>(
 ) -> StoreResult<Option<Promoted>> {
     let now = T::stored(now);
     let conversation = [text(conversation_id.as_str())];
-    row(tx, "promote a waiting run", &LOCK_CONVERSATION, &conversation, &[Ty::Int])
-        .await?
-        .ok_or(StoreError::NotFound("conversation"))?;
+    conversation_version(tx, "promote a waiting run", false, &conversation).await?;
     if active_run_id(tx, conversation_id).await?.is_some() {
         return Ok(None);
     }
@@ -523,10 +541,7 @@ pub(crate) async fn promote<T: Tx>(
         .map_err(|_| StoreError::Backend("column runs.user_message_id: not a message id".into()))?;
     let content = content.opt_text("pending_content")?.unwrap_or_default();
     let first_sequence = next_sequence.int("next_sequence")?;
-    let version = row(tx, "promote a waiting run", &BUMP_CONVERSATION, &conversation, &[Ty::Int])
-        .await?
-        .ok_or(StoreError::NotFound("conversation"))?;
-    let version = only(version)?.int("version")?;
+    let version = conversation_version(tx, "promote a waiting run", true, &conversation).await?;
     let checkpoint = T::encode("checkpoint", &Checkpoint::start(version))?;
     let n = i64::try_from(events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
     let args = [

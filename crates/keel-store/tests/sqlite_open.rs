@@ -259,6 +259,12 @@ async fn the_constraints_refuse_bad_values_without_temporary_btrees() {
          (SELECT id FROM runs WHERE conversation_id = ?1 AND status = 'waiting' ORDER BY created_at, id LIMIT 1))",
         "UPDATE runs SET status = 'queued', pending_content = NULL, next_sequence = next_sequence + ?1, \
          checkpoint = ?1, updated_at = ?1 WHERE id = ?1 AND status = 'waiting'",
+        // a new message's conversation version (SQLite's `RETURNING` goes through one), a run's
+        // interrupts, and the calls a context's tool results answer
+        "UPDATE conversations SET version = version + 1 WHERE id = ?1",
+        "SELECT version FROM conversations WHERE id = ?1",
+        "SELECT * FROM interrupts WHERE run_id = ?1",
+        "SELECT * FROM tool_calls WHERE id = ?1",
     ];
     for sql in writes {
         let mut explain = raw.prepare(&format!("EXPLAIN {sql}")).expect("explain");
@@ -275,6 +281,9 @@ async fn the_constraints_refuse_bad_values_without_temporary_btrees() {
     .expect("a valid run");
     let refused = [
         "UPDATE runs SET status = 'paused' WHERE id = 'r'",
+        // Keel's writer skips the checks (its values are typed in Rust); any other writer is held
+        // to them
+        "UPDATE runs SET checkpoint = '{not json' WHERE id = 'r'",
         "INSERT INTO messages (id, conversation_id, run_id, role, content, created_at) VALUES ('m', 'c', 'r', 'system', '', 'now')",
         "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state) VALUES ('t', 'r', 'c', 'n', '{}', 'done')",
         "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at) \

@@ -146,8 +146,29 @@ fn read_run(c: &rusqlite::Connection, id: &RunId) -> StoreResult<Option<Run>> {
 }
 
 fn read_interrupts(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
-    let sql = "SELECT * FROM interrupts WHERE run_id = ? ORDER BY created_at, id";
-    many(c, "list interrupts", sql, [run_id.as_str()], interrupt_from)
+    // Sorted here, not by an `ORDER BY`: the index on (run_id, status, created_at) gives the rows in
+    // another order, and SQLite would sort them through a temporary b-tree (a run has a handful).
+    let sql = "SELECT * FROM interrupts WHERE run_id = ?";
+    let mut interrupts = many(c, "list interrupts", sql, [run_id.as_str()], interrupt_from)?;
+    interrupts.sort_unstable_by(|a, b| (a.created_at, a.id.as_str()).cmp(&(b.created_at, b.id.as_str())));
+    Ok(interrupts)
+}
+
+/// The calls whose results `messages` hold, in the order they were made (`seq`). Looked up one by
+/// one by id: `id IN (SELECT … FROM messages …) ORDER BY seq` ran through two temporary b-trees
+/// (the list, then the sort), each a page allocated and zeroed, at every model call.
+fn answered_calls(c: &rusqlite::Connection, op: &'static str, messages: &[Message]) -> StoreResult<Vec<ToolCall>> {
+    let mut ids: Vec<&str> = messages.iter().filter_map(|m| m.tool_call_id.as_ref().map(|id| id.as_str())).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    let mut calls = Vec::with_capacity(ids.len());
+    for id in ids {
+        let sql = "SELECT * FROM tool_calls WHERE id = ?";
+        let found = one(c, op, sql, [id], |r| Ok((Cols::new(r, "tool_calls").get::<i64>("seq")?, tool_call_from(r)?)))?;
+        calls.extend(found);
+    }
+    calls.sort_unstable_by_key(|(seq, _)| *seq);
+    Ok(calls.into_iter().map(|(_, call)| call).collect())
 }
 
 fn read_tool_calls(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
@@ -808,16 +829,7 @@ impl ConversationStore for SqliteStore {
                      ORDER BY seq DESC LIMIT ?3";
                 let args = params![conversation_id.as_str(), run_id.as_str(), i64::from(limit)];
                 let messages = many(c, "list the messages through a run", WINDOW, args, message_from)?;
-                let tool_calls = many(
-                    c,
-                    "list the tool calls through a run",
-                    &format!(
-                        "SELECT * FROM tool_calls WHERE id IN \
-                         (SELECT tool_call_id FROM ({WINDOW}) WHERE tool_call_id IS NOT NULL) ORDER BY seq"
-                    ),
-                    args,
-                    tool_call_from,
-                )?;
+                let tool_calls = answered_calls(c, "list the tool calls through a run", &messages)?;
                 Ok(MessagesThrough { messages, tool_calls })
             })
             .await
@@ -855,15 +867,7 @@ impl ConversationStore for SqliteStore {
                     params![conversation, after],
                     message_from,
                 )?;
-                let tool_calls = many(
-                    c,
-                    "list the context's tool calls",
-                    "SELECT * FROM tool_calls WHERE id IN \
-                     (SELECT tool_call_id FROM messages WHERE conversation_id = ? AND seq > ? AND tool_call_id IS NOT NULL) \
-                     ORDER BY seq",
-                    params![conversation, after],
-                    tool_call_from,
-                )?;
+                let tool_calls = answered_calls(c, "list the context's tool calls", &messages)?;
                 let facts = many(
                     c,
                     "list facts",
