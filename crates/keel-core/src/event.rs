@@ -214,15 +214,46 @@ impl EventKind {
     }
 
     /// [`EventKind::to_data`] as JSON text, written straight from the event: serde writes the `type`
-    /// tag first, and it is cut from the front (no intermediate `Value`).
+    /// tag first, and it is cut from the front, in place (no intermediate `Value`, no copy).
     pub fn to_data_text(&self) -> Result<String, serde_json::Error> {
-        let text = serde_json::to_string(self)?;
-        let tag = format!("{{\"type\":\"{}\"", self.type_name());
-        match text.strip_prefix(tag.as_str()) {
-            Some(rest) if rest.starts_with(',') => Ok(format!("{{{}", &rest[1..])),
-            Some("}") => Ok("{}".to_owned()),
+        let mut text = serde_json::to_string(self)?;
+        // `{"type":"<name>"` then `,` and the fields, or `}`
+        let name = self.type_name();
+        let tag = "{\"type\":\"".len() + name.len() + 1;
+        let tagged = text.starts_with("{\"type\":\"")
+            && text.get(9..tag - 1) == Some(name)
+            && text.as_bytes().get(tag - 1) == Some(&b'"');
+        match text.as_bytes().get(tag) {
+            Some(b',') if tagged => {
+                text.replace_range(1..=tag, "");
+                Ok(text)
+            }
+            Some(b'}') if tagged => Ok("{}".to_owned()),
             _ => serde_json::to_string(&self.to_data()),
         }
+    }
+
+    /// Rebuilds an event from its stored type and data text (as [`EventKind::to_data_text`] wrote
+    /// it): the tag is put back in front of the fields and the text parsed once, with no
+    /// intermediate `Value`.
+    pub fn from_data_text(type_name: &str, data: &str) -> Result<Self, serde_json::Error> {
+        use serde::de::Error as _;
+        if type_name.is_empty() || !type_name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+            return Err(serde_json::Error::custom(format_args!("unknown event type `{type_name}`")));
+        }
+        let fields = data
+            .trim_start()
+            .strip_prefix('{')
+            .ok_or_else(|| serde_json::Error::custom("an event's data is not a JSON object"))?;
+        let mut text = String::with_capacity(data.len() + type_name.len() + 12);
+        text.push_str("{\"type\":\"");
+        text.push_str(type_name);
+        text.push('"');
+        if !fields.trim_start().starts_with('}') {
+            text.push(',');
+        }
+        text.push_str(fields);
+        serde_json::from_str(&text)
     }
 
     /// Rebuilds an event from its stored type and data.

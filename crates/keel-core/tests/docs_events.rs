@@ -36,6 +36,7 @@ fn every_event_example_parses_and_every_type_has_one() {
         let data: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
         assert_eq!(data, event.kind.to_data(), "stored data of {}", event.type_name());
         assert_eq!(EventKind::from_parts(event.type_name(), &data).unwrap(), event.kind);
+        assert_eq!(EventKind::from_data_text(event.type_name(), &text).unwrap(), event.kind);
         seen.insert(event.type_name());
     }
     let all: BTreeSet<&str> = EventKind::TYPES.iter().copied().collect();

@@ -177,6 +177,43 @@ async fn the_wal_is_checkpointed_while_the_store_is_open() {
     assert_eq!(store.list_conversations("alice", 1000).await.expect("list").len(), 300);
 }
 
+/// A checkpoint that a reader held back is tried again though nothing new is written: the
+/// checkpointer skips a tick only when the writer committed nothing since a checkpoint that copied
+/// the whole WAL.
+#[tokio::test]
+async fn a_checkpoint_a_reader_held_back_is_done_once_it_lets_go() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    store.create_conversation("alice", &"first".into(), "ops", now()).await.expect("create");
+    // a reader whose snapshot is older than the writes below: no checkpoint can copy them
+    let reader = rusqlite::Connection::open(&path).expect("raw connection");
+    reader.execute_batch("BEGIN").expect("begin");
+    let seen: i64 = reader.query_row("SELECT count(*) FROM conversations", [], |r| r.get(0)).expect("read");
+    assert_eq!(seen, 1);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let before = std::fs::metadata(&path).expect("db file").len();
+    for i in 0..300 {
+        store.create_conversation("alice", &"x".repeat(1000 + i).into(), "ops", now()).await.expect("create");
+    }
+    // checkpoints come and copy nothing past the reader's snapshot
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(std::fs::metadata(&path).expect("db file").len() < before + 200 * 1024, "copied past a live reader");
+    reader.execute_batch("COMMIT").expect("end the read");
+    drop(reader);
+    // no write since: the next checkpoints copy the rest all the same
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let after = std::fs::metadata(&path).expect("db file").len();
+        if after > before + 200 * 1024 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the database file stayed at {after} bytes (was {before})");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(store.list_conversations("alice", 1000).await.expect("list").len(), 301);
+}
+
 /// Closing checkpoints the whole WAL: afterwards the -wal file is gone (or empty), and a copy of
 /// the database file alone holds every row. Many rounds, each closing right after its last write,
 /// while the checkpointer is busy (the race that used to lose).

@@ -142,7 +142,11 @@ impl SqliteStore {
 // Reads a store method makes alone, and `answer_view` makes together in one read.
 
 fn read_run(c: &rusqlite::Connection, id: &RunId) -> StoreResult<Option<Run>> {
-    one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id.as_str()], run_from)
+    read_run_row(c, id.as_str())
+}
+
+fn read_run_row(c: &rusqlite::Connection, id: &str) -> StoreResult<Option<Run>> {
+    one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id], run_from)
 }
 
 fn read_interrupts(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
@@ -330,25 +334,36 @@ impl RunStore for SqliteStore {
         limit: u32,
     ) -> StoreResult<Vec<Run>> {
         let (owner, worker) = (owner.to_owned(), lease_holder(owner).to_owned());
-        let mut runs = self
+        let runs = self
             .db
             .write(move |c| {
-                many(
+                // The claimable runs are read first, then each is updated and read back, all in the
+                // writer's transaction (no other write comes between). One `UPDATE … WHERE id IN
+                // (…) RETURNING *` went through three temporary b-trees at every sweep, once a
+                // second, whether or not it found a run; an idle sweep is now one indexed read.
+                let now = ts(&now);
+                let ids: Vec<String> = many(
                     c,
                     "claim runs",
-                    "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, updated_at = ?3, \
-                     worker = ?6 \
-                     WHERE id IN (SELECT id FROM runs \
-                         WHERE (status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
-                            OR lease_expires_at IS NULL OR lease_expires_at <= ?3 OR ?4) \
-                         ORDER BY created_at, id LIMIT ?5) \
-                     RETURNING *",
-                    params![owner, ts(&lease_until), ts(&now), steal, i64::from(limit), worker],
-                    run_from,
-                )
+                    "SELECT id FROM runs WHERE (status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
+                     OR lease_expires_at IS NULL OR lease_expires_at <= ?1 OR ?2) ORDER BY created_at, id LIMIT ?3",
+                    params![now, steal, i64::from(limit)],
+                    |r| Cols::new(r, "runs").get("id"),
+                )?;
+                let mut runs = Vec::with_capacity(ids.len());
+                for id in &ids {
+                    exec(
+                        c,
+                        "claim runs",
+                        "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, \
+                         updated_at = ?3, worker = ?4 WHERE id = ?5",
+                        params![owner, ts(&lease_until), now, worker, id],
+                    )?;
+                    runs.extend(read_run_row(c, id)?);
+                }
+                Ok(runs)
             })
             .await?;
-        runs.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
         Ok(runs)
     }
 

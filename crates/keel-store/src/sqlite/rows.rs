@@ -265,8 +265,8 @@ pub fn run_from(row: &Row<'_>) -> StoreResult<Run> {
 pub fn event_from(run_id: &RunId, row: &Row<'_>) -> StoreResult<Event> {
     let c = Cols::new(row, "run_events");
     let type_name: String = c.get("type")?;
-    let data: Value = c.json("data")?;
-    let kind = EventKind::from_parts(&type_name, &data).map_err(|e| c.bad("data", json_error(&e)))?;
+    let data: String = c.get("data")?;
+    let kind = EventKind::from_data_text(&type_name, &data).map_err(|e| c.bad("data", json_error(&e)))?;
     Ok(Event { kind, run_id: run_id.clone(), sequence: c.get("sequence")?, ts: c.ts("created_at")? })
 }
 
