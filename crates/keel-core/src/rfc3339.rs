@@ -78,6 +78,41 @@ pub fn format(t: &Timestamp, fraction: Fraction) -> Text {
     Text::Short { bytes, len: len + 1 }
 }
 
+/// A timestamp from RFC 3339 text, as chrono's `DateTime::parse_from_rfc3339` reads it (in UTC).
+/// The form Keel writes (`YYYY-MM-DDTHH:MM:SS[.fraction]Z`) is read digit by digit; any other
+/// (an offset, a leap second, a lowercase `t`, an error) is left to chrono, which also words the
+/// error. Every timestamp SQLite returns is read here.
+pub fn parse(text: &str) -> Result<Timestamp, chrono::ParseError> {
+    match parse_utc(text.as_bytes()) {
+        Some(t) => Ok(t),
+        None => chrono::DateTime::parse_from_rfc3339(text).map(|t| t.with_timezone(&chrono::Utc)),
+    }
+}
+
+fn parse_utc(b: &[u8]) -> Option<Timestamp> {
+    let digits = |range: std::ops::Range<usize>| -> Option<u32> {
+        b.get(range)?.iter().try_fold(0u32, |n, &c| c.is_ascii_digit().then(|| n * 10 + u32::from(c - b'0')))
+    };
+    let at = |i: usize, c: u8| b.get(i) == Some(&c);
+    if !(at(4, b'-') && at(7, b'-') && at(10, b'T') && at(13, b':') && at(16, b':')) || b.last() != Some(&b'Z') {
+        return None;
+    }
+    let (year, month, day) = (digits(0..4)?, digits(5..7)?, digits(8..10)?);
+    let (hour, minute, second) = (digits(11..13)?, digits(14..16)?, digits(17..19)?);
+    let nanos = match &b[19..b.len() - 1] {
+        [] => 0,
+        [b'.', fraction @ ..] if (1..=9).contains(&fraction.len()) => {
+            digits(20..20 + fraction.len())? * 10u32.pow(9 - fraction.len() as u32)
+        }
+        _ => return None,
+    };
+    if second > 59 {
+        return None;
+    }
+    let date = chrono::NaiveDate::from_ymd_opt(i32::try_from(year).ok()?, month, day)?;
+    Some(date.and_hms_nano_opt(hour, minute, second, nanos)?.and_utc())
+}
+
 /// For `#[serde(serialize_with)]`: the text chrono's `Serialize` writes, without its formatter.
 pub fn serialize<S: Serializer>(t: &Timestamp, serializer: S) -> Result<S::Ok, S::Error> {
     serializer.serialize_str(format(t, Fraction::Auto).as_str())
@@ -108,6 +143,54 @@ mod tests {
             let (auto, fixed) = (format(&t, Fraction::Auto), format(&t, Fraction::Nanos));
             proptest::prop_assert_eq!(format!("\"{}\"", auto.as_str()), serde_json::to_string(&t).unwrap());
             proptest::prop_assert_eq!(fixed.as_str(), t.to_rfc3339_opts(SecondsFormat::Nanos, true));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_text_reads_back_as_its_time(
+            secs in -62_135_596_800i64..253_402_300_800,
+            nanos in 0u32..1_000_000_000,
+        ) {
+            let t = at(secs, nanos);
+            for fraction in [Fraction::Auto, Fraction::Nanos] {
+                proptest::prop_assert_eq!(parse(format(&t, fraction).as_str()), Ok(t));
+            }
+        }
+
+        #[test]
+        fn a_text_reads_as_chrono_reads_it(
+            text in "[0-9]{4}-[0-9]{2}-[0-9]{2}[Tt ][0-9]{2}:[0-9]{2}:[0-9]{2}(\\.[0-9]{0,11})?(Z|z|[+-][0-9]{2}:[0-9]{2}|)",
+        ) {
+            let chrono = chrono::DateTime::parse_from_rfc3339(&text).map(|t| t.with_timezone(&chrono::Utc));
+            proptest::prop_assert_eq!(parse(&text), chrono);
+        }
+    }
+
+    #[test]
+    fn texts_at_the_edges_read_as_chrono_reads_them() {
+        for text in [
+            "2030-01-01T12:00:00Z",
+            "2030-01-01T12:00:00.1Z",
+            "2030-01-01T12:00:00.123456789Z",
+            "2030-01-01T12:00:00.1234567891Z",
+            "2030-01-01T12:00:00.Z",
+            "2030-02-29T12:00:00Z",
+            "2028-02-29T23:59:59.999999999Z",
+            "2030-01-01T23:59:60Z",
+            "2030-01-01T24:00:00Z",
+            "2030-13-01T00:00:00Z",
+            "0000-01-01T00:00:00Z",
+            "9999-12-31T23:59:59Z",
+            "2030-01-01T12:00:00+02:00",
+            "2030-01-01t12:00:00z",
+            "2030-01-01T12:00:00",
+            "2030-1-01T12:00:00Z",
+            "",
+            "Z",
+        ] {
+            let chrono = chrono::DateTime::parse_from_rfc3339(text).map(|t| t.with_timezone(&chrono::Utc));
+            assert_eq!(parse(text), chrono, "{text:?}");
         }
     }
 

@@ -333,6 +333,26 @@ impl RunStore for SqliteStore {
         steal: bool,
         limit: u32,
     ) -> StoreResult<Vec<Run>> {
+        // Most claims (a sweep every second) find nothing: a read says so, and the writer's
+        // transaction (its write lock, a `BEGIN` and a `COMMIT`) is taken only when there may be
+        // runs to claim. The write checks again, in its transaction.
+        let (at, until) = (ts(&now), ts(&lease_until));
+        let claimable = self
+            .db
+            .read(move |c| {
+                one(
+                    c,
+                    "claim runs",
+                    "SELECT 1 FROM runs WHERE (status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
+                     OR lease_expires_at IS NULL OR lease_expires_at <= ?1 OR ?2) LIMIT 1",
+                    params![at, steal],
+                    |_| Ok(()),
+                )
+            })
+            .await?;
+        if claimable.is_none() || limit == 0 {
+            return Ok(Vec::new());
+        }
         let (owner, worker) = (owner.to_owned(), lease_holder(owner).to_owned());
         let runs = self
             .db
@@ -342,6 +362,7 @@ impl RunStore for SqliteStore {
                 // (…) RETURNING *` went through three temporary b-trees at every sweep, once a
                 // second, whether or not it found a run; an idle sweep is now one indexed read.
                 let now = ts(&now);
+                let lease_until = until.as_str();
                 let ids: Vec<String> = many(
                     c,
                     "claim runs",
@@ -357,7 +378,7 @@ impl RunStore for SqliteStore {
                         "claim runs",
                         "UPDATE runs SET status = 'running', lease_owner = ?1, lease_expires_at = ?2, \
                          updated_at = ?3, worker = ?4 WHERE id = ?5",
-                        params![owner, ts(&lease_until), now, worker, id],
+                        params![owner, lease_until, now, worker, id],
                     )?;
                     runs.extend(read_run_row(c, id)?);
                 }

@@ -4,7 +4,6 @@
 use std::cell::Cell;
 use std::str::FromStr;
 
-use chrono::{DateTime, Utc};
 use keel_core::domain::{
     Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role, Run, RunStatus,
     StreamTicket, Summary, TicketScope, Timestamp, ToolCall, ToolCallState, User, UserRole,
@@ -145,7 +144,7 @@ impl<'a, 'r> Cols<'a, 'r> {
     }
 
     fn parse_ts(&self, col: &str, s: &str) -> StoreResult<Timestamp> {
-        DateTime::parse_from_rfc3339(s).map(|t| t.with_timezone(&Utc)).map_err(|e| self.bad(col, e))
+        keel_core::rfc3339::parse(s).map_err(|e| self.bad(col, e))
     }
 
     pub fn json<T: DeserializeOwned>(&self, col: &str) -> StoreResult<T> {
