@@ -578,7 +578,9 @@ pub struct ContextWindow {
     pub summary: Option<Summary>,
     /// In the order they were written.
     pub messages: Vec<Message>,
-    /// In the order they were requested.
+    /// In the order they were requested; without their results (`result` is `None`): the context
+    /// gives the model each result as its tool message, and a result, which can be large, is not
+    /// read and parsed again at every step.
     pub tool_calls: Vec<ToolCall>,
     /// By key.
     pub facts: Vec<Fact>,

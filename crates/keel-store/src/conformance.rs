@@ -19,6 +19,7 @@ use keel_core::domain::{
 };
 use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
+use keel_core::mask::Masked;
 use keel_core::store::{
     AnswerView, Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough,
     NewLease, NewRun, PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend,
@@ -1621,6 +1622,11 @@ async fn two_turns(store: &SharedStore, facts: Vec<Fact>) -> TwoTurns {
     TwoTurns { conversation, first, user_1, a, result_a, answer_1, second, user_2, b, result_b }
 }
 
+/// A call as the context window reads it: without its result (its tool message holds it).
+fn without_result(call: &ToolCall) -> ToolCall {
+    ToolCall { result: None, ..call.clone() }
+}
+
 /// The context's read: every message while there is no summary; once there is one, only the
 /// messages after the last it covers and the calls those answer; the facts either way. And the
 /// two other bounded message reads: a conversation's latest messages, a run's messages.
@@ -1639,7 +1645,7 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
         vec![user_1.clone(), result_a.clone(), answer_1.clone(), user_2.clone(), result_b.clone()],
         "no summary: every message"
     );
-    assert_eq!(window.tool_calls, vec![a.clone(), b.clone()]);
+    assert_eq!(window.tool_calls, vec![without_result(&a), without_result(&b)], "the calls, not their results");
     let facts = vec![
         fact("customer", "cus-7", FactSource::UserConfirmed, at(4)),
         fact("order", "ord-2", FactSource::ToolResult, at(4)),
@@ -1658,7 +1664,7 @@ pub async fn the_context_window_starts_after_the_summary(store: SharedStore) {
     let window = store.context_window(&conversation.id).await.expect("window");
     assert_eq!(window.summary, Some(summary));
     assert_eq!(window.messages, vec![user_2.clone(), result_b.clone()]);
-    assert_eq!(window.tool_calls, vec![b.clone()], "only the calls the window's results answer");
+    assert_eq!(window.tool_calls, vec![without_result(&b)], "only the calls the window's results answer");
     assert_eq!(window.facts, facts);
 
     // the latest messages that are not tool results, in order; a run's own messages
@@ -1680,8 +1686,12 @@ pub async fn the_calls_a_window_answers_come_in_the_order_they_were_made(store: 
     let conversation = conversation(&store, "alice").await;
     let run = start(&store, &conversation, at(1)).await.run;
     // made (and written) in the reverse of their ids' order, which is the order ids are minted in
-    let mut calls: Vec<ToolCall> =
-        (0..5).map(|i| tool_call(&run.id, "get_order", &format!("ord-{i}"), ToolCallState::Succeeded)).collect();
+    let mut calls: Vec<ToolCall> = (0..5)
+        .map(|i| ToolCall {
+            result: Some(Masked::new(json!({"order": format!("ord-{i}"), "status": "late"}))),
+            ..tool_call(&run.id, "get_order", &format!("ord-{i}"), ToolCallState::Succeeded)
+        })
+        .collect();
     calls.reverse();
     let mut c = Commit::new(run.id.clone(), acquire("w1", RunStatus::Queued, at(60)), at(2));
     c.run = to(RunStatus::Running);
@@ -1696,9 +1706,13 @@ pub async fn the_calls_a_window_answers_come_in_the_order_they_were_made(store: 
 
     let window = store.context_window(&conversation.id).await.expect("window");
     assert_eq!(window.messages.len(), 6, "the user's message and the five results");
-    assert_eq!(window.tool_calls, calls);
+    assert_eq!(
+        window.tool_calls,
+        calls.iter().map(without_result).collect::<Vec<_>>(),
+        "the calls, in order, without their results (their tool messages hold them)"
+    );
     let through = store.messages_through_run(&conversation.id, &run.id, 100).await.expect("through");
-    assert_eq!(through.tool_calls, calls);
+    assert_eq!(through.tool_calls, calls, "a thread's state has the results");
 }
 
 /// A thread's state after a run: the newest messages up to that run's last one, newest first, with

@@ -531,8 +531,9 @@ type Column = (&'static str, &'static str);
 /// own, and NULL of that type for the others. The rows of each table are then read by that
 /// table's row reader, by name, as it reads the table's own rows. (Statements sent at once cost
 /// the database its per-statement work each, on as many connections.)
-fn union_sql(parts: &[(u8, &str, &[Column], &str)], order: &str) -> String {
-    let mut columns: Vec<Column> = Vec::new();
+fn union_sql(parts: &[(u8, &str, &[Column], &str)], nulls: &[Column], order: &str) -> String {
+    // `nulls`: columns a reader takes that no part reads (NULL in every row)
+    let mut columns: Vec<Column> = nulls.to_vec();
     for (_, _, has, _) in parts {
         for column in *has {
             match columns.iter().find(|(name, _)| *name == column.0) {
@@ -559,6 +560,21 @@ fn union_sql(parts: &[(u8, &str, &[Column], &str)], order: &str) -> String {
         .collect();
     format!("{} ORDER BY {order}", parts.join(" UNION ALL "))
 }
+
+/// The columns [`tool_call_from`] takes, but the result (NULL in the context's rows: each result is
+/// in its tool message already, and can be large).
+const TOOL_CALL_COLUMNS_BUT_RESULT: [Column; 10] = [
+    ("seq", "bigint"),
+    ("id", "text"),
+    ("run_id", "text"),
+    ("name", "text"),
+    ("args", "jsonb"),
+    ("state", "text"),
+    ("summary", "text"),
+    ("attempts", "integer"),
+    ("started_at", "timestamptz"),
+    ("finished_at", "timestamptz"),
+];
 
 /// The columns [`tool_call_from`] takes.
 const TOOL_CALL_COLUMNS: [Column; 11] = [
@@ -605,9 +621,10 @@ fn context_window_sql() -> &'static str {
             &[
                 (0, "summaries", summary, "t.conversation_id = $1"),
                 (1, "messages", message, &messages),
-                (2, "tool_calls", &TOOL_CALL_COLUMNS, &calls),
+                (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, &calls),
                 (3, "facts", fact, "t.conversation_id = $1"),
             ],
+            &[("result", "jsonb")],
             "k, seq, key",
         )
     })
@@ -658,6 +675,7 @@ fn answer_view_sql() -> &'static str {
                 (2, "tool_calls", &TOOL_CALL_COLUMNS, "t.run_id = $1"),
                 (3, "users", &[("role", "text")], "t.id = $2"),
             ],
+            &[],
             "k, seq, created_at, id",
         )
     })

@@ -158,16 +158,27 @@ fn read_interrupts(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<
     Ok(interrupts)
 }
 
-/// The calls whose results `messages` hold, in the order they were made (`seq`). Looked up one by
+/// The calls whose results `messages` hold, in the order they were made (`seq`); `with_results`
+/// or without them (the context's: each result is in its tool message already). Looked up one by
 /// one by id: `id IN (SELECT … FROM messages …) ORDER BY seq` ran through two temporary b-trees
 /// (the list, then the sort), each a page allocated and zeroed, at every model call.
-fn answered_calls(c: &rusqlite::Connection, op: &'static str, messages: &[Message]) -> StoreResult<Vec<ToolCall>> {
+fn answered_calls(
+    c: &rusqlite::Connection,
+    op: &'static str,
+    messages: &[Message],
+    with_results: bool,
+) -> StoreResult<Vec<ToolCall>> {
     let mut ids: Vec<&str> = messages.iter().filter_map(|m| m.tool_call_id.as_ref().map(|id| id.as_str())).collect();
     ids.sort_unstable();
     ids.dedup();
     let mut calls = Vec::with_capacity(ids.len());
+    let sql = if with_results {
+        "SELECT * FROM tool_calls WHERE id = ?"
+    } else {
+        "SELECT seq, id, run_id, name, args, state, NULL AS result, summary, attempts, started_at, finished_at \
+         FROM tool_calls WHERE id = ?"
+    };
     for id in ids {
-        let sql = "SELECT * FROM tool_calls WHERE id = ?";
         let found = one(c, op, sql, [id], |r| Ok((Cols::new(r, "tool_calls").get::<i64>("seq")?, tool_call_from(r)?)))?;
         calls.extend(found);
     }
@@ -865,7 +876,7 @@ impl ConversationStore for SqliteStore {
                      ORDER BY seq DESC LIMIT ?3";
                 let args = params![conversation_id.as_str(), run_id.as_str(), i64::from(limit)];
                 let messages = many(c, "list the messages through a run", WINDOW, args, message_from)?;
-                let tool_calls = answered_calls(c, "list the tool calls through a run", &messages)?;
+                let tool_calls = answered_calls(c, "list the tool calls through a run", &messages, true)?;
                 Ok(MessagesThrough { messages, tool_calls })
             })
             .await
@@ -903,7 +914,7 @@ impl ConversationStore for SqliteStore {
                     params![conversation, after],
                     message_from,
                 )?;
-                let tool_calls = answered_calls(c, "list the context's tool calls", &messages)?;
+                let tool_calls = answered_calls(c, "list the context's tool calls", &messages, false)?;
                 let facts = many(
                     c,
                     "list facts",
