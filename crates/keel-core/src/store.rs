@@ -301,7 +301,9 @@ pub struct AnswerView {
     pub run: Option<Run>,
     /// The run's interrupts, oldest first.
     pub interrupts: Vec<Interrupt>,
-    /// The run's tool calls, in order.
+    /// The run's tool calls, in order, without their results (`result` is `None`): an answer
+    /// acts on the calls it is asked about, which have none yet, and a finished call's result can
+    /// be large.
     pub tool_calls: Vec<ToolCall>,
     /// The role stored for the user (`None`: none is).
     pub role: Option<UserRole>,

@@ -561,8 +561,8 @@ fn union_sql(parts: &[(u8, &str, &[Column], &str)], nulls: &[Column], order: &st
     format!("{} ORDER BY {order}", parts.join(" UNION ALL "))
 }
 
-/// The columns [`tool_call_from`] takes, but the result (NULL in the context's rows: each result is
-/// in its tool message already, and can be large).
+/// The columns [`tool_call_from`] takes, but the result (NULL in the rows of the context and of an
+/// answer's view, which use none: a result can be large, and is in its tool message already).
 const TOOL_CALL_COLUMNS_BUT_RESULT: [Column; 10] = [
     ("seq", "bigint"),
     ("id", "text"),
@@ -570,21 +570,6 @@ const TOOL_CALL_COLUMNS_BUT_RESULT: [Column; 10] = [
     ("name", "text"),
     ("args", "jsonb"),
     ("state", "text"),
-    ("summary", "text"),
-    ("attempts", "integer"),
-    ("started_at", "timestamptz"),
-    ("finished_at", "timestamptz"),
-];
-
-/// The columns [`tool_call_from`] takes.
-const TOOL_CALL_COLUMNS: [Column; 11] = [
-    ("seq", "bigint"),
-    ("id", "text"),
-    ("run_id", "text"),
-    ("name", "text"),
-    ("args", "jsonb"),
-    ("state", "text"),
-    ("result", "jsonb"),
     ("summary", "text"),
     ("attempts", "integer"),
     ("started_at", "timestamptz"),
@@ -672,10 +657,10 @@ fn answer_view_sql() -> &'static str {
             &[
                 (0, "runs", run, "t.id = $1"),
                 (1, "interrupts", interrupt, "t.run_id = $1"),
-                (2, "tool_calls", &TOOL_CALL_COLUMNS, "t.run_id = $1"),
+                (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, "t.run_id = $1"),
                 (3, "users", &[("role", "text")], "t.id = $2"),
             ],
-            &[],
+            &[("result", "jsonb")],
             "k, seq, created_at, id",
         )
     })

@@ -697,6 +697,24 @@ pub(super) fn tool_message(run: &Run, call_id: &CallId, result: &Masked<Value>, 
     }
 }
 
+/// The length of `value`'s JSON text, counted as serde_json writes it (nothing is kept).
+fn serialized_len(value: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += buf.len();
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    // writing into a counter cannot fail, and a `Value` always serializes
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
 /// `name(key=value, …)`-style, masked and short.
 pub(super) fn args_summary(args: &Masked<Value>) -> Masked<String> {
     let text = match args.as_object() {
@@ -714,10 +732,11 @@ pub(super) fn args_summary(args: &Masked<Value>) -> Masked<String> {
 /// its total size and the start of its text, so neither the store, the context nor an event grows
 /// with what a tool returns.
 pub fn bound_result(result: Value, max_bytes: usize) -> Value {
-    let text = result.to_string();
-    if text.len() <= max_bytes {
+    // Counted, not written out: most results fit, and need no text here.
+    if serialized_len(&result) <= max_bytes {
         return result;
     }
+    let text = result.to_string();
     let marker = |end: usize| {
         json!({
             "truncated": true,
@@ -760,5 +779,21 @@ mod tests {
         let multibyte = json!({"text": "错".repeat(3000)});
         let cut = bound_result(multibyte, 1000);
         assert!(cut["preview"].as_str().is_some());
+    }
+
+    #[test]
+    fn a_result_exactly_at_the_limit_is_kept_whole() {
+        for value in [
+            json!(null),
+            json!({"a": [1, 2.5, "x\"y\\z\n\u{1}"], "错": {"b": true}}),
+            json!({"items": (0..300).map(|i| format!("item-{i}")).collect::<Vec<_>>()}),
+        ] {
+            let len = value.to_string().len();
+            assert_eq!(serialized_len(&value), len);
+            assert_eq!(bound_result(value.clone(), len), value);
+            if len > 300 {
+                assert_eq!(bound_result(value.clone(), len - 1)["truncated"], true);
+            }
+        }
     }
 }

@@ -589,7 +589,14 @@ impl RunStore for SqliteStore {
                 Ok(AnswerView {
                     run: read_run(c, &run_id)?,
                     interrupts: read_interrupts(c, &run_id)?,
-                    tool_calls: read_tool_calls(c, &run_id)?,
+                    tool_calls: many(
+                        c,
+                        "list tool calls",
+                        "SELECT seq, id, run_id, name, args, state, NULL AS result, summary, attempts, started_at, \
+                         finished_at FROM tool_calls WHERE run_id = ? ORDER BY seq",
+                        [run_id.as_str()],
+                        tool_call_from,
+                    )?,
                     role: read_role(c, &user_id)?,
                 })
             })
