@@ -153,6 +153,20 @@ async fn a_closed_store_answers_with_errors() {
     assert!(matches!(clone.list_conversations("alice", 10).await, Err(StoreError::Backend(_))));
 }
 
+/// Waits (up to 10 s) until the database file is larger than `size` bytes: a checkpoint copied the
+/// WAL into it.
+async fn the_file_grows_past(path: &std::path::Path, size: u64) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = std::fs::metadata(path).expect("db file").len();
+        if now > size {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the database file stayed at {now} bytes (waited for {size})");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// The writer never checkpoints; the checkpointer thread copies the WAL into the database file on
 /// its own, so the file grows (and the WAL stays bounded) while the store is open.
 #[tokio::test]
@@ -165,15 +179,7 @@ async fn the_wal_is_checkpointed_while_the_store_is_open() {
         store.create_conversation("alice", &"x".repeat(1000 + i).into(), "ops", now()).await.expect("create");
     }
     // a few checkpoint periods
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let after = std::fs::metadata(&path).expect("db file").len();
-        if after > before + 200 * 1024 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the database file stayed at {after} bytes (was {before})");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    the_file_grows_past(&path, before + 200 * 1024).await;
     assert_eq!(store.list_conversations("alice", 1000).await.expect("list").len(), 300);
 }
 
@@ -202,15 +208,7 @@ async fn a_checkpoint_a_reader_held_back_is_done_once_it_lets_go() {
     reader.execute_batch("COMMIT").expect("end the read");
     drop(reader);
     // no write since: the next checkpoints copy the rest all the same
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let after = std::fs::metadata(&path).expect("db file").len();
-        if after > before + 200 * 1024 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the database file stayed at {after} bytes (was {before})");
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    the_file_grows_past(&path, before + 200 * 1024).await;
     assert_eq!(store.list_conversations("alice", 1000).await.expect("list").len(), 301);
 }
 
