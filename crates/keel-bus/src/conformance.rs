@@ -25,12 +25,12 @@ pub const DEADLINE: Duration = Duration::from_secs(10);
 
 /// A text delta of `run_id` with `sequence`.
 pub fn event(run_id: &RunId, sequence: i64) -> Event {
-    Event {
-        kind: EventKind::TextDelta { message_id: MessageId::new(), delta: format!("delta {sequence} of {run_id}") },
-        run_id: run_id.clone(),
+    Event::new(
+        EventKind::TextDelta { message_id: MessageId::new(), delta: format!("delta {sequence} of {run_id}") },
+        run_id.clone(),
         sequence,
-        ts: chrono::Utc::now(),
-    }
+        chrono::Utc::now(),
+    )
 }
 
 /// Events `from..=to` of `run_id`.

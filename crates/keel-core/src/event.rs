@@ -10,7 +10,7 @@ use crate::domain::{FactMap, InterruptKind, Timestamp};
 use crate::ids::{CallId, InterruptId, MessageId, RunId};
 use crate::mask::Masked;
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Event {
@@ -21,9 +21,31 @@ pub struct Event {
     #[cfg_attr(feature = "openapi", schema(value_type = String, format = DateTime))]
     #[serde(serialize_with = "crate::rfc3339::serialize")]
     pub ts: Timestamp,
+    /// The kind's fields as JSON text, as the store wrote them ([`EventKind::to_data_text`]), when
+    /// it has them: [`Event::write_json`] copies them instead of serializing the kind again. Not
+    /// part of the event's value (equality ignores it).
+    #[serde(skip)]
+    data_text: Option<std::sync::Arc<str>>,
+}
+
+impl PartialEq for Event {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.run_id == other.run_id && self.sequence == other.sequence && self.ts == other.ts
+    }
 }
 
 impl Event {
+    pub fn new(kind: EventKind, run_id: RunId, sequence: i64, ts: Timestamp) -> Self {
+        Self { kind, run_id, sequence, ts, data_text: None }
+    }
+
+    /// The event with its kind's fields as the store wrote them: `data_text` must be
+    /// [`EventKind::to_data_text`] of `kind` (a JSON object).
+    pub fn with_data_text(mut self, data_text: std::sync::Arc<str>) -> Self {
+        self.data_text = Some(data_text);
+        self
+    }
+
     pub fn type_name(&self) -> &'static str {
         self.kind.type_name()
     }
@@ -43,12 +65,26 @@ impl Event {
     /// `Serialize` goes through serde's map path for the flattened kind (~4,500 instructions an
     /// event; every event of every stream is written so).
     pub fn write_json(&self, out: &mut Vec<u8>) -> Result<(), serde_json::Error> {
-        serde_json::to_writer(&mut *out, &self.kind)?;
-        // the kind is an object (`{"type":…,…}`): the envelope's fields go before its brace
-        if out.last() != Some(&b'}') {
-            return Err(serde::ser::Error::custom("an event's kind is not a JSON object"));
+        match self.data_text.as_deref().and_then(|t| t.trim().strip_prefix('{')?.strip_suffix('}')) {
+            // the stored fields, copied after the tag: the kind is not serialized again
+            Some(fields) => {
+                out.extend_from_slice(b"{\"type\":\"");
+                out.extend_from_slice(self.type_name().as_bytes());
+                out.push(b'"');
+                if !fields.trim().is_empty() {
+                    out.push(b',');
+                    out.extend_from_slice(fields.as_bytes());
+                }
+            }
+            None => {
+                serde_json::to_writer(&mut *out, &self.kind)?;
+                // the kind is an object (`{"type":…,…}`): the envelope's fields go before its brace
+                if out.last() != Some(&b'}') {
+                    return Err(serde::ser::Error::custom("an event's kind is not a JSON object"));
+                }
+                out.pop();
+            }
         }
-        out.pop();
         out.extend_from_slice(b",\"runId\":");
         serde_json::to_writer(&mut *out, &self.run_id)?;
         out.extend_from_slice(b",\"sequence\":");
@@ -288,18 +324,18 @@ mod tests {
 
     #[test]
     fn envelope_is_camel_case_with_type_tag() {
-        let e = Event {
-            kind: EventKind::ToolFinished {
+        let e = Event::new(
+            EventKind::ToolFinished {
                 call_id: CallId::parse("call_1").unwrap(),
                 tool: "get_order".into(),
                 status: ToolOutcomeStatus::Success,
                 summary: "ok".into(),
                 error_code: None,
             },
-            run_id: RunId::parse("run_1").unwrap(),
-            sequence: 3,
-            ts: Utc::now(),
-        };
+            RunId::parse("run_1").unwrap(),
+            3,
+            Utc::now(),
+        );
         let v = serde_json::to_value(&e).unwrap();
         assert_eq!(v["type"], "tool_finished");
         assert_eq!(v["callId"], "call_1");
@@ -370,15 +406,27 @@ mod tests {
         assert_eq!(listed.len(), EventKind::TYPES.len(), "a sample of every type");
         for (i, kind) in kinds.into_iter().enumerate() {
             for (sequence, nanos) in [(1, 0), (i as i64 * 1_000 + 7, 5_000_000), (i64::MAX, 123_456_789)] {
-                let event = Event {
-                    kind: kind.clone(),
-                    run_id: RunId::parse("run_1").unwrap(),
+                let event = Event::new(
+                    kind.clone(),
+                    RunId::parse("run_1").unwrap(),
                     sequence,
-                    ts: chrono::DateTime::from_timestamp(1_893_499_200 + i as i64, nanos).unwrap(),
-                };
+                    chrono::DateTime::from_timestamp(1_893_499_200 + i as i64, nanos).unwrap(),
+                );
                 let mut written = Vec::new();
                 event.write_json(&mut written).unwrap();
-                assert_eq!(String::from_utf8(written).unwrap(), serde_json::to_string(&event).unwrap());
+                let expected = serde_json::to_string(&event).unwrap();
+                assert_eq!(String::from_utf8(written).unwrap(), expected);
+                // from the stored fields, the same text
+                let stored = event.clone().with_data_text(kind.to_data_text().unwrap().into());
+                let mut written = Vec::new();
+                stored.write_json(&mut written).unwrap();
+                assert_eq!(
+                    String::from_utf8(written).unwrap(),
+                    expected,
+                    "from the stored data of {}",
+                    kind.type_name()
+                );
+                assert_eq!(stored, event, "the stored text is not part of the value");
             }
         }
     }

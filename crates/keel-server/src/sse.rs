@@ -260,15 +260,15 @@ mod tests {
     #[test]
     fn frames_are_exact() {
         assert_eq!(&retry_frame(2000)[..], b"retry: 2000\n\n");
-        let event = Event {
-            kind: EventKind::TextDelta {
+        let event = Event::new(
+            EventKind::TextDelta {
                 message_id: keel_core::MessageId::parse("msg_1").unwrap(),
                 delta: "two\nlines\r\n".into(),
             },
-            run_id: RunId::parse("run_1").unwrap(),
-            sequence: 7,
-            ts: chrono::DateTime::from_timestamp(0, 0).unwrap(),
-        };
+            RunId::parse("run_1").unwrap(),
+            7,
+            chrono::DateTime::from_timestamp(0, 0).unwrap(),
+        );
         let frame = String::from_utf8(event_frame(&event).unwrap().to_vec()).unwrap();
         let mut lines = frame.split('\n');
         assert_eq!(lines.next(), Some("id: 7"));
@@ -281,12 +281,12 @@ mod tests {
     }
 
     fn event(sequence: i64) -> Event {
-        Event {
-            kind: EventKind::NodeStarted { node: "model".into() },
-            run_id: RunId::parse("run_1").unwrap(),
+        Event::new(
+            EventKind::NodeStarted { node: "model".into() },
+            RunId::parse("run_1").unwrap(),
             sequence,
-            ts: chrono::DateTime::from_timestamp(0, 0).unwrap(),
-        }
+            chrono::DateTime::from_timestamp(0, 0).unwrap(),
+        )
     }
 
     const PACING: Pacing =

@@ -223,7 +223,7 @@ pub(crate) fn event_data(kind: &EventKind) -> StoreResult<String> {
 pub(crate) fn numbered(run_id: &RunId, first_sequence: i64, kinds: &[EventKind], now: Timestamp) -> Vec<Event> {
     (first_sequence..)
         .zip(kinds)
-        .map(|(sequence, kind)| Event { kind: kind.clone(), run_id: run_id.clone(), sequence, ts: now })
+        .map(|(sequence, kind)| Event::new(kind.clone(), run_id.clone(), sequence, now))
         .collect()
 }
 

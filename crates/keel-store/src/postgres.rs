@@ -486,7 +486,7 @@ fn event_from(run_id: &RunId, row: &PgRow) -> StoreResult<Event> {
     let type_name: String = c.get("type")?;
     let data: Value = c.json("data")?;
     let kind = EventKind::from_parts(&type_name, &data).map_err(|e| c.bad("data", json_error(&e)))?;
-    Ok(Event { kind, run_id: run_id.clone(), sequence: c.get("sequence")?, ts: c.ts("created_at")? })
+    Ok(Event::new(kind, run_id.clone(), c.get("sequence")?, c.ts("created_at")?))
 }
 
 fn interrupt_from(row: &PgRow) -> StoreResult<Interrupt> {

@@ -430,12 +430,12 @@ mod tests {
     };
 
     fn ev(sequence: i64, kind: EventKind) -> Event {
-        Event {
+        Event::new(
             kind,
-            run_id: RunId::parse("run_1").unwrap(),
+            RunId::parse("run_1").unwrap(),
             sequence,
-            ts: DateTime::from_timestamp_millis(1_000 + sequence).unwrap(),
-        }
+            DateTime::from_timestamp_millis(1_000 + sequence).unwrap(),
+        )
     }
 
     fn msg(id: &str) -> MessageId {

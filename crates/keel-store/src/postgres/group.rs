@@ -343,7 +343,7 @@ fn committed(c: &Commit, run: &RunRow) -> Committed {
     let now = micros(c.now);
     let events = (run.next_sequence..)
         .zip(&c.events)
-        .map(|(sequence, kind)| Event { kind: kind.clone(), run_id: c.run_id.clone(), sequence, ts: now })
+        .map(|(sequence, kind)| Event::new(kind.clone(), c.run_id.clone(), sequence, now))
         .collect();
     // the group does not look for waiting runs: the engine does, whenever a run ended
     let waiting_behind = c.run.as_ref().is_some_and(|change| change.to.is_terminal());

@@ -2,6 +2,8 @@
 //! connection, inside the writer's transaction, and the encodings SQLite stores (timestamps as
 //! fixed-width text, JSON as text).
 
+use std::sync::Arc;
+
 use keel_core::domain::Timestamp;
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::RunId;
@@ -42,10 +44,12 @@ fn insert_events(
 ) -> StoreResult<Vec<Event>> {
     let created_at = ts(now);
     let events = numbered(run_id, first_sequence, kinds, *now);
+    // each event's data, written once: stored here, and copied into the event's frames
+    let data: Vec<Arc<str>> = events.iter().map(|e| event_data(&e.kind).map(Arc::from)).collect::<StoreResult<_>>()?;
     let run = run_id.as_str();
-    for chunk in events.chunks(EVENTS_PER_INSERT) {
-        let data = chunk.iter().map(|e| event_data(&e.kind)).collect::<StoreResult<Vec<_>>>()?;
+    for (chunk, data) in events.chunks(EVENTS_PER_INSERT).zip(data.chunks(EVENTS_PER_INSERT)) {
         let types: Vec<&str> = chunk.iter().map(Event::type_name).collect();
+        let data: Vec<&str> = data.iter().map(|d| &**d).collect();
         let mut values: Vec<&dyn ToSql> = Vec::with_capacity(chunk.len() * 5);
         for ((event, type_name), data) in chunk.iter().zip(&types).zip(&data) {
             values.extend([&run as &dyn ToSql, &event.sequence, type_name, data, &created_at]);
@@ -54,7 +58,7 @@ fn insert_events(
         let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
         exec_or(conn, &sql, values.as_slice(), insert("event"))?;
     }
-    Ok(events)
+    Ok(events.into_iter().zip(data).map(|(event, data)| event.with_data_text(data)).collect())
 }
 
 /// The writer thread's connection, in its transaction, as the pipeline's [`Tx`]. Every call is

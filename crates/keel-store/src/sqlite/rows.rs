@@ -266,7 +266,7 @@ pub fn event_from(run_id: &RunId, row: &Row<'_>) -> StoreResult<Event> {
     let type_name: String = c.get("type")?;
     let data: String = c.get("data")?;
     let kind = EventKind::from_data_text(&type_name, &data).map_err(|e| c.bad("data", json_error(&e)))?;
-    Ok(Event { kind, run_id: run_id.clone(), sequence: c.get("sequence")?, ts: c.ts("created_at")? })
+    Ok(Event::new(kind, run_id.clone(), c.get("sequence")?, c.ts("created_at")?))
 }
 
 pub fn interrupt_from(row: &Row<'_>) -> StoreResult<Interrupt> {
