@@ -318,7 +318,11 @@ impl Engine {
         // (their conversation's run ended in a process that stopped before starting the next) start.
         let inner = self.inner.clone();
         let claimer = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(inner.config.sweep_interval);
+            // The first one interval from now: the claim above was this instant's. (An immediate
+            // one held the free slots while it looked, so a message arriving just after start-up
+            // could find none and be written unleased, for a claim, instead of started here.)
+            let every = inner.config.sweep_interval;
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
