@@ -10,6 +10,10 @@ use crate::domain::{FactMap, InterruptKind, Timestamp};
 use crate::ids::{CallId, InterruptId, MessageId, RunId};
 use crate::mask::Masked;
 
+/// How serde writes an event's JSON, and its kind's: the tag first (`{"type":"<name>"`, then the
+/// fields). The stored data is the fields alone; the tag is cut off and put back at this text.
+const TAG_START: &str = "{\"type\":\"";
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -68,7 +72,7 @@ impl Event {
         match self.data_text.as_deref().and_then(|t| t.trim().strip_prefix('{')?.strip_suffix('}')) {
             // the stored fields, copied after the tag: the kind is not serialized again
             Some(fields) => {
-                out.extend_from_slice(b"{\"type\":\"");
+                out.extend_from_slice(TAG_START.as_bytes());
                 out.extend_from_slice(self.type_name().as_bytes());
                 out.push(b'"');
                 if !fields.trim().is_empty() {
@@ -255,9 +259,9 @@ impl EventKind {
         let mut text = serde_json::to_string(self)?;
         // `{"type":"<name>"` then `,` and the fields, or `}`
         let name = self.type_name();
-        let tag = "{\"type\":\"".len() + name.len() + 1;
-        let tagged = text.starts_with("{\"type\":\"")
-            && text.get(9..tag - 1) == Some(name)
+        let tag = TAG_START.len() + name.len() + 1;
+        let tagged = text.starts_with(TAG_START)
+            && text.get(TAG_START.len()..tag - 1) == Some(name)
             && text.as_bytes().get(tag - 1) == Some(&b'"');
         match text.as_bytes().get(tag) {
             Some(b',') if tagged => {
@@ -282,7 +286,7 @@ impl EventKind {
             .strip_prefix('{')
             .ok_or_else(|| serde_json::Error::custom("an event's data is not a JSON object"))?;
         let mut text = String::with_capacity(data.len() + type_name.len() + 12);
-        text.push_str("{\"type\":\"");
+        text.push_str(TAG_START);
         text.push_str(type_name);
         text.push('"');
         if !fields.trim_start().starts_with('}') {

@@ -213,7 +213,6 @@ pub(crate) trait Tx {
     ) -> impl Future<Output = StoreResult<Vec<Event>>>;
 }
 
-/// Runs a future that never waits (SQLite's pipeline) to its end.
 /// An event's data as `run_events.data` stores it: its fields as JSON text, without the type.
 pub(crate) fn event_data(kind: &EventKind) -> StoreResult<String> {
     kind.to_data_text().map_err(|e| StoreError::Backend(format!("encode event data: {e}")))
@@ -227,6 +226,7 @@ pub(crate) fn numbered(run_id: &RunId, first_sequence: i64, kinds: &[EventKind],
         .collect()
 }
 
+/// Runs a future that never waits (SQLite's pipeline) to its end.
 pub(crate) fn ready<T>(future: impl Future<Output = StoreResult<T>>) -> StoreResult<T> {
     let mut future = std::pin::pin!(future);
     match future.as_mut().poll(&mut Context::from_waker(Waker::noop())) {

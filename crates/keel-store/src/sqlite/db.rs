@@ -362,7 +362,7 @@ pub fn closed(what: &str) -> StoreError {
 /// Checkpoints are the only writes that wait for the disk (`synchronous = NORMAL` syncs at a
 /// checkpoint, not at a commit), so they stay off the writer's path. A tick after which the writer
 /// committed nothing, when the last checkpoint copied the whole WAL, has nothing to copy and is
-/// skipped (an idle server's ten checkpoints a second were a third of its instructions); every
+/// skipped (an idle server's ten checkpoints a second were about a fifth of its instructions); every
 /// [`IDLE_CHECKPOINT_EVERY`]th tick checkpoints all the same, for a write from outside the writer.
 struct Checkpointer {
     stop: mpsc::Sender<()>,
@@ -491,14 +491,17 @@ impl Writer {
                 let conn = lock(&self.conn);
                 // A panic outside the writes themselves (they catch their own) fails the group, not
                 // the thread.
-                let failure = catch_unwind(AssertUnwindSafe(|| run_group(&conn, &mut group, &self.commits)))
-                    .unwrap_or_else(|_| {
-                        if !conn.is_autocommit() {
-                            let _ = conn.execute_batch("ROLLBACK");
-                        }
-                        Some("write: the group transaction panicked; nothing of it was written".into())
-                    });
+                let failure = catch_unwind(AssertUnwindSafe(|| run_group(&conn, &mut group))).unwrap_or_else(|_| {
+                    if !conn.is_autocommit() {
+                        let _ = conn.execute_batch("ROLLBACK");
+                    }
+                    Some("write: the group transaction panicked; nothing of it was written".into())
+                });
                 drop(conn);
+                if failure.is_none() {
+                    // (a group whose writes were all refused counts too: one checkpoint more)
+                    self.commits.fetch_add(1, Ordering::Release);
+                }
                 for job in group.drain(..) {
                     job.answer(failure.clone());
                 }
@@ -549,8 +552,8 @@ impl Writer {
 /// transaction is rolled back and the group runs again without it. The writes before it run again on
 /// the same database state, so they give the same answers; refused writes are rare (lost races,
 /// conflicts, a panic), and each one costs one more run of the writes before it.
-fn run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>], commits: &AtomicU64) -> Option<String> {
-    let result = try_run_group(conn, group, commits);
+fn run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Option<String> {
+    let result = try_run_group(conn, group);
     if result.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
     }
@@ -560,7 +563,7 @@ fn run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>], commits: &Atomi
     })
 }
 
-fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>], commits: &AtomicU64) -> StoreResult<()> {
+fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> StoreResult<()> {
     let mut refused = vec![false; group.len()];
     'attempt: loop {
         control(conn, "BEGIN IMMEDIATE", "begin a transaction")?;
@@ -580,7 +583,6 @@ fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>], commits: &A
             control(conn, "ROLLBACK", "roll back")?;
         } else {
             control(conn, "COMMIT", "commit")?;
-            commits.fetch_add(1, Ordering::Release);
         }
         return Ok(());
     }
@@ -746,7 +748,7 @@ mod tests {
         let (duplicate, duplicate_answer) = job(|c| insert(c, 1));
         let (last, last_answer) = job(|c| insert(c, 3));
         let mut group = vec![first, refused, duplicate, last];
-        assert_eq!(run_group(&conn, &mut group, &AtomicU64::new(0)), None);
+        assert_eq!(run_group(&conn, &mut group), None);
         for job in group {
             job.answer(None);
         }
@@ -939,7 +941,7 @@ mod tests {
             Err(StoreError::Conflict("no".into()))
         });
         let mut group = vec![a];
-        assert_eq!(run_group(&conn, &mut group, &AtomicU64::new(0)), None);
+        assert_eq!(run_group(&conn, &mut group), None);
         group.pop().unwrap().answer(None);
         assert!(a_answer.blocking_recv().unwrap().is_err());
         assert_eq!(conn.query_row("SELECT COUNT(*) FROM t", [], |r| r.get::<_, i64>(0)).unwrap(), 0);

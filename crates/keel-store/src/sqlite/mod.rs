@@ -141,6 +141,14 @@ impl SqliteStore {
 
 // Reads a store method makes alone, and `answer_view` makes together in one read.
 
+/// A tool call's columns, its result left out (`NULL`): for the reads that use none (the
+/// context's, an answer's), since a result can be large.
+macro_rules! calls_without_results {
+    () => {
+        "seq, id, run_id, name, args, state, NULL AS result, summary, attempts, started_at, finished_at"
+    };
+}
+
 fn read_run(c: &rusqlite::Connection, id: &RunId) -> StoreResult<Option<Run>> {
     read_run_row(c, id.as_str())
 }
@@ -175,8 +183,7 @@ fn answered_calls(
     let sql = if with_results {
         "SELECT * FROM tool_calls WHERE id = ?"
     } else {
-        "SELECT seq, id, run_id, name, args, state, NULL AS result, summary, attempts, started_at, finished_at \
-         FROM tool_calls WHERE id = ?"
+        concat!("SELECT ", calls_without_results!(), " FROM tool_calls WHERE id = ?")
     };
     for id in ids {
         let found = one(c, op, sql, [id], |r| Ok((Cols::new(r, "tool_calls").get::<i64>("seq")?, tool_call_from(r)?)))?;
@@ -186,14 +193,14 @@ fn answered_calls(
     Ok(calls.into_iter().map(|(_, call)| call).collect())
 }
 
-fn read_tool_calls(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
-    many(
-        c,
-        "list tool calls",
-        "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq",
-        [run_id.as_str()],
-        tool_call_from,
-    )
+/// A run's tool calls, in order; `with_results` or without them.
+fn read_tool_calls(c: &rusqlite::Connection, run_id: &RunId, with_results: bool) -> StoreResult<Vec<ToolCall>> {
+    let sql = if with_results {
+        "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq"
+    } else {
+        concat!("SELECT ", calls_without_results!(), " FROM tool_calls WHERE run_id = ? ORDER BY seq")
+    };
+    many(c, "list tool calls", sql, [run_id.as_str()], tool_call_from)
 }
 
 fn read_role(c: &rusqlite::Connection, user_id: &str) -> StoreResult<Option<UserRole>> {
@@ -347,6 +354,9 @@ impl RunStore for SqliteStore {
         // Most claims (a sweep every second) find nothing: a read says so, and the writer's
         // transaction (its write lock, a `BEGIN` and a `COMMIT`) is taken only when there may be
         // runs to claim. The write checks again, in its transaction.
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
         let (at, until) = (ts(&now), ts(&lease_until));
         let claimable = self
             .db
@@ -361,7 +371,7 @@ impl RunStore for SqliteStore {
                 )
             })
             .await?;
-        if claimable.is_none() || limit == 0 {
+        if claimable.is_none() {
             return Ok(Vec::new());
         }
         let (owner, worker) = (owner.to_owned(), lease_holder(owner).to_owned());
@@ -579,7 +589,7 @@ impl RunStore for SqliteStore {
 
     async fn list_tool_calls(&self, run_id: &RunId) -> StoreResult<Vec<ToolCall>> {
         let run_id = run_id.to_owned();
-        self.db.read(move |c| read_tool_calls(c, &run_id)).await
+        self.db.read(move |c| read_tool_calls(c, &run_id, true)).await
     }
 
     async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView> {
@@ -589,14 +599,7 @@ impl RunStore for SqliteStore {
                 Ok(AnswerView {
                     run: read_run(c, &run_id)?,
                     interrupts: read_interrupts(c, &run_id)?,
-                    tool_calls: many(
-                        c,
-                        "list tool calls",
-                        "SELECT seq, id, run_id, name, args, state, NULL AS result, summary, attempts, started_at, \
-                         finished_at FROM tool_calls WHERE run_id = ? ORDER BY seq",
-                        [run_id.as_str()],
-                        tool_call_from,
-                    )?,
+                    tool_calls: read_tool_calls(c, &run_id, false)?,
                     role: read_role(c, &user_id)?,
                 })
             })
