@@ -14,6 +14,13 @@ use crate::mask::Masked;
 /// fields). The stored data is the fields alone; the tag is cut off and put back at this text.
 const TAG_START: &str = "{\"type\":\"";
 
+/// The form of an event's stored data ([`EventKind::to_data_text`]): one more whenever the JSON
+/// any event type is written as changes (a field added, renamed or removed; a test fingerprints
+/// them). A store keeps it with each event it writes as text, and attaches the stored text to an
+/// event it reads back ([`Event::with_data_text`]) only when it is this one: data written in
+/// another form is serialized again from the kind, as this version writes it.
+pub const DATA_FORMAT: i64 = 1;
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -353,11 +360,11 @@ mod tests {
         assert_eq!(EventKind::from_parts("tool_finished", &data).unwrap(), e.kind);
     }
 
-    #[test]
-    fn written_json_is_the_serialized_json() {
+    /// One event of every type (two of some), with text that needs escaping.
+    fn samples() -> Vec<EventKind> {
         let message_id = MessageId::parse("msg_1").unwrap();
         let odd = "quote \" backslash \\ newline \n tab \t nul-free \u{1} é 错 😀".to_owned();
-        let kinds = vec![
+        vec![
             EventKind::RunStarted {
                 conversation_id: crate::ids::ConversationId::parse("conv_1").unwrap(),
                 trace_id: Some("0af7651916cd43dd8448eb211c80319c".into()),
@@ -405,7 +412,12 @@ mod tests {
             EventKind::Done { message_id: None },
             EventKind::Error { code: "model".into(), message: odd.clone() },
             EventKind::Cancelled { reason: "user".into() },
-        ];
+        ]
+    }
+
+    #[test]
+    fn written_json_is_the_serialized_json() {
+        let kinds = samples();
         let listed: std::collections::BTreeSet<_> = kinds.iter().map(EventKind::type_name).collect();
         assert_eq!(listed.len(), EventKind::TYPES.len(), "a sample of every type");
         for (i, kind) in kinds.into_iter().enumerate() {
@@ -433,6 +445,27 @@ mod tests {
                 assert_eq!(stored, event, "the stored text is not part of the value");
             }
         }
+    }
+
+    /// The stored data of every sample, as this version writes it, fingerprinted. A change here is a
+    /// change of [`DATA_FORMAT`]: data stored before it would be copied into frames as it was.
+    #[test]
+    fn the_data_format_names_the_json_the_events_are_stored_as() {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        for kind in samples() {
+            h.update(kind.type_name());
+            h.update(b"\n");
+            h.update(kind.to_data_text().unwrap());
+            h.update(b"\n");
+        }
+        let fingerprint: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            (DATA_FORMAT, fingerprint.as_str()),
+            (1, "659651aabafa4306421bed6f8f1f7b3a1e332665869c47e8a35b0071c5f5dfa9"),
+            "the JSON an event type is stored as changed: add one to DATA_FORMAT, and put the new \
+             format and this fingerprint here"
+        );
     }
 
     #[test]

@@ -452,7 +452,9 @@ impl<T: Maskable> Masked<T> {
 impl Masked<Value> {
     /// The JSON as text: masked values serialize to masked text.
     pub fn to_text(&self) -> Masked<String> {
-        Masked(self.0.to_string())
+        // serde_json into a buffer: `Display` would go through a formatter for every piece. A
+        // `Value` always serializes (its keys are strings).
+        Masked(serde_json::to_string(&self.0).unwrap_or_default())
     }
 }
 

@@ -215,6 +215,27 @@ async fn fifty_concurrent_resumes_with_different_keys_have_one_winner() {
     assert_contiguous(&h.all_events(&run).await);
 }
 
+/// An approval is written by the worker that continues the run, in one transaction with the
+/// attempt it allows: the resume is answered once both are written, and no tool runs before.
+#[tokio::test]
+async fn an_approval_is_written_with_the_attempt_it_allows() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "restart pay-prod-2").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let accepted = h.resume(&run, &interrupt, json!("approve"), "one-commit").await.unwrap();
+    let call = h.store.list_tool_calls(&run).await.unwrap().into_iter().find(|c| c.name == "restart_instance").unwrap();
+    assert!(call.attempts == 1 && call.state != ToolCallState::Allowed, "claimed when answered: {call:?}");
+    let events = h.settle(&run, accepted.resumed_sequence - 1).await;
+    assert_eq!(last_type(&events), "done");
+    let resumed = events.iter().find(|e| matches!(e.kind, EventKind::Resumed { .. })).unwrap();
+    let started = events.iter().find(|e| matches!(e.kind, EventKind::ToolStarted { .. })).unwrap();
+    assert_eq!(resumed.sequence, accepted.resumed_sequence);
+    assert_eq!(started.ts, resumed.ts, "one commit writes the decision and the attempt");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+}
+
 #[tokio::test]
 async fn an_expired_interrupt_cannot_be_approved() {
     let dir = TempDir::new().unwrap();

@@ -115,6 +115,7 @@ async fn migrations_are_recorded_with_their_checksums() {
         include_str!("../migrations/sqlite/0010_multitask.sql"),
         include_str!("../migrations/sqlite/0011_rollback_intent.sql"),
         include_str!("../migrations/sqlite/0012_run_hidden.sql"),
+        include_str!("../migrations/sqlite/0013_event_data_format.sql"),
     ];
     assert_eq!(rows.len(), files.len());
     for ((version, success, checksum), (i, sql)) in rows.iter().zip(files.iter().enumerate()) {
@@ -349,4 +350,71 @@ async fn the_constraints_refuse_bad_values_without_temporary_btrees() {
              VALUES ('i', 'r', 'outcome_unknown', 'expired', '{}', '[]', 'now', 'now');",
     )
     .expect("valid rows");
+}
+
+/// An event read back keeps its stored data for its frames when it was stored in this version's
+/// form, and is serialized again from its kind when it was not (written before the form was
+/// recorded, or in another): a frame never carries data in a form this version does not write.
+#[tokio::test]
+async fn stored_event_data_goes_into_frames_only_in_this_versions_form() {
+    use keel_core::event::{EventKind, DATA_FORMAT};
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
+    let started = store
+        .start_run(NewRun {
+            conversation_id: conversation.id.clone(),
+            agent_id: "ops".into(),
+            user_id: "alice".into(),
+            content: "hi".into(),
+            cancel_on_disconnect: false,
+            now: now(),
+            events: vec![
+                EventKind::NodeStarted { node: "model".into() },
+                EventKind::NodeFinished { node: "model".into(), duration_ms: 7 },
+            ],
+            enqueue: None,
+            lease: None,
+        })
+        .await
+        .expect("start");
+    let frame = |event: &keel_core::Event| {
+        let mut out = Vec::new();
+        event.write_json(&mut out).expect("write");
+        String::from_utf8(out).expect("utf-8")
+    };
+    // The same data, spaced as no version of Keel writes it: a copy would show the spaces.
+    let raw = rusqlite::Connection::open(&path).expect("raw connection");
+    let formats: Vec<i64> = raw
+        .prepare("SELECT data_format FROM run_events WHERE run_id = ? ORDER BY sequence")
+        .expect("query")
+        .query_map([started.run.id.as_str()], |r| r.get(0))
+        .expect("rows")
+        .collect::<Result<_, _>>()
+        .expect("rows");
+    assert_eq!(formats, vec![DATA_FORMAT; 2], "written in this version's form");
+    raw.execute(
+        "UPDATE run_events SET data = '{ \"node\" : \"model\" }' WHERE run_id = ? AND sequence = 1",
+        [started.run.id.as_str()],
+    )
+    .expect("respace the first");
+    raw.execute(
+        "UPDATE run_events SET data = '{ \"node\" : \"model\", \"durationMs\" : 7 }', data_format = 0 \
+         WHERE run_id = ? AND sequence = 2",
+        [started.run.id.as_str()],
+    )
+    .expect("respace the second, from before the form was recorded");
+    drop(raw);
+
+    let events = store.list_events(&started.run.id, 0, 10).await.expect("read");
+    assert_eq!(events.len(), 2);
+    for event in &events {
+        assert_eq!(event, &started.events[(event.sequence - 1) as usize], "the same event");
+    }
+    // this version's form: the stored text, as it is
+    assert!(frame(&events[0]).contains("{ \"node\" : \"model\" }".trim_start_matches('{').trim_end_matches('}')));
+    // another form: serialized again, as this version writes it
+    assert_eq!(frame(&events[1]), serde_json::to_string(&events[1]).expect("serialize"));
+    assert!(!frame(&events[1]).contains(" : "));
 }

@@ -270,6 +270,10 @@ impl Engine {
     /// Commits a claim of `interrupt` (a commit fenced on the run being `interrupted`, which
     /// resolves the interrupt), then continues the run in a worker. Of concurrent claims exactly
     /// one commits; the others get the error that says why. Answers the `resumed` event's sequence.
+    ///
+    /// With a free slot here, the worker that continues the run writes the claim, in one
+    /// transaction with its first step's commit ([`Claim`]), and this waits for that write; at
+    /// capacity, the claim is written here and the run let go for an instance with a free slot.
     pub(super) async fn commit_claim(
         &self,
         run: &Run,
@@ -282,11 +286,23 @@ impl Engine {
         // A slot for the worker that continues the run, taken before the claim so that a run this
         // instance has no room for is not left leased to it.
         let slot = inner.capacity.try_take();
-        // The run as the claim leaves it, for its worker (which then need not read it back).
-        let mut resumed = run.clone();
-        adopt(&mut resumed, &commit);
-        resumed.lease_owner = Some(owner.clone());
-        let committed = match inner.store.commit(commit).await {
+        let at_capacity = slot.is_none();
+        let written = match slot {
+            Some(slot) => {
+                // The run as the claim leaves it, for its worker (which then need not read it back).
+                let mut resumed = run.clone();
+                adopt(&mut resumed, &commit);
+                resumed.lease_owner = Some(owner.clone());
+                let (answer, outcome) = tokio::sync::oneshot::channel();
+                let primed = Primed { claim: Some(Claim { commit, answer }), ..primed };
+                inner.spawn_worker(resumed, owner.clone(), slot, primed);
+                // No answer: the worker was not started (a shutdown began), or stopped before
+                // writing anything. Nothing of the claim was written either way.
+                outcome.await.map_err(|_| EngineError::ShuttingDown)?
+            }
+            None => inner.store.commit(commit).await.inspect(|committed| inner.committed_by(run, committed)),
+        };
+        let committed = match written {
             Ok(c) => c,
             Err(StoreError::Conflict(_)) => {
                 // Lost the race, or expired meanwhile: say which.
@@ -302,30 +318,23 @@ impl Engine {
             }
             Err(e) => return Err(e.into()),
         };
-        inner.committed_by(run, &committed);
+        if at_capacity {
+            // The decision is committed (once), and the run is let go as it would be at a
+            // shutdown — `running` with no lease — so the first instance with a free slot claims it
+            // and continues from the checkpoint. Should letting go fail, the lease expires and the
+            // run is claimed then.
+            tracing::info!(run_id = %run.id, "at capacity; the resumed run is left for a free slot");
+            if let Err(e) = inner.store.release_lease(&run.id, &owner).await {
+                inner.config.metrics.store_error("resume");
+                tracing::warn!(run_id = %run.id, error = %e, "letting go of a resumed run failed; it waits for its lease to expire");
+            }
+        }
         let resumed_sequence = committed
             .events
             .iter()
             .find(|e| matches!(e.kind, EventKind::Resumed { .. }))
             .map(|e| e.sequence)
             .unwrap_or_default();
-        match slot {
-            Some(slot) => {
-                resumed.cancel_requested = committed.cancel_requested;
-                inner.spawn_worker(resumed, owner, slot, primed)
-            }
-            None => {
-                // At capacity: the decision is committed (once), and the run is let go as it would
-                // be at a shutdown — `running` with no lease — so the first instance with a free
-                // slot claims it and continues from the checkpoint. Should letting go fail, the
-                // lease expires and the run is claimed then.
-                tracing::info!(run_id = %run.id, "at capacity; the resumed run is left for a free slot");
-                if let Err(e) = inner.store.release_lease(&run.id, &owner).await {
-                    inner.config.metrics.store_error("resume");
-                    tracing::warn!(run_id = %run.id, error = %e, "letting go of a resumed run failed; it waits for its lease to expire");
-                }
-            }
-        }
         Ok(resumed_sequence)
     }
 }

@@ -312,7 +312,8 @@ impl Inner {
         let run_id = run.id.clone();
         let cancel_signal = Arc::new(tokio::sync::Notify::new());
         inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).insert(run_id.clone(), cancel_signal.clone());
-        let renewer = inner.spawn_lease_renewer(run_id.clone(), owner.clone());
+        // A worker that writes an answer first holds the lease once that is written.
+        let renewer = primed.claim.is_none().then(|| inner.spawn_lease_renewer(run_id.clone(), owner.clone()));
         // A run of an agent this process does not run (a config that dropped it) fails at its first
         // step, with a clear code, instead of running as another agent.
         let (agent, agent_missing) = match inner.agent_of_run(&run) {
@@ -332,7 +333,16 @@ impl Inner {
             held_first: false,
             planned_calls: primed.calls,
             primed_role: primed.role,
+            claim_answer: None,
+            claim_refused: false,
+            renewer,
         };
+        if let Some(claim) = primed.claim {
+            // Written with the first commit below (which then joins the worker's next one).
+            adopt(&mut worker.run, &claim.commit);
+            worker.held = Some(claim.commit);
+            worker.claim_answer = Some(claim.answer);
+        }
         let outcome = match worker.drive().await {
             Ok(Stop::Settled) => "settled",
             Ok(Stop::NotOurs) => "not_ours",
@@ -340,6 +350,8 @@ impl Inner {
                 let _ = inner.store.release_lease(&worker.run.id, &worker.owner).await;
                 "shutdown"
             }
+            // The answer it was to write was refused (its request says why): nothing was ours.
+            Err(_) if worker.claim_refused => "not_ours",
             Err(e) => {
                 if let WorkerError::Store(_) = e {
                     inner.config.metrics.store_error("worker");
@@ -349,7 +361,9 @@ impl Inner {
             }
         };
         tracing::Span::current().record("outcome", outcome);
-        renewer.abort();
+        if let Some(renewer) = worker.renewer.take() {
+            renewer.abort();
+        }
         inner.cancel_signals.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
         inner.cancel_reasons.lock().unwrap_or_else(|e| e.into_inner()).remove(&run_id);
     }

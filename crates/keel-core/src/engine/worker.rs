@@ -10,6 +10,23 @@ pub(super) struct Primed {
     /// The role of the run's user, read by that request just before (a resume by the run's own
     /// user): for the worker's first step, as fresh as its own read would be.
     pub(super) role: Option<Option<UserRole>>,
+    /// An answer to an interrupt not written yet: the worker writes it with its first step
+    /// ([`Claim`]).
+    pub(super) claim: Option<Claim>,
+}
+
+/// An answer to an interrupt (a decision, a client's result) that the request hands to the worker
+/// that continues the run instead of writing it itself: the answer's conditional commit (fenced on
+/// the run being `interrupted`) is held, as the worker's first commit is, and written with the
+/// worker's next one — the claim of the call the decision allows (`executing`, after its
+/// precheck), or the step's end — in one transaction instead of two. Until then nothing of it is
+/// written or announced, and no side effect has happened: the worker makes none before that
+/// transaction commits. Its outcome goes back to the request: the commit as written, or why the
+/// store refused it (another tab's answer came first: the worker stops, and touches nothing).
+#[derive(Debug)]
+pub(super) struct Claim {
+    pub(super) commit: Commit,
+    pub(super) answer: tokio::sync::oneshot::Sender<Result<Committed, StoreError>>,
 }
 
 impl Primed {
@@ -21,7 +38,7 @@ impl Primed {
         for change in &commit.tool_calls {
             change.apply_to(&mut calls);
         }
-        Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role) }
+        Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role), claim: None }
     }
 }
 
@@ -91,6 +108,13 @@ pub(super) struct Worker {
     /// The run's user's role, read just before the worker started ([`Primed::role`]): serves its
     /// first step only.
     pub(super) primed_role: Option<Option<UserRole>>,
+    /// Where the outcome of the held answer's commit goes ([`Claim`]), until it is written.
+    pub(super) claim_answer: Option<tokio::sync::oneshot::Sender<Result<Committed, StoreError>>>,
+    /// The held answer's commit was refused: the run was never this worker's.
+    pub(super) claim_refused: bool,
+    /// Keeps the lease alive; started once the worker holds the lease (at once, or when the held
+    /// answer that takes it is written).
+    pub(super) renewer: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl Worker {
@@ -164,15 +188,31 @@ impl Worker {
     async fn commit_now(&mut self, commit: Commit) -> Result<Committed, StoreError> {
         let started = Instant::now();
         let mut pause = Duration::from_millis(10);
-        let committed = loop {
+        let written = loop {
             match self.store().commit(commit.clone()).await {
                 Err(StoreError::Overloaded) if started.elapsed() + pause < OVERLOAD_PATIENCE => {
                     tracing::debug!(run_id = %self.run.id, pause_ms = pause.as_millis() as u64, "the store is overloaded; committing again shortly");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
                 }
-                other => break other?,
+                other => break other,
             }
+        };
+        let committed = match self.claim_answer.take() {
+            // The held answer to an interrupt was in this commit: its request learns the outcome.
+            Some(answer) => match written {
+                Ok(committed) => {
+                    let _ = answer.send(Ok(committed.clone()));
+                    self.renewer = Some(self.inner.spawn_lease_renewer(self.run.id.clone(), self.owner.clone()));
+                    committed
+                }
+                Err(e) => {
+                    self.claim_refused = true;
+                    let _ = answer.send(Err(e));
+                    return Err(StoreError::Conflict("the answer this worker was to write was refused".into()));
+                }
+            },
+            None => written?,
         };
         self.inner.committed_by(&self.run, &committed);
         self.held_first = false;
@@ -317,6 +357,11 @@ impl Worker {
     pub(super) async fn assemble_context(
         &mut self,
     ) -> Result<Option<(ModelRequest, Option<crate::domain::Summary>)>, WorkerError> {
+        // A held answer to an interrupt can hold what the context reads (the message of a call a
+        // human rejected or settled): it is written first.
+        if self.claim_answer.is_some() {
+            self.flush_held().await?;
+        }
         // One bounded read: the summary, the turns after it, their calls, the facts.
         let window = self.store().context_window(&self.run.conversation_id).await?;
         let facts = &window.facts;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use keel_core::domain::Timestamp;
-use keel_core::event::{Event, EventKind};
+use keel_core::event::{Event, EventKind, DATA_FORMAT};
 use keel_core::ids::RunId;
 use keel_core::store::{StoreError, StoreResult};
 use rusqlite::{CachedStatement, Connection, ToSql};
@@ -54,8 +54,11 @@ fn insert_events(
         for ((event, type_name), data) in chunk.iter().zip(&types).zip(&data) {
             values.extend([&run as &dyn ToSql, &event.sequence, type_name, data, &created_at]);
         }
-        let rows = vec!["(?, ?, ?, ?, ?)"; chunk.len()].join(", ");
-        let sql = format!("INSERT INTO run_events (run_id, sequence, type, data, created_at) VALUES {rows}");
+        // the data's form, the same for every row: in the statement, not bound
+        let row = format!("(?, ?, ?, ?, ?, {DATA_FORMAT})");
+        let rows = vec![row.as_str(); chunk.len()].join(", ");
+        let sql =
+            format!("INSERT INTO run_events (run_id, sequence, type, data, created_at, data_format) VALUES {rows}");
         exec_or(conn, &sql, values.as_slice(), insert("event"))?;
     }
     Ok(events.into_iter().zip(data).map(|(event, data)| event.with_data_text(data)).collect())
@@ -70,6 +73,12 @@ fn failure(e: rusqlite::Error) -> DbError {
     DbError { unique: is_unique_violation(&e), constraint: None, message: e.to_string() }
 }
 
+/// A JSON value's text, written by serde_json into a buffer (`Display` goes through a formatter
+/// for every piece).
+fn json_text(v: &serde_json::Value) -> rusqlite::Result<String> {
+    serde_json::to_string(v).map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))
+}
+
 fn bind(statement: &mut CachedStatement<'_>, args: &[Arg<'_>]) -> rusqlite::Result<()> {
     for (i, arg) in args.iter().enumerate() {
         let i = i + 1;
@@ -79,10 +88,10 @@ fn bind(statement: &mut CachedStatement<'_>, args: &[Arg<'_>]) -> rusqlite::Resu
             Arg::I32(v) => statement.raw_bind_parameter(i, v)?,
             Arg::Bool(v) => statement.raw_bind_parameter(i, v)?,
             Arg::Time(v) => statement.raw_bind_parameter(i, v.as_ref().map(ts))?,
-            Arg::Json(v) => statement.raw_bind_parameter(i, v.map(|v| v.to_string()))?,
+            Arg::Json(v) => statement.raw_bind_parameter(i, v.map(json_text).transpose()?)?,
             Arg::Encoded(None) => statement.raw_bind_parameter(i, None::<&str>)?,
             Arg::Encoded(Some(Encoded::Text(v))) => statement.raw_bind_parameter(i, v.as_str())?,
-            Arg::Encoded(Some(Encoded::Json(v))) => statement.raw_bind_parameter(i, v.to_string())?,
+            Arg::Encoded(Some(Encoded::Json(v))) => statement.raw_bind_parameter(i, json_text(v)?)?,
             // the pipeline binds arrays on PostgreSQL only: were one handed here, an error
             Arg::Texts(_) => {
                 return Err(rusqlite::Error::ToSqlConversionFailure("an array parameter on SQLite".into()))

@@ -610,6 +610,7 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (10, "multitask", include_str!("../../migrations/sqlite/0010_multitask.sql")),
     (11, "rollback intent", include_str!("../../migrations/sqlite/0011_rollback_intent.sql")),
     (12, "run hidden", include_str!("../../migrations/sqlite/0012_run_hidden.sql")),
+    (13, "event data format", include_str!("../../migrations/sqlite/0013_event_data_format.sql")),
 ];
 
 /// Checksums a migration had before an edit that left what it does to an existing database alone:

@@ -534,7 +534,7 @@ impl RunStore for SqliteStore {
                 many(
                     c,
                     "list events",
-                    "SELECT sequence, type, data, created_at FROM run_events WHERE run_id = ? AND sequence > ? \
+                    "SELECT sequence, type, data, created_at, data_format FROM run_events WHERE run_id = ? AND sequence > ? \
                  ORDER BY sequence LIMIT ?",
                     params![run_id.as_str(), after, i64::from(limit)],
                     |r| event_from(&run_id, r),

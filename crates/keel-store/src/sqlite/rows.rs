@@ -3,6 +3,7 @@
 
 use std::cell::Cell;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use keel_core::domain::{
     Conversation, Fact, FactSource, Interrupt, InterruptKind, InterruptStatus, Message, Role, Run, RunStatus,
@@ -266,7 +267,12 @@ pub fn event_from(run_id: &RunId, row: &Row<'_>) -> StoreResult<Event> {
     let type_name: String = c.get("type")?;
     let data: String = c.get("data")?;
     let kind = EventKind::from_data_text(&type_name, &data).map_err(|e| c.bad("data", json_error(&e)))?;
-    Ok(Event::new(kind, run_id.clone(), c.get("sequence")?, c.ts("created_at")?))
+    let event = Event::new(kind, run_id.clone(), c.get("sequence")?, c.ts("created_at")?);
+    // Data stored in this version's form goes into frames as it is; any other is serialized again.
+    Ok(match c.get::<i64>("data_format")? {
+        keel_core::event::DATA_FORMAT => event.with_data_text(Arc::from(data)),
+        _ => event,
+    })
 }
 
 pub fn interrupt_from(row: &Row<'_>) -> StoreResult<Interrupt> {
