@@ -431,6 +431,46 @@ async fn a_commit_refused_inside_a_group_fails_alone() {
     assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 4);
 }
 
+/// A commit that moves one call twice (an answer's `allowed`, then the attempt's `executing`,
+/// joined into one transaction) is written inside a group like any other: each move in order, and
+/// no regroup.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_moved_twice_by_one_commit_is_written_in_its_group() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let runs = [queued_run(&store).await, queued_run(&store).await];
+    let call = keel_core::domain::ToolCall {
+        id: keel_core::ids::CallId::new(),
+        run_id: runs[0].clone(),
+        name: "restart".into(),
+        args: serde_json::json!({"id": "a"}).into(),
+        state: ToolCallState::Asking,
+        result: None,
+        summary: None,
+        attempts: 0,
+        started_at: None,
+        finished_at: None,
+    };
+    let mut insert = on_queued(&runs[0], 1);
+    insert.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    store.commit(insert).await.expect("insert the call");
+
+    let regrouped = store.commit_stats().regrouped;
+    let mut twice = on_queued(&runs[0], 1);
+    twice.tool_calls.push(ToolCallChange::transition(&call.id, ToolCallState::Asking, ToolCallState::Allowed));
+    twice.tool_calls.push(ToolCallChange::Update(keel_core::store::ToolCallUpdate {
+        attempts: Some(1),
+        started_at: Some(now()),
+        ..keel_core::store::ToolCallUpdate::new(&call.id, ToolCallState::Allowed, ToolCallState::Executing)
+    }));
+    let results = as_one_group(&url, &store, vec![twice, on_queued(&runs[1], 2)]).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    assert_eq!(store.commit_stats().regrouped, regrouped, "written by the group itself");
+    let stored = store.list_tool_calls(&runs[0]).await.expect("calls").pop().expect("the call");
+    assert_eq!((stored.state, stored.attempts), (ToolCallState::Executing, 1));
+    assert!(stored.started_at.is_some());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grouped_commit_moves_the_lease_only_with_the_status() {
     let Some(url) = url() else { return };

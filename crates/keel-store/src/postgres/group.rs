@@ -475,7 +475,13 @@ struct Batch {
     messages: Messages,
     discards: Discards,
     call_inserts: CallInserts,
-    call_updates: CallUpdates,
+    /// The calls' updates in layers, each written by one statement, in order: a call's first
+    /// update in the group is in the first, its second (a commit that joined two steps: an
+    /// answer's `allowed`, then the attempt's `executing`) in the second, and so on. One statement
+    /// matches each row once.
+    call_updates: Vec<CallUpdates>,
+    /// How many updates of each call the layers hold.
+    call_update_count: HashMap<String, usize>,
     interrupt_inserts: InterruptInserts,
     interrupt_changes: InterruptChanges,
     /// (conversation, key) → (value, source, updated_at): the last write of a key wins, as it
@@ -604,7 +610,12 @@ impl Batch {
                     started_at,
                     finished_at,
                 }) => {
-                    let cu = &mut self.call_updates;
+                    let layer = self.call_update_count.entry(id.as_str().to_owned()).or_default();
+                    if *layer == self.call_updates.len() {
+                        self.call_updates.push(CallUpdates::default());
+                    }
+                    let cu = &mut self.call_updates[*layer];
+                    *layer += 1;
                     cu.ids.push(id.as_str().to_owned());
                     cu.run_ids.push(run_id.to_owned());
                     cu.from.push(from.as_str());
@@ -781,8 +792,7 @@ impl Batch {
             .map_err(regroup)?;
         }
 
-        let cu = &self.call_updates;
-        if !cu.ids.is_empty() {
+        for cu in &self.call_updates {
             let done = sqlx::query(
                 "UPDATE tool_calls SET state = u.to_state, args = COALESCE(u.args, tool_calls.args), \
                  result = COALESCE(u.result, tool_calls.result), summary = COALESCE(u.summary, tool_calls.summary), \
@@ -807,7 +817,7 @@ impl Batch {
             .execute(&mut *conn)
             .await
             .map_err(regroup)?;
-            // one row per update: a call updated twice in the group matches once, and regroups
+            // one row per update: each layer holds a call once
             all_matched(done.rows_affected(), cu.ids.len())?;
         }
 
