@@ -42,11 +42,11 @@ async fn a_bad_url_is_an_error_not_a_panic() {
     assert!(matches!(err, StoreError::Backend(_)), "{err:?}");
 }
 
-#[tokio::test]
-async fn an_unreadable_row_is_a_backend_error() {
-    let dir = TempDir::new().expect("temp dir");
-    let path = dir.path().join("keel.db");
-    let store = SqliteStore::open(&path).await.expect("open");
+/// A conversation of alice's, and a run started on it with `events` first.
+async fn run_with(
+    store: &SqliteStore,
+    events: Vec<keel_core::event::EventKind>,
+) -> (keel_core::domain::Conversation, keel_core::store::StartedRun) {
     let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
     let started = store
         .start_run(NewRun {
@@ -56,12 +56,21 @@ async fn an_unreadable_row_is_a_backend_error() {
             content: "hi".into(),
             cancel_on_disconnect: false,
             now: now(),
-            events: vec![],
+            events,
             enqueue: None,
             lease: None,
         })
         .await
         .expect("start");
+    (conversation, started)
+}
+
+#[tokio::test]
+async fn an_unreadable_row_is_a_backend_error() {
+    let dir = TempDir::new().expect("temp dir");
+    let path = dir.path().join("keel.db");
+    let store = SqliteStore::open(&path).await.expect("open");
+    let (conversation, started) = run_with(&store, vec![]).await;
 
     // someone else wrote rows this version cannot read
     let raw = rusqlite::Connection::open(&path).expect("raw connection");
@@ -361,24 +370,11 @@ async fn stored_event_data_goes_into_frames_only_in_this_versions_form() {
     let dir = TempDir::new().expect("temp dir");
     let path = dir.path().join("keel.db");
     let store = SqliteStore::open(&path).await.expect("open");
-    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
-    let started = store
-        .start_run(NewRun {
-            conversation_id: conversation.id.clone(),
-            agent_id: "ops".into(),
-            user_id: "alice".into(),
-            content: "hi".into(),
-            cancel_on_disconnect: false,
-            now: now(),
-            events: vec![
-                EventKind::NodeStarted { node: "model".into() },
-                EventKind::NodeFinished { node: "model".into(), duration_ms: 7 },
-            ],
-            enqueue: None,
-            lease: None,
-        })
-        .await
-        .expect("start");
+    let events = vec![
+        EventKind::NodeStarted { node: "model".into() },
+        EventKind::NodeFinished { node: "model".into(), duration_ms: 7 },
+    ];
+    let (_, started) = run_with(&store, events).await;
     let frame = |event: &keel_core::Event| {
         let mut out = Vec::new();
         event.write_json(&mut out).expect("write");
