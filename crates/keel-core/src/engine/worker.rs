@@ -198,23 +198,25 @@ impl Worker {
                 other => break other,
             }
         };
-        let committed = match self.claim_answer.take() {
-            // The held answer to an interrupt was in this commit: its request learns the outcome.
-            Some(answer) => match written {
-                Ok(committed) => {
+        // The held answer to an interrupt was in this commit: its request learns the outcome,
+        // once the events are announced.
+        let answer = self.claim_answer.take();
+        let committed = match (written, answer) {
+            (Ok(committed), answer) => {
+                self.inner.committed_by(&self.run, &committed);
+                if let Some(answer) = answer {
                     let _ = answer.send(Ok(committed.clone()));
                     self.renewer = Some(self.inner.spawn_lease_renewer(self.run.id.clone(), self.owner.clone()));
-                    committed
                 }
-                Err(e) => {
-                    self.claim_refused = true;
-                    let _ = answer.send(Err(e));
-                    return Err(StoreError::Conflict("the answer this worker was to write was refused".into()));
-                }
-            },
-            None => written?,
+                committed
+            }
+            (Err(e), None) => return Err(e),
+            (Err(e), Some(answer)) => {
+                self.claim_refused = true;
+                let _ = answer.send(Err(e));
+                return Err(StoreError::Conflict("the answer this worker was to write was refused".into()));
+            }
         };
-        self.inner.committed_by(&self.run, &committed);
         self.held_first = false;
         adopt(&mut self.run, &commit);
         self.run.cancel_requested = committed.cancel_requested;
