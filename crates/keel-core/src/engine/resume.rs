@@ -285,9 +285,7 @@ impl Engine {
         let inner = &self.inner;
         // A slot for the worker that continues the run, taken before the claim so that a run this
         // instance has no room for is not left leased to it.
-        let slot = inner.capacity.try_take();
-        let at_capacity = slot.is_none();
-        let written = match slot {
+        let written = match inner.capacity.try_take() {
             Some(slot) => {
                 // The run as the claim leaves it, for its worker (which then need not read it back).
                 let mut resumed = run.clone();
@@ -295,12 +293,27 @@ impl Engine {
                 resumed.lease_owner = Some(owner.clone());
                 let (answer, outcome) = tokio::sync::oneshot::channel();
                 let primed = Primed { claim: Some(Claim { commit, answer }), ..primed };
-                inner.spawn_worker(resumed, owner.clone(), slot, primed);
+                inner.spawn_worker(resumed, owner, slot, primed);
                 // No answer: the worker was not started (a shutdown began), or stopped before
                 // writing anything. Nothing of the claim was written either way.
                 outcome.await.map_err(|_| EngineError::ShuttingDown)?
             }
-            None => inner.store.commit(commit).await.inspect(|committed| inner.committed_by(run, committed)),
+            None => {
+                let written = inner.store.commit(commit).await;
+                if let Ok(committed) = &written {
+                    inner.committed_by(run, committed);
+                    // At capacity: the decision is committed (once), and the run is let go as it
+                    // would be at a shutdown — `running` with no lease — so the first instance
+                    // with a free slot claims it and continues from the checkpoint. Should letting
+                    // go fail, the lease expires and the run is claimed then.
+                    tracing::info!(run_id = %run.id, "at capacity; the resumed run is left for a free slot");
+                    if let Err(e) = inner.store.release_lease(&run.id, &owner).await {
+                        inner.config.metrics.store_error("resume");
+                        tracing::warn!(run_id = %run.id, error = %e, "letting go of a resumed run failed; it waits for its lease to expire");
+                    }
+                }
+                written
+            }
         };
         let committed = match written {
             Ok(c) => c,
@@ -318,17 +331,6 @@ impl Engine {
             }
             Err(e) => return Err(e.into()),
         };
-        if at_capacity {
-            // The decision is committed (once), and the run is let go as it would be at a
-            // shutdown — `running` with no lease — so the first instance with a free slot claims it
-            // and continues from the checkpoint. Should letting go fail, the lease expires and the
-            // run is claimed then.
-            tracing::info!(run_id = %run.id, "at capacity; the resumed run is left for a free slot");
-            if let Err(e) = inner.store.release_lease(&run.id, &owner).await {
-                inner.config.metrics.store_error("resume");
-                tracing::warn!(run_id = %run.id, error = %e, "letting go of a resumed run failed; it waits for its lease to expire");
-            }
-        }
         let resumed_sequence = committed
             .events
             .iter()

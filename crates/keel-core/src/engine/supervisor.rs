@@ -338,8 +338,8 @@ impl Inner {
             renewer,
         };
         if let Some(claim) = primed.claim {
-            // Written with the first commit below (which then joins the worker's next one).
-            adopt(&mut worker.run, &claim.commit);
+            // Written with the first commit below (which then joins the worker's next one); `run`
+            // is already as the claim leaves it.
             worker.held = Some(claim.commit);
             worker.claim_answer = Some(claim.answer);
         }

@@ -47,6 +47,8 @@ fn insert_events(
     // each event's data, written once: stored here, and copied into the event's frames
     let data: Vec<Arc<str>> = events.iter().map(|e| event_data(&e.kind).map(Arc::from)).collect::<StoreResult<_>>()?;
     let run = run_id.as_str();
+    // the data's form, the same for every row: in the statement, not bound
+    let row = format!("(?, ?, ?, ?, ?, {DATA_FORMAT})");
     for (chunk, data) in events.chunks(EVENTS_PER_INSERT).zip(data.chunks(EVENTS_PER_INSERT)) {
         let types: Vec<&str> = chunk.iter().map(Event::type_name).collect();
         let data: Vec<&str> = data.iter().map(|d| &**d).collect();
@@ -54,8 +56,6 @@ fn insert_events(
         for ((event, type_name), data) in chunk.iter().zip(&types).zip(&data) {
             values.extend([&run as &dyn ToSql, &event.sequence, type_name, data, &created_at]);
         }
-        // the data's form, the same for every row: in the statement, not bound
-        let row = format!("(?, ?, ?, ?, ?, {DATA_FORMAT})");
         let rows = vec![row.as_str(); chunk.len()].join(", ");
         let sql =
             format!("INSERT INTO run_events (run_id, sequence, type, data, created_at, data_format) VALUES {rows}");
