@@ -326,6 +326,25 @@ pub struct StartedRun {
     pub events: Vec<Event>,
 }
 
+/// Which of the engine's periodic sweeps have work, from one read ([`RunStore::due_work`]). Each
+/// flag is `true` exactly when the sweep's own read would find something at that instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DueWork {
+    /// A pending interrupt past its expiry: [`RunStore::due_interrupts`].
+    pub expired_interrupts: bool,
+    /// A rollback left undone: [`RunStore::rollbacks_due`].
+    pub rollbacks: bool,
+    /// A waiting run whose turn came: [`RunStore::stranded_conversations`].
+    pub stranded: bool,
+    /// A run that needs a worker: what [`RunStore::claim_runs`] takes without `steal`.
+    pub claimable: bool,
+}
+
+impl DueWork {
+    /// Every sweep, as if each had work: what the engine runs when it cannot tell.
+    pub const ALL: DueWork = DueWork { expired_interrupts: true, rollbacks: true, stranded: true, claimable: true };
+}
+
 /// What [`RunStore::roll_back_run`] removed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RolledBack {
@@ -399,6 +418,11 @@ pub trait RunStore: Send + Sync {
         steal: bool,
         limit: u32,
     ) -> StoreResult<Vec<Run>>;
+    /// Which of the periodic sweeps ([`RunStore::due_interrupts`], [`RunStore::rollbacks_due`],
+    /// [`RunStore::stranded_conversations`], [`RunStore::claim_runs`] without `steal`) would find
+    /// work at `now`, in one read: an idle instance's sweep is this read alone, and only the sweeps
+    /// it names run. Writes nothing.
+    async fn due_work(&self, now: Timestamp) -> StoreResult<DueWork>;
     /// Extends the lease; `false` if `owner` no longer holds it.
     async fn renew_lease(&self, run_id: &RunId, owner: &str, lease_until: Timestamp) -> StoreResult<bool>;
     /// Lets go of the lease without changing the status (graceful shutdown): another worker may

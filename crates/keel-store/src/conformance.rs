@@ -21,9 +21,9 @@ use keel_core::event::{Event, EventKind, GraphNode, ToolOutcomeStatus};
 use keel_core::ids::{CallId, ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    AnswerView, Commit, ContextWindow, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, MessagesThrough,
-    NewLease, NewRun, PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult, TextAppend,
-    ToolCallChange, ToolCallUpdate,
+    AnswerView, Commit, ContextWindow, DueWork, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange,
+    MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RunChange, StartedRun, Store, StoreError, StoreResult,
+    TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde_json::json;
 
@@ -72,6 +72,7 @@ macro_rules! conformance_tests {
             an_answer_commits_with_the_change_it_reports,
             asking_calls_lists_the_calls_waiting_for_a_human,
             due_interrupts_are_pending_and_past_expiry,
+            due_work_names_the_sweeps_that_have_work,
             conversation_tool_calls_span_runs,
             the_context_window_starts_after_the_summary,
             messages_through_a_run_are_the_conversation_as_it_stood,
@@ -1515,6 +1516,67 @@ pub async fn asking_calls_lists_the_calls_waiting_for_a_human(store: SharedStore
     commit_ok(&store, c).await;
     assert_eq!(orders(store.asking_calls("cancel_order").await.expect("asking")), vec!["ord-2", "ord-2", "ord-7"]);
     assert_eq!(orders(store.asking_calls("get_order").await.expect("asking")), vec!["ord-1"]);
+}
+
+/// [`RunStore::due_work`] names a sweep exactly when the sweep's own read would find work: an
+/// expired interrupt, a rollback left undone, a stranded waiting run, a run that needs a worker.
+pub async fn due_work_names_the_sweeps_that_have_work(store: SharedStore) {
+    let due = |now: i64| {
+        let store = store.clone();
+        async move { store.due_work(at(now)).await.expect("due work") }
+    };
+    let nothing = DueWork::default();
+    let claimable = DueWork { claimable: true, ..nothing };
+    assert_eq!(due(0).await, nothing, "an empty store");
+
+    // a queued run without a lease needs a worker; a live lease keeps it, an expired one frees it
+    let (conversation, run) = queued(&store).await;
+    assert_eq!(due(1).await, claimable);
+    let claimed = store.claim_runs("w1", at(1), at(60), false, 10).await.expect("claim");
+    assert_eq!(claimed.len(), 1);
+    assert_eq!(due(59).await, nothing, "a live lease");
+    assert_eq!(due(60).await, claimable, "at the expiry instant the lease is gone");
+
+    // a paused run waits for a human: due once its interrupt expires, not before
+    let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(2));
+    c.run = to(RunStatus::Interrupted);
+    let pending = interrupt(&run.id, vec![], at(100));
+    c.new_interrupts.push(pending.clone());
+    commit_ok(&store, c).await;
+    assert_eq!(due(99).await, nothing);
+    assert_eq!(due(100).await, DueWork { expired_interrupts: true, ..nothing });
+    assert_eq!(store.due_interrupts(at(100), 10).await.expect("due").len(), 1);
+
+    // answered in time: nothing more; cancelled with its rollback asked for, the rollback is due
+    let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(160)), at(99));
+    c.run = to(RunStatus::Running);
+    c.interrupt_changes.push(resolve(&pending, "alice"));
+    commit_ok(&store, c).await;
+    assert_eq!(due(150).await, nothing);
+    store.request_cancel(&run.id, at(150), true).await.expect("request cancel");
+    assert_eq!(due(150).await, nothing, "not ended yet: no rollback due");
+    let mut c = Commit::new(run.id.clone(), lease("w2", at(160)), at(151));
+    c.run = to(RunStatus::Cancelled);
+    commit_ok(&store, c).await;
+    assert_eq!(due(152).await, DueWork { rollbacks: true, ..nothing });
+    store.roll_back_run(&run.id, at(152)).await.expect("roll back");
+    assert_eq!(due(153).await, nothing, "the rollback clears the intent");
+
+    // a waiting run whose turn came while nobody started it is stranded; started, it needs a worker
+    let first = start(&store, &conversation, at(154)).await;
+    enqueue(&store, &conversation, "second", at(155)).await;
+    assert_eq!(due(156).await, claimable, "the active run needs a worker; the waiting one waits");
+    end_queued(&store, &first.run.id, at(157)).await;
+    assert_eq!(due(158).await, DueWork { stranded: true, ..nothing });
+    assert_eq!(store.stranded_conversations(10).await.expect("stranded"), vec![conversation.id.clone()]);
+    let promoted = store
+        .promote_waiting(&conversation.id, first_events(&conversation.id), None, at(158))
+        .await
+        .expect("promote")
+        .expect("the waiting run starts");
+    assert_eq!(due(159).await, claimable);
+    end_queued(&store, &promoted.run.id, at(160)).await;
+    assert_eq!(due(161).await, nothing);
 }
 
 pub async fn due_interrupts_are_pending_and_past_expiry(store: SharedStore) {

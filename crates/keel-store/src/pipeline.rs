@@ -71,7 +71,7 @@ impl Sql {
         Self { text, sqlite: OnceLock::new() }
     }
 
-    pub(crate) fn text(&self, dialect: Dialect) -> &str {
+    pub(crate) fn text(&'static self, dialect: Dialect) -> &'static str {
         match dialect {
             Dialect::Postgres => self.text,
             Dialect::Sqlite => self.sqlite.get_or_init(|| self.text.replace('$', "?")),
@@ -192,12 +192,12 @@ pub(crate) trait Tx {
     fn stored(t: Timestamp) -> Timestamp;
 
     /// Runs a statement; the number of rows it changed.
-    fn execute(&mut self, sql: &str, args: &[Arg<'_>]) -> impl Future<Output = Result<u64, DbError>>;
+    fn execute(&mut self, sql: &'static str, args: &[Arg<'_>]) -> impl Future<Output = Result<u64, DbError>>;
 
     /// The first row of a query, its columns as `shape` says.
     fn row(
         &mut self,
-        sql: &str,
+        sql: &'static str,
         args: &[Arg<'_>],
         shape: &[Ty],
     ) -> impl Future<Output = Result<Option<Vec<Cell>>, DbError>>;
@@ -235,11 +235,11 @@ pub(crate) fn ready<T>(future: impl Future<Output = StoreResult<T>>) -> StoreRes
     }
 }
 
-async fn execute<T: Tx>(tx: &mut T, op: &'static str, sql: &Sql, args: &[Arg<'_>]) -> StoreResult<u64> {
+async fn execute<T: Tx>(tx: &mut T, op: &'static str, sql: &'static Sql, args: &[Arg<'_>]) -> StoreResult<u64> {
     tx.execute(sql.text(T::DIALECT), args).await.map_err(|e| e.backend(op))
 }
 
-async fn insert<T: Tx>(tx: &mut T, what: &'static str, sql: &Sql, args: &[Arg<'_>]) -> StoreResult<()> {
+async fn insert<T: Tx>(tx: &mut T, what: &'static str, sql: &'static Sql, args: &[Arg<'_>]) -> StoreResult<()> {
     tx.execute(sql.text(T::DIALECT), args).await.map_err(|e| e.insert(what))?;
     Ok(())
 }
@@ -247,7 +247,7 @@ async fn insert<T: Tx>(tx: &mut T, what: &'static str, sql: &Sql, args: &[Arg<'_
 async fn row<T: Tx>(
     tx: &mut T,
     op: &'static str,
-    sql: &Sql,
+    sql: &'static Sql,
     args: &[Arg<'_>],
     shape: &[Ty],
 ) -> StoreResult<Option<Vec<Cell>>> {

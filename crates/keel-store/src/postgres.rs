@@ -12,6 +12,7 @@
 //! equals the record read back.
 
 use std::str::FromStr;
+use std::sync::LazyLock;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -24,9 +25,9 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, InvalidId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    AnswerView, BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
-    MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError,
-    StoreResult,
+    AnswerView, BindingStore, Commit, Committed, ContextWindow, ConversationStore, DueWork, IdempotencyBegin,
+    IdentityStore, MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store,
+    StoreError, StoreResult,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -57,6 +58,40 @@ const MAX_CONNECTIONS: u32 = 12;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 const ACTIVE: &str = "('queued', 'running', 'interrupted')";
+// The periodic sweeps' conditions, each shared by its sweep's read and by [`RunStore::due_work`],
+// which probes all four in one statement.
+const DUE_INTERRUPTS: &str = "status = 'pending' AND expires_at <= $1";
+const ROLLBACKS_DUE: &str = "roll_back_requested AND status IN ('completed', 'failed', 'cancelled')";
+/// A waiting run (`w`) whose conversation has no active run.
+static STRANDED: LazyLock<String> = LazyLock::new(|| {
+    format!("w.status = 'waiting' AND NOT EXISTS (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND a.status IN {ACTIVE})")
+});
+/// A run that needs a worker, with the placeholders of the instant and of whether live leases are
+/// taken too.
+fn claimable(now: &str, steal: &str) -> String {
+    format!(
+        "status IN ('queued', 'running') AND (lease_owner IS NULL \
+         OR lease_expires_at IS NULL OR lease_expires_at <= {now} OR {steal})"
+    )
+}
+static CLAIM: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3, worker = $6 \
+         WHERE id IN (SELECT id FROM runs WHERE {} ORDER BY created_at, id LIMIT $5 FOR UPDATE SKIP LOCKED) \
+         RETURNING *",
+        claimable("$3", "$4")
+    )
+});
+static DUE_WORK: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT EXISTS (SELECT 1 FROM interrupts WHERE {DUE_INTERRUPTS}), \
+         EXISTS (SELECT 1 FROM runs WHERE {ROLLBACKS_DUE}), \
+         EXISTS (SELECT 1 FROM runs w WHERE {}), \
+         EXISTS (SELECT 1 FROM runs WHERE {})",
+        *STRANDED,
+        claimable("$1", "false")
+    )
+});
 /// The partial unique index that keeps one active run per conversation.
 const ONE_ACTIVE_RUN: &str = "runs_one_active_per_conversation";
 /// How often `start_run` starts over when it lost a race to the unique index and the winner is
@@ -786,9 +821,8 @@ impl RunStore for PostgresStore {
 
     async fn stranded_conversations(&self, limit: u32) -> StoreResult<Vec<ConversationId>> {
         let rows = sqlx::query(&format!(
-            "SELECT w.conversation_id FROM runs w WHERE w.status = 'waiting' AND NOT EXISTS \
-             (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND a.status IN {ACTIVE}) \
-             GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT $1"
+            "SELECT w.conversation_id FROM runs w WHERE {} GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT $1",
+            *STRANDED
         ))
         .bind(i64::from(limit))
         .fetch_all(&self.pool)
@@ -816,26 +850,25 @@ impl RunStore for PostgresStore {
         // One statement: the subquery locks the rows it picks and skips the ones another claimer
         // (or a commit) holds, so concurrent claimers never take the same run and never wait.
         // A row changed since the statement began is re-checked against the condition when locked.
-        let rows = sqlx::query(
-            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3, worker = $6 \
-             WHERE id IN (SELECT id FROM runs \
-                 WHERE status IN ('queued', 'running') AND (lease_owner IS NULL \
-                    OR lease_expires_at IS NULL OR lease_expires_at <= $3 OR $4) \
-                 ORDER BY created_at, id LIMIT $5 FOR UPDATE SKIP LOCKED) \
-             RETURNING *",
-        )
-        .bind(owner)
-        .bind(lease_until)
-        .bind(now)
-        .bind(steal)
-        .bind(i64::from(limit))
-        .bind(lease_holder(owner))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("claim runs"))?;
+        let rows = sqlx::query(&CLAIM)
+            .bind(owner)
+            .bind(lease_until)
+            .bind(now)
+            .bind(steal)
+            .bind(i64::from(limit))
+            .bind(lease_holder(owner))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("claim runs"))?;
         let mut runs = all(&rows, run_from)?;
         runs.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
         Ok(runs)
+    }
+
+    async fn due_work(&self, now: Timestamp) -> StoreResult<DueWork> {
+        let row = sqlx::query(&DUE_WORK).bind(now).fetch_one(&self.pool).await.map_err(db("look for due work"))?;
+        let flag = |i: usize| row.try_get::<bool, _>(i).map_err(db("look for due work"));
+        Ok(DueWork { expired_interrupts: flag(0)?, rollbacks: flag(1)?, stranded: flag(2)?, claimable: flag(3)? })
     }
 
     async fn renew_lease(&self, run_id: &RunId, owner: &str, lease_until: Timestamp) -> StoreResult<bool> {
@@ -890,14 +923,11 @@ impl RunStore for PostgresStore {
     }
 
     async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
-        let rows = sqlx::query(
-            "SELECT id FROM runs WHERE roll_back_requested \
-             AND status IN ('completed', 'failed', 'cancelled') ORDER BY id LIMIT $1",
-        )
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("find the rollbacks due"))?;
+        let rows = sqlx::query(&format!("SELECT id FROM runs WHERE {ROLLBACKS_DUE} ORDER BY id LIMIT $1"))
+            .bind(i64::from(limit))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db("find the rollbacks due"))?;
         rows.iter().map(|r| Cols::new(r, "runs").id("id")).collect()
     }
 
@@ -989,14 +1019,13 @@ impl RunStore for PostgresStore {
     }
 
     async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>> {
-        let rows = sqlx::query(
-            "SELECT * FROM interrupts WHERE status = 'pending' AND expires_at <= $1 ORDER BY expires_at, id LIMIT $2",
-        )
-        .bind(now)
-        .bind(i64::from(limit))
-        .fetch_all(&self.pool)
-        .await
-        .map_err(db("list due interrupts"))?;
+        let rows =
+            sqlx::query(&format!("SELECT * FROM interrupts WHERE {DUE_INTERRUPTS} ORDER BY expires_at, id LIMIT $2"))
+                .bind(now)
+                .bind(i64::from(limit))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(db("list due interrupts"))?;
         all(&rows, interrupt_from)
     }
 

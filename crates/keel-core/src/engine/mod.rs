@@ -32,8 +32,8 @@ use crate::mask::{looks_secret, mask_value, truncate, Masked};
 use crate::metrics::{new_trace_id, Metrics, RunSpanHook};
 use crate::model::{ModelChunk, ModelError, ModelRequest};
 use crate::store::{
-    AnswerView, Commit, Committed, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease, NewRun,
-    RolledBack, RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
+    AnswerView, Commit, Committed, DueWork, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease,
+    NewRun, RolledBack, RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use crate::stream::{run_events, Known, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
@@ -297,56 +297,41 @@ impl Engine {
             tracing::info!(promoted, "started waiting runs whose turn came while the server was down");
         }
         let recovered = self.inner.claim_and_spawn(self.inner.config.steal_leases_on_start).await?;
+        // The sweeps, every sweep interval: expired interrupts, rollbacks left undone, waiting runs
+        // whose turn came but that nobody started (their conversation's run ended in a process that
+        // stopped before starting the next), and runs that need a worker (queued ones another
+        // instance had no slot for, released ones, expired leases). One read says which of them
+        // have work, and only those run: an idle instance's sweep is that read. When a slot frees
+        // while work was turned away, the claim (with the rollbacks and promotions before it) runs
+        // at once.
         let inner = self.inner.clone();
         let sweeper = tokio::spawn(async move {
             let mut tick = tokio::time::interval(inner.config.sweep_interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
-                tick.tick().await;
+                let due = tokio::select! {
+                    _ = tick.tick() => None,
+                    () = inner.capacity.freed() => Some(DueWork { expired_interrupts: false, ..DueWork::ALL }),
+                };
                 if inner.shutting_down.load(Ordering::SeqCst) {
                     break;
                 }
-                if let Err(e) = inner.sweep_expired().await {
-                    inner.config.metrics.store_error("sweep_expired");
-                    tracing::warn!(error = %e, "interrupt expiry sweep failed");
-                }
+                let due = match due {
+                    Some(due) => due,
+                    None => match inner.store.due_work(inner.clock.now()).await {
+                        Ok(due) => due,
+                        Err(e) => {
+                            // Each sweep's own read says whether it has work.
+                            inner.config.metrics.store_error("due_work");
+                            tracing::warn!(error = %e, "looking for due work failed");
+                            DueWork::ALL
+                        }
+                    },
+                };
+                inner.sweep(due).await;
             }
         });
-        // Claims runs that need a worker (queued ones another instance had no slot for, released
-        // ones, expired leases): every sweep interval, and at once when a slot frees while work
-        // was turned away. Before each claim, waiting runs whose turn came but that nobody started
-        // (their conversation's run ended in a process that stopped before starting the next) start.
-        let inner = self.inner.clone();
-        let claimer = tokio::spawn(async move {
-            // The first one interval from now: the claim above was this instant's. (An immediate
-            // one held the free slots while it looked, so a message arriving just after start-up
-            // could find none and be written unleased, for a claim, instead of started here.)
-            let every = inner.config.sweep_interval;
-            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => {}
-                    () = inner.capacity.freed() => {}
-                }
-                if inner.shutting_down.load(Ordering::SeqCst) {
-                    break;
-                }
-                if let Err(e) = inner.finish_rollbacks().await {
-                    inner.config.metrics.store_error("finish_rollbacks");
-                    tracing::warn!(error = %e, "finishing rollbacks left undone failed");
-                }
-                if let Err(e) = inner.promote_stranded().await {
-                    inner.config.metrics.store_error("promote_waiting");
-                    tracing::warn!(error = %e, "starting stranded waiting runs failed");
-                }
-                if let Err(e) = inner.claim_and_spawn(false).await {
-                    inner.config.metrics.store_error("claim_runs");
-                    tracing::warn!(error = %e, "claiming runs failed");
-                }
-            }
-        });
-        self.background.lock().unwrap_or_else(|e| e.into_inner()).extend([sweeper, claimer]);
+        self.background.lock().unwrap_or_else(|e| e.into_inner()).push(sweeper);
         Ok(recovered)
     }
 

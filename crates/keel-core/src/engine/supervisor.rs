@@ -432,6 +432,37 @@ impl Inner {
         }
     }
 
+    /// Runs the sweeps `due` names, in order: expired interrupts, rollbacks left undone, stranded
+    /// waiting runs (so the claim after them takes those runs too), claims. A sweep that fails is
+    /// logged and counted; the next still runs.
+    pub(super) async fn sweep(self: &Arc<Self>, due: DueWork) {
+        let metrics = &self.config.metrics;
+        if due.expired_interrupts {
+            if let Err(e) = self.sweep_expired().await {
+                metrics.store_error("sweep_expired");
+                tracing::warn!(error = %e, "interrupt expiry sweep failed");
+            }
+        }
+        if due.rollbacks {
+            if let Err(e) = self.finish_rollbacks().await {
+                metrics.store_error("finish_rollbacks");
+                tracing::warn!(error = %e, "finishing rollbacks left undone failed");
+            }
+        }
+        if due.stranded {
+            if let Err(e) = self.promote_stranded().await {
+                metrics.store_error("promote_waiting");
+                tracing::warn!(error = %e, "starting stranded waiting runs failed");
+            }
+        }
+        if due.claimable {
+            if let Err(e) = self.claim_and_spawn(false).await {
+                metrics.store_error("claim_runs");
+                tracing::warn!(error = %e, "claiming runs failed");
+            }
+        }
+    }
+
     pub(super) async fn sweep_expired(self: &Arc<Self>) -> EngineResult<usize> {
         let due = self.store.due_interrupts(self.clock.now(), 100).await?;
         let mut n = 0;

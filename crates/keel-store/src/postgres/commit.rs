@@ -63,12 +63,12 @@ impl Tx for PgTx<'_> {
         micros(t)
     }
 
-    async fn execute(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<u64, DbError> {
+    async fn execute(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, DbError> {
         let done = bind(sqlx::query(sql), args).execute(&mut *self.0).await.map_err(failure)?;
         Ok(done.rows_affected())
     }
 
-    async fn row(&mut self, sql: &str, args: &[Arg<'_>], shape: &[Ty]) -> Result<Option<Vec<Cell>>, DbError> {
+    async fn row(&mut self, sql: &'static str, args: &[Arg<'_>], shape: &[Ty]) -> Result<Option<Vec<Cell>>, DbError> {
         let Some(row): Option<PgRow> =
             bind(sqlx::query(sql), args).fetch_optional(&mut *self.0).await.map_err(failure)?
         else {

@@ -2,13 +2,15 @@
 //! connection, inside the writer's transaction, and the encodings SQLite stores (timestamps as
 //! fixed-width text, JSON as text).
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use keel_core::domain::Timestamp;
 use keel_core::event::{Event, EventKind, DATA_FORMAT};
 use keel_core::ids::RunId;
 use keel_core::store::{StoreError, StoreResult};
-use rusqlite::{CachedStatement, Connection, ToSql};
+use rusqlite::ToSql;
+
+use super::kept::Conn;
 use serde::Serialize;
 
 pub use crate::pipeline::ACTIVE;
@@ -34,9 +36,24 @@ pub fn json<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult
 /// row, far under SQLite's limit), each prepared once per shape.
 const EVENTS_PER_INSERT: usize = 64;
 
+/// The `INSERT` of `rows` events (1 to [`EVENTS_PER_INSERT`]), made once per row count.
+fn insert_events_sql(rows: usize) -> &'static str {
+    static SHAPES: LazyLock<Vec<String>> = LazyLock::new(|| {
+        // the data's form, the same for every row: in the statement, not bound
+        let row = format!("(?, ?, ?, ?, ?, {DATA_FORMAT})");
+        (1..=EVENTS_PER_INSERT)
+            .map(|n| {
+                let rows = vec![row.as_str(); n].join(", ");
+                format!("INSERT INTO run_events (run_id, sequence, type, data, created_at, data_format) VALUES {rows}")
+            })
+            .collect()
+    });
+    &SHAPES[rows.clamp(1, EVENTS_PER_INSERT) - 1]
+}
+
 /// Inserts `kinds` as the run's events from `first_sequence` on; the events as written.
 fn insert_events(
-    conn: &Connection,
+    conn: &Conn<'_, '_>,
     run_id: &RunId,
     first_sequence: i64,
     kinds: &[EventKind],
@@ -47,8 +64,6 @@ fn insert_events(
     // each event's data, written once: stored here, and copied into the event's frames
     let data: Vec<Arc<str>> = events.iter().map(|e| event_data(&e.kind).map(Arc::from)).collect::<StoreResult<_>>()?;
     let run = run_id.as_str();
-    // the data's form, the same for every row: in the statement, not bound
-    let row = format!("(?, ?, ?, ?, ?, {DATA_FORMAT})");
     for (chunk, data) in events.chunks(EVENTS_PER_INSERT).zip(data.chunks(EVENTS_PER_INSERT)) {
         let types: Vec<&str> = chunk.iter().map(Event::type_name).collect();
         let data: Vec<&str> = data.iter().map(|d| &**d).collect();
@@ -56,17 +71,14 @@ fn insert_events(
         for ((event, type_name), data) in chunk.iter().zip(&types).zip(&data) {
             values.extend([&run as &dyn ToSql, &event.sequence, type_name, data, &created_at]);
         }
-        let rows = vec![row.as_str(); chunk.len()].join(", ");
-        let sql =
-            format!("INSERT INTO run_events (run_id, sequence, type, data, created_at, data_format) VALUES {rows}");
-        exec_or(conn, &sql, values.as_slice(), insert("event"))?;
+        exec_or(conn, insert_events_sql(chunk.len()), values.as_slice(), insert("event"))?;
     }
     Ok(events.into_iter().zip(data).map(|(event, data)| event.with_data_text(data)).collect())
 }
 
 /// The writer thread's connection, in its transaction, as the pipeline's [`Tx`]. Every call is
 /// answered at once: the pipeline's future never waits (`crate::pipeline::ready`).
-pub struct SqliteTx<'c>(pub &'c Connection);
+pub struct SqliteTx<'a, 'k, 'c>(pub &'a Conn<'k, 'c>);
 
 fn failure(e: rusqlite::Error) -> DbError {
     // SQLite's messages never carry the bound parameters, so no value written leaks into them.
@@ -79,7 +91,7 @@ fn json_text(v: &serde_json::Value) -> rusqlite::Result<String> {
     serde_json::to_string(v).map_err(|e| rusqlite::Error::ToSqlConversionFailure(Box::new(e)))
 }
 
-fn bind(statement: &mut CachedStatement<'_>, args: &[Arg<'_>]) -> rusqlite::Result<()> {
+fn bind(statement: &mut rusqlite::Statement<'_>, args: &[Arg<'_>]) -> rusqlite::Result<()> {
     for (i, arg) in args.iter().enumerate() {
         let i = i + 1;
         match *arg {
@@ -101,7 +113,7 @@ fn bind(statement: &mut CachedStatement<'_>, args: &[Arg<'_>]) -> rusqlite::Resu
     Ok(())
 }
 
-impl Tx for SqliteTx<'_> {
+impl Tx for SqliteTx<'_, '_, '_> {
     const DIALECT: Dialect = Dialect::Sqlite;
 
     fn encode<T: Serialize + ?Sized>(what: &'static str, value: &T) -> StoreResult<Encoded> {
@@ -112,15 +124,15 @@ impl Tx for SqliteTx<'_> {
         t
     }
 
-    async fn execute(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<u64, DbError> {
-        let mut statement = self.0.prepare_cached(sql).map_err(failure)?;
+    async fn execute(&mut self, sql: &'static str, args: &[Arg<'_>]) -> Result<u64, DbError> {
+        let mut statement = self.0.prepare_kept(sql).map_err(failure)?;
         bind(&mut statement, args).map_err(failure)?;
         let changed = statement.raw_execute().map_err(failure)?;
         Ok(changed as u64)
     }
 
-    async fn row(&mut self, sql: &str, args: &[Arg<'_>], shape: &[Ty]) -> Result<Option<Vec<Cell>>, DbError> {
-        let mut statement = self.0.prepare_cached(sql).map_err(failure)?;
+    async fn row(&mut self, sql: &'static str, args: &[Arg<'_>], shape: &[Ty]) -> Result<Option<Vec<Cell>>, DbError> {
+        let mut statement = self.0.prepare_kept(sql).map_err(failure)?;
         bind(&mut statement, args).map_err(failure)?;
         let mut rows = statement.raw_query();
         let Some(row) = rows.next().map_err(failure)? else {

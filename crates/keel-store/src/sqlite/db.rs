@@ -22,6 +22,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension};
 use sha2::{Digest, Sha384};
 use tokio::sync::{oneshot, watch};
 
+use super::kept::{Conn, Kept};
 use super::readers::Readers;
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -167,7 +168,7 @@ trait WriteJob: Send {
     /// Runs the statements; `false` if they failed or panicked (the caller's error is kept for its
     /// answer). May run again, when the group's transaction was rolled back because another write
     /// failed: the last run's result is the one that counts.
-    fn run(&mut self, conn: &Connection) -> bool;
+    fn run(&mut self, conn: &Conn<'_, '_>) -> bool;
     /// Answers the caller once the transaction is over: with its own result, or with `failure` if
     /// the transaction as a whole failed (then nothing of it was written).
     fn answer(self: Box<Self>, failure: Option<String>);
@@ -182,9 +183,9 @@ struct Pending<R, F> {
 impl<R, F> WriteJob for Pending<R, F>
 where
     R: Send,
-    F: FnMut(&Connection) -> StoreResult<R> + Send,
+    F: FnMut(&Conn<'_, '_>) -> StoreResult<R> + Send,
 {
-    fn run(&mut self, conn: &Connection) -> bool {
+    fn run(&mut self, conn: &Conn<'_, '_>) -> bool {
         // A panic is this write's failure alone: the group is rolled back and runs again without
         // it, like a refused write, and the writer thread lives on. The closure is not run again,
         // so whatever state the panic left in it is never seen.
@@ -305,7 +306,7 @@ impl Database {
     pub async fn write<R, F>(&self, work: F) -> StoreResult<R>
     where
         R: Send + 'static,
-        F: FnMut(&Connection) -> StoreResult<R> + Send + 'static,
+        F: FnMut(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
     {
         self.submit(work)?.await.map_err(|_| closed("write"))?
     }
@@ -314,7 +315,7 @@ impl Database {
     fn submit<R, F>(&self, work: F) -> StoreResult<oneshot::Receiver<StoreResult<R>>>
     where
         R: Send + 'static,
-        F: FnMut(&Connection) -> StoreResult<R> + Send + 'static,
+        F: FnMut(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
     {
         let queued = &self.shared.queued;
         if queued.fetch_add(1, Ordering::AcqRel) >= self.shared.capacity {
@@ -333,7 +334,7 @@ impl Database {
     pub async fn read<R, F>(&self, work: F) -> StoreResult<R>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<R> + Send + 'static,
+        F: FnOnce(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
     {
         self.shared.readers.read(work).await
     }
@@ -453,6 +454,9 @@ fn create_parent_dir(path: &Path) -> StoreResult<()> {
     }
 }
 
+/// Runs a group's work on the writer's connection.
+type WithConn<'a> = dyn FnMut(&mut dyn FnMut(&Conn<'_, '_>) -> Option<String>) -> Option<String> + 'a;
+
 /// The writer thread's side of the database.
 struct Writer {
     conn: Arc<Mutex<Connection>>,
@@ -468,6 +472,23 @@ impl Writer {
     /// transaction, answers them. Ends when every handle is dropped, or at [`Job::Close`]; then
     /// checkpoints and closes the connection.
     fn run(self, queue: &mpsc::Receiver<Job>) {
+        let close = if self.file {
+            // The connection is this thread's alone: held for the thread's life, it keeps its
+            // statements (`kept`).
+            let conn = lock(&self.conn);
+            let kept = Kept::default();
+            let conn = Conn::new(&conn, Some(&kept));
+            self.serve(queue, &mut |work| work(&conn))
+        } else {
+            // An in-memory database's connection is shared with the readers: taken for each group.
+            self.serve(queue, &mut |work| work(&Conn::new(&lock(&self.conn), None)))
+        };
+        self.finish(close);
+    }
+
+    /// Runs the groups until every handle is dropped or a [`Job::Close`] comes (returned).
+    /// `with_conn` gives each group the connection.
+    fn serve(&self, queue: &mpsc::Receiver<Job>, with_conn: &mut WithConn<'_>) -> Option<Closing> {
         let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_GROUP);
         let mut close = None;
         while let Ok(first) = queue.recv() {
@@ -488,16 +509,16 @@ impl Writer {
                 }
             }
             if !group.is_empty() {
-                let conn = lock(&self.conn);
                 // A panic outside the writes themselves (they catch their own) fails the group, not
                 // the thread.
-                let failure = catch_unwind(AssertUnwindSafe(|| run_group(&conn, &mut group))).unwrap_or_else(|_| {
-                    if !conn.is_autocommit() {
-                        let _ = conn.execute_batch("ROLLBACK");
-                    }
-                    Some("write: the group transaction panicked; nothing of it was written".into())
+                let failure = with_conn(&mut |conn: &Conn<'_, '_>| {
+                    catch_unwind(AssertUnwindSafe(|| run_group(conn, &mut group))).unwrap_or_else(|_| {
+                        if !conn.is_autocommit() {
+                            let _ = conn.execute_batch("ROLLBACK");
+                        }
+                        Some("write: the group transaction panicked; nothing of it was written".into())
+                    })
                 });
-                drop(conn);
                 if failure.is_none() {
                     // (a group whose writes were all refused counts too: one checkpoint more)
                     self.commits.fetch_add(1, Ordering::Release);
@@ -510,7 +531,7 @@ impl Writer {
                 break;
             }
         }
-        self.finish(close);
+        close
     }
 
     /// After the last write: the readers and the checkpointer ended (their connections closed, so
@@ -552,7 +573,7 @@ impl Writer {
 /// transaction is rolled back and the group runs again without it. The writes before it run again on
 /// the same database state, so they give the same answers; refused writes are rare (lost races,
 /// conflicts, a panic), and each one costs one more run of the writes before it.
-fn run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Option<String> {
+fn run_group(conn: &Conn<'_, '_>, group: &mut [Box<dyn WriteJob>]) -> Option<String> {
     let result = try_run_group(conn, group);
     if result.is_err() && !conn.is_autocommit() {
         let _ = conn.execute_batch("ROLLBACK");
@@ -563,7 +584,7 @@ fn run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> Option<Strin
     })
 }
 
-fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> StoreResult<()> {
+fn try_run_group(conn: &Conn<'_, '_>, group: &mut [Box<dyn WriteJob>]) -> StoreResult<()> {
     let mut refused = vec![false; group.len()];
     'attempt: loop {
         control(conn, "BEGIN IMMEDIATE", "begin a transaction")?;
@@ -590,8 +611,8 @@ fn try_run_group(conn: &Connection, group: &mut [Box<dyn WriteJob>]) -> StoreRes
 
 /// A transaction's `BEGIN`, `COMMIT` or `ROLLBACK`, prepared once and kept, as every other
 /// statement is (`execute_batch` would parse it again each time: two of them per transaction).
-fn control(conn: &Connection, sql: &str, what: &'static str) -> StoreResult<()> {
-    conn.prepare_cached(sql).and_then(|mut statement| statement.execute([])).map(drop).map_err(db(what))
+fn control(conn: &Conn<'_, '_>, sql: &'static str, what: &'static str) -> StoreResult<()> {
+    conn.prepare_kept(sql).and_then(|mut statement| statement.execute([])).map(drop).map_err(db(what))
 }
 
 // --- migrations
@@ -721,7 +742,8 @@ mod tests {
         F: FnMut(&Connection) -> StoreResult<i64> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
-        (Box::new(Pending { work, result: None, reply }), answer)
+        let mut work = work;
+        (Box::new(Pending { work: move |c: &Conn<'_, '_>| work(c), result: None, reply }), answer)
     }
 
     fn insert(conn: &Connection, n: i64) -> StoreResult<i64> {
@@ -749,7 +771,7 @@ mod tests {
         let (duplicate, duplicate_answer) = job(|c| insert(c, 1));
         let (last, last_answer) = job(|c| insert(c, 3));
         let mut group = vec![first, refused, duplicate, last];
-        assert_eq!(run_group(&conn, &mut group), None);
+        assert_eq!(run_group(&Conn::new(&conn, None), &mut group), None);
         for job in group {
             job.answer(None);
         }
@@ -942,7 +964,7 @@ mod tests {
             Err(StoreError::Conflict("no".into()))
         });
         let mut group = vec![a];
-        assert_eq!(run_group(&conn, &mut group), None);
+        assert_eq!(run_group(&Conn::new(&conn, None), &mut group), None);
         group.pop().unwrap().answer(None);
         assert!(a_answer.blocking_recv().unwrap().is_err());
         assert_eq!(conn.query_row("SELECT COUNT(*) FROM t", [], |r| r.get::<_, i64>(0)).unwrap(), 0);

@@ -20,7 +20,13 @@ const FINISHED: &str = "(r.status = 'completed' OR r.status = 'failed' OR r.stat
 /// The runs `rule` covers that still hold events: (id, first held sequence, next sequence), the
 /// runs that ended first first. `?1` the cutoff, `?2` the agent or NULL, `?3` the JSON array of
 /// agents excluded when `?2` is NULL, `?4` the lower bound or NULL, `?5` the limit.
-fn covered_sql(limit: bool) -> String {
+fn covered_sql(limit: bool) -> &'static str {
+    static SQL: std::sync::LazyLock<[String; 2]> =
+        std::sync::LazyLock::new(|| [covered_sql_text(false), covered_sql_text(true)]);
+    &SQL[usize::from(limit)]
+}
+
+fn covered_sql_text(limit: bool) -> String {
     format!(
         "SELECT r.id, COALESCE(p.first_held_sequence, 1) AS first_held, r.next_sequence \
          FROM runs r LEFT JOIN run_prunes p ON p.run_id = r.id \
@@ -51,7 +57,7 @@ impl SqliteStore {
                     let runs = many(
                         c,
                         "count prunable events",
-                        &covered_sql(false),
+                        covered_sql(false),
                         params![cutoff, agent, except, after],
                         |r| {
                             let first: i64 = r.get(1).map_err(db("count prunable events"))?;
@@ -71,7 +77,7 @@ impl SqliteStore {
                 let covered: Vec<(String, i64, i64)> = many(
                     c,
                     "find prunable runs",
-                    &covered_sql(true),
+                    covered_sql(true),
                     params![cutoff, agent, except, after, i64::from(max_events)],
                     |r| {
                         let fail = db("find prunable runs");

@@ -16,11 +16,13 @@
 
 mod commit;
 mod db;
+mod kept;
 mod lifecycle;
 mod readers;
 mod rows;
 
 use std::path::Path;
+use std::sync::LazyLock;
 
 use async_trait::async_trait;
 use keel_core::domain::{
@@ -31,21 +33,50 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, InterruptId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    AnswerView, BindingStore, Commit, Committed, ContextWindow, ConversationStore, IdempotencyBegin, IdentityStore,
-    MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store, StoreError,
-    StoreResult,
+    AnswerView, BindingStore, Commit, Committed, ContextWindow, ConversationStore, DueWork, IdempotencyBegin,
+    IdentityStore, MessagesThrough, NewLease, NewRun, PruneRule, Pruned, RolledBack, RunStore, StartedRun, Store,
+    StoreError, StoreResult,
 };
 use rusqlite::params;
 use serde_json::Value;
 
 use self::commit::{json, opt_ts, ts, SqliteTx, ACTIVE};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
+use self::kept::{static_sql, Conn};
 pub use self::lifecycle::{backup, restore, Copied};
 use self::rows::{
     conversation_from, event_from, exec, exec_or, fact_from, interrupt_from, many, message_from, one, run_from,
     stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
 };
 use crate::pipeline::{self, ready};
+
+// The periodic sweeps' conditions, each shared by its sweep's read and by [`RunStore::due_work`],
+// which probes all four in one read. `?1` is the sweep's instant; `?2` (claims) takes live leases too.
+const DUE_INTERRUPTS: &str = "status = 'pending' AND expires_at <= ?1";
+const ROLLBACKS_DUE: &str =
+    "roll_back_requested = 1 AND (status = 'completed' OR status = 'failed' OR status = 'cancelled')";
+const CLAIMABLE: &str = "(status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
+     OR lease_expires_at IS NULL OR lease_expires_at <= ?1 OR ?2)";
+/// A waiting run (`w`) whose conversation has no active run.
+static STRANDED: LazyLock<String> = LazyLock::new(|| {
+    format!("w.status = 'waiting' AND NOT EXISTS (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND {ACTIVE})")
+});
+static DUE_INTERRUPTS_SELECT: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT * FROM interrupts WHERE {DUE_INTERRUPTS} ORDER BY expires_at, id LIMIT ?2"));
+static ROLLBACKS_SELECT: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT id FROM runs WHERE {ROLLBACKS_DUE} ORDER BY id LIMIT ?"));
+static CLAIM_CHECK: LazyLock<String> = LazyLock::new(|| format!("SELECT 1 FROM runs WHERE {CLAIMABLE} LIMIT 1"));
+static CLAIM_SELECT: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT id FROM runs WHERE {CLAIMABLE} ORDER BY created_at, id LIMIT ?3"));
+static DUE_WORK: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "SELECT EXISTS (SELECT 1 FROM interrupts WHERE {DUE_INTERRUPTS}), \
+         EXISTS (SELECT 1 FROM runs WHERE {ROLLBACKS_DUE}), \
+         EXISTS (SELECT 1 FROM runs w WHERE {}), \
+         EXISTS (SELECT 1 FROM runs WHERE {CLAIMABLE})",
+        *STRANDED
+    )
+});
 
 /// The SQLite store. Cloning shares the connections and the writer thread.
 #[derive(Debug, Clone)]
@@ -118,7 +149,8 @@ impl SqliteStore {
         R: Send + 'static,
         F: FnMut(&rusqlite::Connection) -> StoreResult<R> + Send + 'static,
     {
-        self.db.write(work).await
+        let mut work = work;
+        self.db.write(move |c| work(c)).await
     }
 
     /// Runs `work` on a reading connection (see [`SqliteStore::write_with`]).
@@ -127,7 +159,7 @@ impl SqliteStore {
         R: Send + 'static,
         F: FnOnce(&rusqlite::Connection) -> StoreResult<R> + Send + 'static,
     {
-        self.db.read(work).await
+        self.db.read(move |c| work(c)).await
     }
 
     /// Closes the readers, and the writer once the writes queued before this call are done, then
@@ -149,15 +181,15 @@ macro_rules! calls_without_results {
     };
 }
 
-fn read_run(c: &rusqlite::Connection, id: &RunId) -> StoreResult<Option<Run>> {
+fn read_run(c: &Conn<'_, '_>, id: &RunId) -> StoreResult<Option<Run>> {
     read_run_row(c, id.as_str())
 }
 
-fn read_run_row(c: &rusqlite::Connection, id: &str) -> StoreResult<Option<Run>> {
+fn read_run_row(c: &Conn<'_, '_>, id: &str) -> StoreResult<Option<Run>> {
     one(c, "get a run", "SELECT * FROM runs WHERE id = ?", [id], run_from)
 }
 
-fn read_interrupts(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
+fn read_interrupts(c: &Conn<'_, '_>, run_id: &RunId) -> StoreResult<Vec<Interrupt>> {
     // Sorted here, not by an `ORDER BY`: the index on (run_id, status, created_at) gives the rows in
     // another order, and SQLite would sort them through a temporary b-tree (a run has a handful).
     let sql = "SELECT * FROM interrupts WHERE run_id = ?";
@@ -171,7 +203,7 @@ fn read_interrupts(c: &rusqlite::Connection, run_id: &RunId) -> StoreResult<Vec<
 /// one by id: `id IN (SELECT … FROM messages …) ORDER BY seq` ran through two temporary b-trees
 /// (the list, then the sort), each a page allocated and zeroed, at every model call.
 fn answered_calls(
-    c: &rusqlite::Connection,
+    c: &Conn<'_, '_>,
     op: &'static str,
     messages: &[Message],
     with_results: bool,
@@ -194,7 +226,7 @@ fn answered_calls(
 }
 
 /// A run's tool calls, in order; `with_results` or without them.
-fn read_tool_calls(c: &rusqlite::Connection, run_id: &RunId, with_results: bool) -> StoreResult<Vec<ToolCall>> {
+fn read_tool_calls(c: &Conn<'_, '_>, run_id: &RunId, with_results: bool) -> StoreResult<Vec<ToolCall>> {
     let sql = if with_results {
         "SELECT * FROM tool_calls WHERE run_id = ? ORDER BY seq"
     } else {
@@ -203,7 +235,7 @@ fn read_tool_calls(c: &rusqlite::Connection, run_id: &RunId, with_results: bool)
     many(c, "list tool calls", sql, [run_id.as_str()], tool_call_from)
 }
 
-fn read_role(c: &rusqlite::Connection, user_id: &str) -> StoreResult<Option<UserRole>> {
+fn read_role(c: &Conn<'_, '_>, user_id: &str) -> StoreResult<Option<UserRole>> {
     one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
         Cols::new(r, "users").parse("role", UserRole::parse)
     })
@@ -263,7 +295,7 @@ impl RunStore for SqliteStore {
                 one(
                     c,
                     "get the active run",
-                    &format!("SELECT * FROM runs WHERE conversation_id = ? AND {ACTIVE} LIMIT 1"),
+                    static_sql!("SELECT * FROM runs WHERE conversation_id = ? AND {ACTIVE} LIMIT 1"),
                     [conversation_id.as_str()],
                     run_from,
                 )
@@ -326,10 +358,10 @@ impl RunStore for SqliteStore {
                 many(
                     c,
                     "find stranded waiting runs",
-                    &format!(
-                        "SELECT w.conversation_id FROM runs w WHERE w.status = 'waiting' AND NOT EXISTS \
-                         (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND {ACTIVE}) \
-                         GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT ?"
+                    static_sql!(
+                        "SELECT w.conversation_id FROM runs w WHERE {} \
+                         GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT ?",
+                        *STRANDED
                     ),
                     [i64::from(limit)],
                     |r| Cols::new(r, "runs").id("conversation_id"),
@@ -358,19 +390,8 @@ impl RunStore for SqliteStore {
             return Ok(Vec::new());
         }
         let (at, until) = (ts(&now), ts(&lease_until));
-        let claimable = self
-            .db
-            .read(move |c| {
-                one(
-                    c,
-                    "claim runs",
-                    "SELECT 1 FROM runs WHERE (status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
-                     OR lease_expires_at IS NULL OR lease_expires_at <= ?1 OR ?2) LIMIT 1",
-                    params![at, steal],
-                    |_| Ok(()),
-                )
-            })
-            .await?;
+        let claimable =
+            self.db.read(move |c| one(c, "claim runs", &CLAIM_CHECK, params![at, steal], |_| Ok(()))).await?;
         if claimable.is_none() {
             return Ok(Vec::new());
         }
@@ -384,14 +405,10 @@ impl RunStore for SqliteStore {
                 // second, whether or not it found a run; an idle sweep is now one indexed read.
                 let now = ts(&now);
                 let lease_until = until.as_str();
-                let ids: Vec<String> = many(
-                    c,
-                    "claim runs",
-                    "SELECT id FROM runs WHERE (status = 'queued' OR status = 'running') AND (lease_owner IS NULL \
-                     OR lease_expires_at IS NULL OR lease_expires_at <= ?1 OR ?2) ORDER BY created_at, id LIMIT ?3",
-                    params![now, steal, i64::from(limit)],
-                    |r| Cols::new(r, "runs").get("id"),
-                )?;
+                let ids: Vec<String> =
+                    many(c, "claim runs", &CLAIM_SELECT, params![now, steal, i64::from(limit)], |r| {
+                        Cols::new(r, "runs").get("id")
+                    })?;
                 let mut runs = Vec::with_capacity(ids.len());
                 for id in &ids {
                     exec(
@@ -409,6 +426,24 @@ impl RunStore for SqliteStore {
         Ok(runs)
     }
 
+    async fn due_work(&self, now: Timestamp) -> StoreResult<DueWork> {
+        let at = ts(&now);
+        self.db
+            .read(move |c| {
+                let due = one(c, "look for due work", &DUE_WORK, params![at, false], |r| {
+                    let flag = |i: usize| r.get::<_, bool>(i).map_err(db::db("look for due work"));
+                    Ok(DueWork {
+                        expired_interrupts: flag(0)?,
+                        rollbacks: flag(1)?,
+                        stranded: flag(2)?,
+                        claimable: flag(3)?,
+                    })
+                })?;
+                Ok(due.unwrap_or_default())
+            })
+            .await
+    }
+
     async fn renew_lease(&self, run_id: &RunId, owner: &str, lease_until: Timestamp) -> StoreResult<bool> {
         let (run_id, owner) = (run_id.to_string(), owner.to_owned());
         let done = self
@@ -417,7 +452,7 @@ impl RunStore for SqliteStore {
                 exec(
                     c,
                     "renew a lease",
-                    &format!("UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ? AND {ACTIVE}"),
+                    static_sql!("UPDATE runs SET lease_expires_at = ? WHERE id = ? AND lease_owner = ? AND {ACTIVE}"),
                     [ts(&lease_until).as_str(), run_id.as_str(), owner.as_str()],
                 )
             })
@@ -447,7 +482,7 @@ impl RunStore for SqliteStore {
                 let updated = one(
                     c,
                     "request a cancel",
-                    &format!(
+                    static_sql!(
                         "UPDATE runs SET cancel_requested = 1, updated_at = ?1, \
                          roll_back_requested = (roll_back_requested = 1 OR ?3) WHERE id = ?2 \
                          AND ({ACTIVE} OR status = 'waiting') RETURNING *"
@@ -468,14 +503,9 @@ impl RunStore for SqliteStore {
     async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
         self.db
             .read(move |c| {
-                many(
-                    c,
-                    "find the rollbacks due",
-                    "SELECT id FROM runs WHERE roll_back_requested = 1 \
-                     AND (status = 'completed' OR status = 'failed' OR status = 'cancelled') ORDER BY id LIMIT ?",
-                    [i64::from(limit)],
-                    |r| Cols::new(r, "runs").id("id"),
-                )
+                many(c, "find the rollbacks due", &ROLLBACKS_SELECT, [i64::from(limit)], |r| {
+                    Cols::new(r, "runs").id("id")
+                })
             })
             .await
     }
@@ -572,12 +602,12 @@ impl RunStore for SqliteStore {
         self.db
             .read(move |c| {
                 many(
-                c,
-                "list due interrupts",
-                "SELECT * FROM interrupts WHERE status = 'pending' AND expires_at <= ? ORDER BY expires_at, id LIMIT ?",
-                params![ts(&now), i64::from(limit)],
-                interrupt_from,
-            )
+                    c,
+                    "list due interrupts",
+                    &DUE_INTERRUPTS_SELECT,
+                    params![ts(&now), i64::from(limit)],
+                    interrupt_from,
+                )
             })
             .await
     }

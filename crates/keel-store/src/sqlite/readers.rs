@@ -24,6 +24,7 @@ use rusqlite::Connection;
 use tokio::sync::oneshot;
 
 use super::db::{closed, lock, open_connection, Location};
+use super::kept::{Conn, Kept};
 
 /// How many reading threads, each with its connection. Most reads are served by one of them; the
 /// others take the reads that arrive while slow ones run.
@@ -34,7 +35,7 @@ pub const READERS: usize = 4;
 const SLOW_READ: Duration = Duration::from_millis(1);
 
 /// A read, given its thread's connection (or why there is none).
-type Job = Box<dyn FnOnce(StoreResult<&Connection>) + Send>;
+type Job = Box<dyn FnOnce(StoreResult<&Conn<'_, '_>>) + Send>;
 
 pub struct Readers {
     shared: Arc<Shared>,
@@ -99,7 +100,7 @@ impl Readers {
     pub async fn read<R, F>(&self, work: F) -> StoreResult<R>
     where
         R: Send + 'static,
-        F: FnOnce(&Connection) -> StoreResult<R> + Send + 'static,
+        F: FnOnce(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
     {
         let (reply, answer) = oneshot::channel();
         let job: Job = Box::new(move |conn| {
@@ -151,25 +152,26 @@ impl Shared {
 
     /// Reading thread `i`: runs the queued reads until the readers are closed.
     fn serve(&self, i: usize) {
-        // opened at the first read, kept for the next
-        let mut conn: Option<Connection> = None;
+        if let Some(writer) = &self.writer {
+            while let Some(job) = self.next(i) {
+                run(job, Ok(&Conn::new(&lock(writer), None)));
+            }
+            return;
+        }
+        // Opened at the first read, kept for the next, with the statements it prepared; a read that
+        // finds it cannot be opened fails, and the next tries again.
+        let (first, conn) = loop {
+            let Some(job) = self.next(i) else { return };
+            match open_connection(&self.location, true) {
+                Ok(conn) => break (job, conn),
+                Err(e) => run(job, Err(e)),
+            }
+        };
+        let kept = Kept::default();
+        let conn = Conn::new(&conn, Some(&kept));
+        run(first, Ok(&conn));
         while let Some(job) = self.next(i) {
-            if let Some(writer) = &self.writer {
-                run(job, Ok(&lock(writer)));
-                continue;
-            }
-            if conn.is_none() {
-                match open_connection(&self.location, true) {
-                    Ok(opened) => conn = Some(opened),
-                    Err(e) => {
-                        run(job, Err(e));
-                        continue;
-                    }
-                }
-            }
-            if let Some(conn) = &conn {
-                run(job, Ok(conn));
-            }
+            run(job, Ok(&conn));
         }
     }
 
@@ -194,7 +196,7 @@ impl Shared {
 }
 
 /// Runs one read; a panic in it drops its reply (its caller gets an error) and the thread goes on.
-fn run(job: Job, conn: StoreResult<&Connection>) {
+fn run(job: Job, conn: StoreResult<&Conn<'_, '_>>) {
     let _ = catch_unwind(AssertUnwindSafe(|| job(conn)));
 }
 

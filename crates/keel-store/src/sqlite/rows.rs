@@ -14,7 +14,9 @@ use keel_core::ids::{InvalidId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{StoreError, StoreResult};
 use rusqlite::types::FromSql;
-use rusqlite::{Connection, Params, Row};
+use rusqlite::{Params, Row};
+
+use super::kept::Conn;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -22,13 +24,13 @@ use super::db::db;
 
 /// The first row of a query, if any.
 pub fn one<T, P: Params>(
-    conn: &Connection,
+    conn: &Conn<'_, '_>,
     op: &'static str,
-    sql: &str,
+    sql: &'static str,
     params: P,
     from: impl FnOnce(&Row<'_>) -> StoreResult<T>,
 ) -> StoreResult<Option<T>> {
-    let mut statement = conn.prepare_cached(sql).map_err(db(op))?;
+    let mut statement = conn.prepare_kept(sql).map_err(db(op))?;
     let mut rows = statement.query(params).map_err(db(op))?;
     match rows.next().map_err(db(op))? {
         Some(row) => from(row).map(Some),
@@ -38,13 +40,13 @@ pub fn one<T, P: Params>(
 
 /// Every row of a query.
 pub fn many<T, P: Params>(
-    conn: &Connection,
+    conn: &Conn<'_, '_>,
     op: &'static str,
-    sql: &str,
+    sql: &'static str,
     params: P,
     mut from: impl FnMut(&Row<'_>) -> StoreResult<T>,
 ) -> StoreResult<Vec<T>> {
-    let mut statement = conn.prepare_cached(sql).map_err(db(op))?;
+    let mut statement = conn.prepare_kept(sql).map_err(db(op))?;
     let mut rows = statement.query(params).map_err(db(op))?;
     let mut out = Vec::new();
     while let Some(row) = rows.next().map_err(db(op))? {
@@ -54,18 +56,18 @@ pub fn many<T, P: Params>(
 }
 
 /// Runs a statement; the number of rows it changed.
-pub fn exec<P: Params>(conn: &Connection, op: &'static str, sql: &str, params: P) -> StoreResult<usize> {
+pub fn exec<P: Params>(conn: &Conn<'_, '_>, op: &'static str, sql: &'static str, params: P) -> StoreResult<usize> {
     exec_or(conn, sql, params, db(op))
 }
 
 /// [`exec`] with its own reading of a failure (a unique violation as a reused id, say).
 pub fn exec_or<P: Params>(
-    conn: &Connection,
-    sql: &str,
+    conn: &Conn<'_, '_>,
+    sql: &'static str,
     params: P,
     fail: impl FnOnce(rusqlite::Error) -> StoreError,
 ) -> StoreResult<usize> {
-    conn.prepare_cached(sql).and_then(|mut s| s.execute(params)).map_err(fail)
+    conn.prepare_kept(sql).and_then(|mut s| s.execute(params)).map_err(fail)
 }
 
 /// What went wrong with a stored JSON value, without quoting it: serde's messages can carry the
