@@ -9,7 +9,7 @@
 //! whose span id is the trace id's low 8 bytes. It is never exported; a trace viewer shows the
 //! workers of a run side by side in one trace, each with its nodes, model calls and tool calls.
 
-use std::fmt::{self, Write as _};
+use std::fmt;
 use std::time::Duration;
 
 use anyhow::Context as _;
