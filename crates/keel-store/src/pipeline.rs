@@ -60,6 +60,16 @@ impl Dialect {
     }
 }
 
+/// A statement's text made once, from constants, by `format!`'s arguments, and kept for the
+/// process: a `&'static str`, which SQLite's kept statements are found by (`sqlite/kept.rs`).
+macro_rules! static_sql {
+    ($($format:tt)*) => {{
+        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| format!($($format)*));
+        SQL.as_str()
+    }};
+}
+pub(crate) use static_sql;
+
 /// A statement written once, with `$N` placeholders; its SQLite text is made on first use.
 pub(crate) struct Sql {
     text: &'static str,

@@ -41,7 +41,7 @@ mod group;
 mod lifecycle;
 
 use self::commit::PgTx;
-use crate::pipeline;
+use crate::pipeline::{self, static_sql};
 
 pub use group::CommitStats;
 
@@ -74,24 +74,6 @@ fn claimable(now: &str, steal: &str) -> String {
          OR lease_expires_at IS NULL OR lease_expires_at <= {now} OR {steal})"
     )
 }
-static CLAIM: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3, worker = $6 \
-         WHERE id IN (SELECT id FROM runs WHERE {} ORDER BY created_at, id LIMIT $5 FOR UPDATE SKIP LOCKED) \
-         RETURNING *",
-        claimable("$3", "$4")
-    )
-});
-static DUE_WORK: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT EXISTS (SELECT 1 FROM interrupts WHERE {DUE_INTERRUPTS}), \
-         EXISTS (SELECT 1 FROM runs WHERE {ROLLBACKS_DUE}), \
-         EXISTS (SELECT 1 FROM runs w WHERE {}), \
-         EXISTS (SELECT 1 FROM runs WHERE {})",
-        *STRANDED,
-        claimable("$1", "false")
-    )
-});
 /// The partial unique index that keeps one active run per conversation.
 const ONE_ACTIVE_RUN: &str = "runs_one_active_per_conversation";
 /// How often `start_run` starts over when it lost a race to the unique index and the winner is
@@ -820,7 +802,7 @@ impl RunStore for PostgresStore {
     }
 
     async fn stranded_conversations(&self, limit: u32) -> StoreResult<Vec<ConversationId>> {
-        let rows = sqlx::query(&format!(
+        let rows = sqlx::query(static_sql!(
             "SELECT w.conversation_id FROM runs w WHERE {} GROUP BY w.conversation_id ORDER BY MIN(w.created_at) LIMIT $1",
             *STRANDED
         ))
@@ -850,7 +832,13 @@ impl RunStore for PostgresStore {
         // One statement: the subquery locks the rows it picks and skips the ones another claimer
         // (or a commit) holds, so concurrent claimers never take the same run and never wait.
         // A row changed since the statement began is re-checked against the condition when locked.
-        let rows = sqlx::query(&CLAIM)
+        let sql = static_sql!(
+            "UPDATE runs SET status = 'running', lease_owner = $1, lease_expires_at = $2, updated_at = $3, worker = $6 \
+             WHERE id IN (SELECT id FROM runs WHERE {} ORDER BY created_at, id LIMIT $5 FOR UPDATE SKIP LOCKED) \
+             RETURNING *",
+            claimable("$3", "$4")
+        );
+        let rows = sqlx::query(sql)
             .bind(owner)
             .bind(lease_until)
             .bind(now)
@@ -866,7 +854,15 @@ impl RunStore for PostgresStore {
     }
 
     async fn due_work(&self, now: Timestamp) -> StoreResult<DueWork> {
-        let row = sqlx::query(&DUE_WORK).bind(now).fetch_one(&self.pool).await.map_err(db("look for due work"))?;
+        let sql = static_sql!(
+            "SELECT EXISTS (SELECT 1 FROM interrupts WHERE {DUE_INTERRUPTS}), \
+             EXISTS (SELECT 1 FROM runs WHERE {ROLLBACKS_DUE}), \
+             EXISTS (SELECT 1 FROM runs w WHERE {}), \
+             EXISTS (SELECT 1 FROM runs WHERE {})",
+            *STRANDED,
+            claimable("$1", "false")
+        );
+        let row = sqlx::query(sql).bind(now).fetch_one(&self.pool).await.map_err(db("look for due work"))?;
         let flag = |i: usize| row.try_get::<bool, _>(i).map_err(db("look for due work"));
         Ok(DueWork { expired_interrupts: flag(0)?, rollbacks: flag(1)?, stranded: flag(2)?, claimable: flag(3)? })
     }
@@ -923,7 +919,7 @@ impl RunStore for PostgresStore {
     }
 
     async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
-        let rows = sqlx::query(&format!("SELECT id FROM runs WHERE {ROLLBACKS_DUE} ORDER BY id LIMIT $1"))
+        let rows = sqlx::query(static_sql!("SELECT id FROM runs WHERE {ROLLBACKS_DUE} ORDER BY id LIMIT $1"))
             .bind(i64::from(limit))
             .fetch_all(&self.pool)
             .await
@@ -1019,13 +1015,14 @@ impl RunStore for PostgresStore {
     }
 
     async fn due_interrupts(&self, now: Timestamp, limit: u32) -> StoreResult<Vec<Interrupt>> {
-        let rows =
-            sqlx::query(&format!("SELECT * FROM interrupts WHERE {DUE_INTERRUPTS} ORDER BY expires_at, id LIMIT $2"))
-                .bind(now)
-                .bind(i64::from(limit))
-                .fetch_all(&self.pool)
-                .await
-                .map_err(db("list due interrupts"))?;
+        let rows = sqlx::query(static_sql!(
+            "SELECT * FROM interrupts WHERE {DUE_INTERRUPTS} ORDER BY expires_at, id LIMIT $2"
+        ))
+        .bind(now)
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db("list due interrupts"))?;
         all(&rows, interrupt_from)
     }
 

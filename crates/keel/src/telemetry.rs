@@ -95,12 +95,33 @@ struct PlainVisitor<'writer> {
 }
 
 impl PlainVisitor<'_> {
+    /// A field written not at all: after an error, or the `log` crate's metadata (`log.` fields,
+    /// which the default skips).
+    fn skips(&self, field: &Field) -> bool {
+        self.result.is_err() || field.name().starts_with("log.")
+    }
+
+    /// A field the default's own formatting is kept for: the message (written bare) and a raw name
+    /// (`r#` cut off).
+    fn by_default(field: &Field) -> bool {
+        field.name() == "message" || field.name().starts_with("r#")
+    }
+
     /// A field as the default writes it.
     fn default(&mut self, record: impl FnOnce(&mut DefaultVisitor<'_>)) {
         let mut visitor = DefaultVisitor::new(self.writer.by_ref(), self.first);
         record(&mut visitor);
         self.result = visitor.finish();
         self.first = false;
+    }
+
+    /// ` name=` (no space before the first field), piece by piece (`write!` would go through
+    /// `fmt::write`), then `value`.
+    fn write(&mut self, field: &Field, value: impl FnOnce(&mut Writer<'_>) -> fmt::Result) {
+        let space = if std::mem::take(&mut self.first) { "" } else { " " };
+        let w = &mut self.writer;
+        self.result =
+            [space, field.name(), "="].into_iter().try_for_each(|piece| w.write_str(piece)).and_then(|()| value(w));
     }
 }
 
@@ -111,41 +132,31 @@ fn plain(value: &str) -> bool {
 
 impl Visit for PlainVisitor<'_> {
     fn record_str(&mut self, field: &Field, value: &str) {
-        let name = field.name();
-        // (the default skips `log.` fields, the `log` crate's metadata, and writes the message bare)
-        if self.result.is_err() || name.starts_with("log.") {
+        if self.skips(field) {
             return;
         }
-        if name == "message" || name.starts_with("r#") || !plain(value) {
-            return self.default(|v| v.record_str(field, value));
+        if Self::by_default(field) || !plain(value) {
+            self.default(|v| v.record_str(field, value));
+        } else {
+            self.write(field, |w| ["\"", value, "\""].into_iter().try_for_each(|piece| w.write_str(piece)));
         }
-        let space = if std::mem::take(&mut self.first) { "" } else { " " };
-        // piece by piece: `write!` would go through `fmt::write`
-        let w = &mut self.writer;
-        self.result = [space, name, "=\"", value, "\""].into_iter().try_for_each(|piece| w.write_str(piece));
     }
 
     fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
-        if self.result.is_err() || field.name().starts_with("log.") {
-            return;
+        if !self.skips(field) {
+            self.default(|v| v.record_error(field, value));
         }
-        self.default(|v| v.record_error(field, value));
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        let name = field.name();
-        if self.result.is_err() || name.starts_with("log.") {
+        if self.skips(field) {
             return;
         }
-        if name == "message" || name.starts_with("r#") {
-            return self.default(|v| v.record_debug(field, value));
-        }
-        // the default's `name=value`, without its colour wrappers around the name and the `=`
-        let space = if std::mem::take(&mut self.first) { "" } else { " " };
-        let w = &mut self.writer;
-        self.result = [space, name, "="].into_iter().try_for_each(|piece| w.write_str(piece));
-        if self.result.is_ok() {
-            self.result = w.write_fmt(format_args!("{value:?}"));
+        if Self::by_default(field) {
+            self.default(|v| v.record_debug(field, value));
+        } else {
+            // the default's `name=value`, without its colour wrappers around the name and the `=`
+            self.write(field, |w| w.write_fmt(format_args!("{value:?}")));
         }
     }
 }

@@ -9,14 +9,13 @@ use keel_core::event::{Event, EventKind, DATA_FORMAT};
 use keel_core::ids::RunId;
 use keel_core::store::{StoreError, StoreResult};
 use rusqlite::ToSql;
-
-use super::kept::Conn;
 use serde::Serialize;
 
 pub use crate::pipeline::ACTIVE;
 use crate::pipeline::{event_data, numbered, Arg, Cell, DbError, Dialect, Encoded, Tx, Ty};
 
 use super::db::{insert, is_unique_violation};
+use super::kept::Conn;
 use super::rows::exec_or;
 
 /// Fixed width, UTC, nanoseconds: sorts as text, round-trips exactly.

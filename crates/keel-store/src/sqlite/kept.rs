@@ -3,20 +3,11 @@
 //!
 //! rusqlite's own cache (`prepare_cached`) finds a statement by its text: every use trims the text,
 //! hashes it twice with SipHash (to take the statement out and to put it back) and copies it into a
-//! new `Arc<str>`. With SQL of a few hundred bytes and some ninety
-//! statements per HITL run, that was ~3% of the server's instructions. A statement whose text is
-//! `&'static` is found here by the text's address and length instead: its text never moves and is
-//! never freed, so no other text can take its address. Any other text goes to rusqlite's cache.
-
-/// A statement's text made once, from constants, by `format!`'s arguments, and kept for the
-/// process: a `&'static str` for [`Conn::prepare_kept`].
-macro_rules! static_sql {
-    ($($format:tt)*) => {{
-        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| format!($($format)*));
-        SQL.as_str()
-    }};
-}
-pub(crate) use static_sql;
+//! new `Arc<str>`. With SQL of a few hundred bytes and some ninety statements per HITL run, that was
+//! ~3% of the server's instructions. Here a statement's text is `&'static` (SQL made from constants
+//! is made once: `crate::pipeline::static_sql!`), and the statement is found by the text's address
+//! and length: the text never moves and is never freed, so no other text can take its address. An
+//! in-memory database's connection, shared between threads, uses rusqlite's cache.
 
 use std::cell::RefCell;
 use std::collections::HashMap;

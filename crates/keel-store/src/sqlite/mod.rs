@@ -42,13 +42,13 @@ use serde_json::Value;
 
 use self::commit::{json, opt_ts, ts, SqliteTx, ACTIVE};
 use self::db::{insert, is_foreign_key_violation, Database, Location};
-use self::kept::{static_sql, Conn};
+use self::kept::Conn;
 pub use self::lifecycle::{backup, restore, Copied};
 use self::rows::{
     conversation_from, event_from, exec, exec_or, fact_from, interrupt_from, many, message_from, one, run_from,
     stream_ticket_from, summary_from, tool_call_from, user_from, Cols,
 };
-use crate::pipeline::{self, ready};
+use crate::pipeline::{self, ready, static_sql};
 
 // The periodic sweeps' conditions, each shared by its sweep's read and by [`RunStore::due_work`],
 // which probes all four in one read. `?1` is the sweep's instant; `?2` (claims) takes live leases too.
@@ -60,22 +60,6 @@ const CLAIMABLE: &str = "(status = 'queued' OR status = 'running') AND (lease_ow
 /// A waiting run (`w`) whose conversation has no active run.
 static STRANDED: LazyLock<String> = LazyLock::new(|| {
     format!("w.status = 'waiting' AND NOT EXISTS (SELECT 1 FROM runs a WHERE a.conversation_id = w.conversation_id AND {ACTIVE})")
-});
-static DUE_INTERRUPTS_SELECT: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT * FROM interrupts WHERE {DUE_INTERRUPTS} ORDER BY expires_at, id LIMIT ?2"));
-static ROLLBACKS_SELECT: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT id FROM runs WHERE {ROLLBACKS_DUE} ORDER BY id LIMIT ?"));
-static CLAIM_CHECK: LazyLock<String> = LazyLock::new(|| format!("SELECT 1 FROM runs WHERE {CLAIMABLE} LIMIT 1"));
-static CLAIM_SELECT: LazyLock<String> =
-    LazyLock::new(|| format!("SELECT id FROM runs WHERE {CLAIMABLE} ORDER BY created_at, id LIMIT ?3"));
-static DUE_WORK: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT EXISTS (SELECT 1 FROM interrupts WHERE {DUE_INTERRUPTS}), \
-         EXISTS (SELECT 1 FROM runs WHERE {ROLLBACKS_DUE}), \
-         EXISTS (SELECT 1 FROM runs w WHERE {}), \
-         EXISTS (SELECT 1 FROM runs WHERE {CLAIMABLE})",
-        *STRANDED
-    )
 });
 
 /// The SQLite store. Cloning shares the connections and the writer thread.
@@ -144,12 +128,11 @@ impl SqliteStore {
     /// may run more than once — a group that refused another write runs again without it — so it
     /// must keep its effects inside the transaction and answer the same on the same state. An error
     /// it returns rolls back what it did, and only that.
-    pub async fn write_with<R, F>(&self, work: F) -> StoreResult<R>
+    pub async fn write_with<R, F>(&self, mut work: F) -> StoreResult<R>
     where
         R: Send + 'static,
         F: FnMut(&rusqlite::Connection) -> StoreResult<R> + Send + 'static,
     {
-        let mut work = work;
         self.db.write(move |c| work(c)).await
     }
 
@@ -390,8 +373,18 @@ impl RunStore for SqliteStore {
             return Ok(Vec::new());
         }
         let (at, until) = (ts(&now), ts(&lease_until));
-        let claimable =
-            self.db.read(move |c| one(c, "claim runs", &CLAIM_CHECK, params![at, steal], |_| Ok(()))).await?;
+        let claimable = self
+            .db
+            .read(move |c| {
+                one(
+                    c,
+                    "claim runs",
+                    static_sql!("SELECT 1 FROM runs WHERE {CLAIMABLE} LIMIT 1"),
+                    params![at, steal],
+                    |_| Ok(()),
+                )
+            })
+            .await?;
         if claimable.is_none() {
             return Ok(Vec::new());
         }
@@ -405,10 +398,13 @@ impl RunStore for SqliteStore {
                 // second, whether or not it found a run; an idle sweep is now one indexed read.
                 let now = ts(&now);
                 let lease_until = until.as_str();
-                let ids: Vec<String> =
-                    many(c, "claim runs", &CLAIM_SELECT, params![now, steal, i64::from(limit)], |r| {
-                        Cols::new(r, "runs").get("id")
-                    })?;
+                let ids: Vec<String> = many(
+                    c,
+                    "claim runs",
+                    static_sql!("SELECT id FROM runs WHERE {CLAIMABLE} ORDER BY created_at, id LIMIT ?3"),
+                    params![now, steal, i64::from(limit)],
+                    |r| Cols::new(r, "runs").get("id"),
+                )?;
                 let mut runs = Vec::with_capacity(ids.len());
                 for id in &ids {
                     exec(
@@ -430,7 +426,14 @@ impl RunStore for SqliteStore {
         let at = ts(&now);
         self.db
             .read(move |c| {
-                let due = one(c, "look for due work", &DUE_WORK, params![at, false], |r| {
+                let sql = static_sql!(
+                    "SELECT EXISTS (SELECT 1 FROM interrupts WHERE {DUE_INTERRUPTS}), \
+                     EXISTS (SELECT 1 FROM runs WHERE {ROLLBACKS_DUE}), \
+                     EXISTS (SELECT 1 FROM runs w WHERE {}), \
+                     EXISTS (SELECT 1 FROM runs WHERE {CLAIMABLE})",
+                    *STRANDED
+                );
+                let due = one(c, "look for due work", sql, params![at, false], |r| {
                     let flag = |i: usize| r.get::<_, bool>(i).map_err(db::db("look for due work"));
                     Ok(DueWork {
                         expired_interrupts: flag(0)?,
@@ -503,9 +506,13 @@ impl RunStore for SqliteStore {
     async fn rollbacks_due(&self, limit: u32) -> StoreResult<Vec<RunId>> {
         self.db
             .read(move |c| {
-                many(c, "find the rollbacks due", &ROLLBACKS_SELECT, [i64::from(limit)], |r| {
-                    Cols::new(r, "runs").id("id")
-                })
+                many(
+                    c,
+                    "find the rollbacks due",
+                    static_sql!("SELECT id FROM runs WHERE {ROLLBACKS_DUE} ORDER BY id LIMIT ?"),
+                    [i64::from(limit)],
+                    |r| Cols::new(r, "runs").id("id"),
+                )
             })
             .await
     }
@@ -604,7 +611,7 @@ impl RunStore for SqliteStore {
                 many(
                     c,
                     "list due interrupts",
-                    &DUE_INTERRUPTS_SELECT,
+                    static_sql!("SELECT * FROM interrupts WHERE {DUE_INTERRUPTS} ORDER BY expires_at, id LIMIT ?2"),
                     params![ts(&now), i64::from(limit)],
                     interrupt_from,
                 )

@@ -15,12 +15,11 @@ use keel_core::mask::Masked;
 use keel_core::store::{StoreError, StoreResult};
 use rusqlite::types::FromSql;
 use rusqlite::{Params, Row};
-
-use super::kept::Conn;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::db::db;
+use super::kept::Conn;
 
 /// The first row of a query, if any.
 pub fn one<T, P: Params>(
