@@ -8,6 +8,10 @@
 //! store now and then, so their events arrive even without a shared bus (or when it lost one); where
 //! the bus delivers every event (one process, the local bus) an idle reader reads nothing. Memory
 //! per reader is bounded by the bus channel's capacity and one page of stored events.
+//!
+//! A reader that subscribed before the write it follows ([`Following`]: the request that starts or
+//! resumes the run) and finds the next event already on its subscription reads nothing at all: the
+//! bus holds every event from there on, in order, and any gap still sends it to the store.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -15,7 +19,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::{self, error::RecvError};
 use tokio::sync::Notify;
 
 use crate::bus::Bus;
@@ -44,6 +48,39 @@ impl Until {
 }
 
 const PAGE: u32 = 256;
+
+/// A subscription to a run's events made before a write of the run (by the request that makes
+/// it), handed to [`run_events`]: when it holds the event right after the reader's cursor, the
+/// stored events before it are the reader's already, and the stream starts without reading the
+/// store. Otherwise (a replayed answer wrote nothing, the subscription lagged) it catches up as
+/// any reader does.
+pub struct Following(broadcast::Receiver<Arc<Event>>);
+
+impl Following {
+    /// Subscribes to `run_id`'s events now: make it before the write whose events it follows.
+    pub fn new(bus: &dyn Bus, run_id: &RunId) -> Self {
+        Self(bus.subscribe(run_id))
+    }
+}
+
+impl std::fmt::Debug for Following {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Following").finish_non_exhaustive()
+    }
+}
+
+/// The event after `last` if `rx` holds it now (older ones skipped): then nothing stored after
+/// `last` is missing from what `rx` will bring. `None`: read the store.
+fn next_on(rx: &mut broadcast::Receiver<Arc<Event>>, last: i64) -> Option<Arc<Event>> {
+    loop {
+        match rx.try_recv() {
+            Ok(event) if event.sequence <= last => {}
+            Ok(event) if event.sequence == last + 1 => return Some(event),
+            // a gap, nothing yet, lagged, closed: the store says
+            _ => return None,
+        }
+    }
+}
 
 /// What the caller of [`run_events`] knew of the run, from a read made before the stream
 /// subscribed (the request's own check of the run, or the write that started or resumed it).
@@ -194,7 +231,8 @@ impl Drop for IdleWatch {
 /// `idle`: the process's [`IdleWatch`], where other processes may commit events the bus does not
 /// bring; `None` where the bus delivers every event (one process, the local bus): an idle stream
 /// then costs no store reads at all, and the store is read only on a gap, a lagged or a closed
-/// receiver.
+/// receiver. `following`: a subscription made before the write the reader follows (see
+/// [`Following`]); `None`: subscribe now.
 #[allow(clippy::too_many_arguments)]
 pub fn run_events(
     store: Arc<dyn Store>,
@@ -203,54 +241,74 @@ pub fn run_events(
     after: i64,
     until: Until,
     known: Known,
+    following: Option<Following>,
     idle: Option<Arc<IdleWatch>>,
     metrics: Metrics,
 ) -> impl Stream<Item = Result<Event, StoreError>> + Send {
     async_stream::try_stream! {
-        let mut rx = bus.subscribe(&run_id);
+        let (mut rx, mut next) = match following {
+            Some(Following(mut rx)) => {
+                let next = next_on(&mut rx, after);
+                (rx, next)
+            }
+            None => (bus.subscribe(&run_id), None),
+        };
         let mut last = after;
         let watched = idle.as_ref().map(|watch| watch.watch(&run_id, after));
         let mut known = known;
         'outer: loop {
-            // Catch up from the store.
-            loop {
-                metrics.stream_store_read(reason::CATCH_UP);
-                let page = store.list_events(&run_id, last, PAGE).await?;
-                let full = page.len() as u32 == PAGE;
-                for event in page {
-                    // Sequences are contiguous, so a hole means retention pruned the oldest events
-                    // of this finished run while the reader was catching up: end here rather than
-                    // tell a story with a gap; a reconnect from the cursor is answered 410
-                    // EVENTS_PRUNED with the first sequence held.
-                    if event.sequence != last + 1 {
-                        break 'outer;
-                    }
-                    last = event.sequence;
-                    let end = until.ends_with(&event);
-                    yield event;
-                    if end {
-                        break 'outer;
-                    }
+            if let Some(event) = next.take() {
+                // The subscription holds the next event: the bus brings everything from it on,
+                // and nothing before it is this reader's to read.
+                last = event.sequence;
+                let end = until.ends_with(&event);
+                yield Arc::unwrap_or_clone(event);
+                if end {
+                    break 'outer;
                 }
-                if !full {
-                    break;
-                }
-            }
-            // Nothing more is stored. A run that already ended has nothing more to say: a reader
-            // whose cursor is at (or past) its terminal event ends here instead of waiting. (What
-            // the caller knew serves the first time; a run is read after a later catch-up.)
-            match std::mem::replace(&mut known, Known::Unknown) {
-                Known::Active => {}
-                Known::Over { last_sequence } => {
-                    if last >= last_sequence {
-                        break 'outer;
-                    }
-                }
-                Known::Unknown => {
+                // as after a first catch-up: a later one reads the run
+                known = Known::Unknown;
+            } else {
+                // Catch up from the store.
+                loop {
                     metrics.stream_store_read(reason::CATCH_UP);
-                    if let Some(run) = store.get_run(&run_id).await? {
-                        if run.status.is_terminal() && last >= run.last_sequence() {
+                    let page = store.list_events(&run_id, last, PAGE).await?;
+                    let full = page.len() as u32 == PAGE;
+                    for event in page {
+                        // Sequences are contiguous, so a hole means retention pruned the oldest events
+                        // of this finished run while the reader was catching up: end here rather than
+                        // tell a story with a gap; a reconnect from the cursor is answered 410
+                        // EVENTS_PRUNED with the first sequence held.
+                        if event.sequence != last + 1 {
                             break 'outer;
+                        }
+                        last = event.sequence;
+                        let end = until.ends_with(&event);
+                        yield event;
+                        if end {
+                            break 'outer;
+                        }
+                    }
+                    if !full {
+                        break;
+                    }
+                }
+                // Nothing more is stored. A run that already ended has nothing more to say: a reader
+                // whose cursor is at (or past) its terminal event ends here instead of waiting. (What
+                // the caller knew serves the first time; a run is read after a later catch-up.)
+                match std::mem::replace(&mut known, Known::Unknown) {
+                    Known::Active => {}
+                    Known::Over { last_sequence } => {
+                        if last >= last_sequence {
+                            break 'outer;
+                        }
+                    }
+                    Known::Unknown => {
+                        metrics.stream_store_read(reason::CATCH_UP);
+                        if let Some(run) = store.get_run(&run_id).await? {
+                            if run.status.is_terminal() && last >= run.last_sequence() {
+                                break 'outer;
+                            }
                         }
                     }
                 }

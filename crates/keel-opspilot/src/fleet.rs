@@ -650,6 +650,15 @@ fn pg_instance(r: &sqlx::postgres::PgRow) -> Result<Instance, sqlx::Error> {
 pub struct PostgresFleet(sqlx::PgPool);
 
 impl PostgresFleet {
+    /// The answer recorded under `key`, if an effect was applied under it.
+    async fn recorded(&self, key: &str) -> Result<Option<serde_json::Value>, FleetError> {
+        sqlx::query_scalar("SELECT answer FROM opspilot_effects WHERE key = $1")
+            .bind(key)
+            .fetch_optional(&self.0)
+            .await
+            .map_err(pg("read an applied effect"))
+    }
+
     /// Creates the fleet's tables if they are missing (serialised with other instances doing the
     /// same by an advisory lock: concurrent `CREATE … IF NOT EXISTS` can collide).
     pub async fn open(store: &PostgresStore) -> Result<Self, FleetError> {
@@ -841,36 +850,41 @@ impl Fleet for PostgresFleet {
 
     async fn restart(&self, instance_id: &str, key: &str) -> Result<Restarted, FleetError> {
         let fail = pg("restart an instance");
-        let mut tx = self.0.begin().await.map_err(&fail)?;
-        // One effect per key, even between instances: the key's row is locked first.
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))").bind(key).execute(&mut *tx).await.map_err(&fail)?;
-        if let Some(answer) = pg_recorded(&mut tx, key).await? {
-            return serde_json::from_value(answer).map_err(|e| FleetError::Backend(e.to_string()));
-        }
-        let count: Option<i64> = sqlx::query_scalar(
-            "UPDATE opspilot_instances SET status = 'healthy', restart_count = restart_count + 1 \
-             WHERE id = $1 AND status = 'abnormal' RETURNING restart_count",
+        // One statement: the restart and its record under the key, unless the key has one. Of two
+        // executions of one key at once, the second waits for the instance's row, finds it restarted
+        // (no longer abnormal), writes nothing, and reads the first's record below: one effect per
+        // key, even between instances, in one round trip.
+        let (prior, recorded): (Option<serde_json::Value>, Option<serde_json::Value>) = sqlx::query_as(
+            "WITH prior AS (SELECT answer FROM opspilot_effects WHERE key = $2), \
+             done AS (UPDATE opspilot_instances SET status = 'healthy', restart_count = restart_count + 1 \
+                      WHERE id = $1 AND status = 'abnormal' AND NOT EXISTS (SELECT 1 FROM prior) \
+                      RETURNING id, restart_count), \
+             recorded AS (INSERT INTO opspilot_effects (key, answer) \
+                          SELECT $2, jsonb_build_object('instanceId', id, 'restartCount', restart_count) FROM done \
+                          RETURNING answer) \
+             SELECT (SELECT answer FROM prior), (SELECT answer FROM recorded)",
         )
         .bind(instance_id)
-        .fetch_optional(&mut *tx)
+        .bind(key)
+        .fetch_one(&self.0)
         .await
         .map_err(&fail)?;
-        let Some(restart_count) = count else {
-            drop(tx);
-            return Err(match self.instance(instance_id).await? {
-                Some(i) => FleetError::Precondition(format!("{} is already {}; it was not restarted", i.id, i.status)),
-                None => FleetError::NotFound(format!("no instance {instance_id}")),
-            });
+        let answer = match prior.or(recorded) {
+            Some(answer) => answer,
+            // Not restarted here: another execution of the key may have just recorded it.
+            None => match self.recorded(key).await? {
+                Some(answer) => answer,
+                None => {
+                    return Err(match self.instance(instance_id).await? {
+                        Some(i) => {
+                            FleetError::Precondition(format!("{} is already {}; it was not restarted", i.id, i.status))
+                        }
+                        None => FleetError::NotFound(format!("no instance {instance_id}")),
+                    })
+                }
+            },
         };
-        let answer = Restarted { instance_id: instance_id.to_owned(), restart_count };
-        sqlx::query("INSERT INTO opspilot_effects (key, answer) VALUES ($1, $2)")
-            .bind(key)
-            .bind(serde_json::to_value(&answer).unwrap_or_default())
-            .execute(&mut *tx)
-            .await
-            .map_err(&fail)?;
-        tx.commit().await.map_err(&fail)?;
-        Ok(answer)
+        serde_json::from_value(answer).map_err(|e| FleetError::Backend(e.to_string()))
     }
 
     async fn rollback(

@@ -14,8 +14,9 @@ use futures::StreamExt;
 use keel_core::agent::{Agent, Agents};
 use keel_core::bus::LocalBus;
 use keel_core::engine::{Engine, EngineConfig, EngineParts};
+use keel_core::engine::{MultitaskStrategy, SendMessage};
 use keel_core::metrics::{Metrics, Recorder};
-use keel_core::stream::Until;
+use keel_core::stream::{Known, Until};
 use keel_core::{Event, RunId};
 use serde_json::json;
 use tempfile::TempDir;
@@ -55,7 +56,7 @@ async fn paused_run(h: &Harness) -> (RunId, i64) {
 
 /// A stream of `run` after `after`, read on a task of its own.
 fn open_stream(h: &Harness, run: &RunId, after: i64) -> tokio::task::JoinHandle<Vec<Event>> {
-    let stream = h.engine.events(run, after, Until::Terminal, keel_core::stream::Known::Unknown);
+    let stream = h.engine.events(run, after, Until::Terminal, Known::Unknown);
     tokio::spawn(async move { stream.map(|e| e.unwrap()).collect::<Vec<_>>().await })
 }
 
@@ -126,6 +127,66 @@ async fn where_others_commit_one_look_serves_every_idle_stream_and_wakes_the_one
     for (_, reader) in &streams {
         assert!(!reader.is_finished(), "the others still wait");
     }
+}
+
+/// A stream that subscribed before the write it follows — the request that starts the run, the
+/// one that resumes it — reads nothing: its subscription holds the next event, and the bus brings
+/// the rest, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_subscribed_before_the_start_or_the_resume_reads_nothing() {
+    let dir = TempDir::new().unwrap();
+    let (h, reads) = harness(&dir, None).await;
+    let conv = h.conversation().await;
+    let before = reads.total();
+    let send = SendMessage { content: "restart pay-prod-2".into(), cancel_on_disconnect: false };
+    let (started, following) =
+        h.engine.send_message_following("demo", &conv, send, MultitaskStrategy::Reject, true).await.unwrap();
+    assert!(following.is_some(), "a run that starts now is followed");
+    let run = started.run.id;
+    let stream = h.engine.events_following(&run, 0, Until::PauseOrTerminal, Known::Active, following);
+    let events: Vec<Event> = stream.map(|e| e.unwrap()).collect().await;
+    assert_eq!(events.first().unwrap().sequence, 1);
+    assert_eq!(last_type(&events), "interrupt");
+    assert!(events.windows(2).all(|w| w[1].sequence == w[0].sequence + 1), "no gap, no duplicate");
+    assert_eq!(reads.total(), before, "the message's stream read the store");
+
+    let interrupt = h.store.pending_interrupt(&run).await.unwrap().unwrap().id;
+    let following = h.engine.follow(&run);
+    let accepted = h.resume(&run, &interrupt, json!("approve"), "followed").await.unwrap();
+    let after = accepted.resumed_sequence - 1;
+    let stream = h.engine.events_following(&run, after, Until::Terminal, Known::Active, Some(following));
+    let events: Vec<Event> = stream.map(|e| e.unwrap()).collect().await;
+    assert_eq!(events.first().unwrap().type_name(), "resumed");
+    assert_eq!(last_type(&events), "done");
+    assert!(events.windows(2).all(|w| w[1].sequence == w[0].sequence + 1), "no gap, no duplicate");
+    assert_eq!(reads.total(), before, "the resume's stream read the store");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+}
+
+/// A subscription that holds nothing after the cursor — a replayed answer wrote nothing — is no
+/// reason to skip the store: the stream catches up from it, and has every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_followed_stream_with_nothing_new_reads_what_is_stored() {
+    let dir = TempDir::new().unwrap();
+    let (h, reads) = harness(&dir, None).await;
+    let (run, _) = paused_run(&h).await;
+    let interrupt = h.store.pending_interrupt(&run).await.unwrap().unwrap().id;
+    let accepted = h.resume(&run, &interrupt, json!("approve"), "once").await.unwrap();
+    let all = h.engine.wait_settled(&run, accepted.resumed_sequence - 1).await.unwrap();
+    assert_eq!(last_type(&all), "done");
+    // the same answer again: replayed, nothing written, nothing published
+    let following = h.engine.follow(&run);
+    let again = h.resume(&run, &interrupt, json!("approve"), "once").await.unwrap();
+    assert_eq!(again.resumed_sequence, accepted.resumed_sequence);
+    let before = reads.of("catch_up");
+    let after = again.resumed_sequence - 1;
+    let stream = h.engine.events_following(&run, after, Until::Terminal, Known::Active, Some(following));
+    let events: Vec<Event> = tokio::time::timeout(Duration::from_secs(20), stream.map(|e| e.unwrap()).collect())
+        .await
+        .expect("the stream ends");
+    let stored: Vec<i64> = all.iter().map(|e| e.sequence).filter(|s| *s > after).collect();
+    assert_eq!(events.iter().map(|e| e.sequence).collect::<Vec<_>>(), stored);
+    assert!(reads.of("catch_up") > before, "it read the store");
 }
 
 /// An engine of another process over the harness's database: its own bus, never started (it takes

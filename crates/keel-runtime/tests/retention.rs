@@ -114,6 +114,7 @@ async fn a_reader_never_replays_across_a_pruned_hole() {
             keel_core::stream::Until::Terminal,
             keel_core::stream::Known::Unknown,
             None,
+            None,
             keel_core::metrics::Metrics::noop(),
         )
         .map(|e| e.unwrap().sequence)

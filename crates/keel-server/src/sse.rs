@@ -19,7 +19,7 @@ use axum::response::{IntoResponse, Response};
 use futures::{FutureExt, Stream, StreamExt};
 use keel_core::engine::Engine;
 use keel_core::store::StoreError;
-use keel_core::stream::{Known, Until};
+use keel_core::stream::{Following, Known, Until};
 use keel_core::{Event, RunId};
 use tokio::sync::mpsc;
 use tokio::sync::mpsc::error::SendTimeoutError;
@@ -67,6 +67,7 @@ pub fn stream_run(
     after: i64,
     until: Until,
     known: Known,
+    following: Option<Following>,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(state.config.sse_buffer.max(1));
     // Counted open for as long as the body lives: the server drops it when the response ends or
@@ -74,7 +75,7 @@ pub fn stream_run(
     let connection = state.metrics.connection_opened(SSE);
     let state = state.clone();
     tokio::spawn(async move {
-        feed(state, tx, run_id, after, until, known).await;
+        feed(state, tx, run_id, after, until, known, following).await;
         drop(permit);
     });
     let body = ReceiverStream::new(rx).map(move |frame| {
@@ -116,7 +117,15 @@ struct Pacing {
     send_timeout: Duration,
 }
 
-async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i64, until: Until, known: Known) {
+async fn feed(
+    state: AppState,
+    tx: mpsc::Sender<Bytes>,
+    run_id: RunId,
+    after: i64,
+    until: Until,
+    known: Known,
+    following: Option<Following>,
+) {
     let engine: Arc<Engine> = state.engine.clone();
     let pacing = Pacing {
         retry_ms: state.config.sse_retry_ms,
@@ -130,7 +139,7 @@ async fn feed(state: AppState, tx: mpsc::Sender<Bytes>, run_id: RunId, after: i6
     // twice, and pinning them in `feed`'s scope would keep that room beside `client_detached`'s
     // future. That halves an idle stream's task (4.1 → 2.2 KiB).
     let end = {
-        let events = pin!(engine.events(&run_id, after, until, known));
+        let events = pin!(engine.events_following(&run_id, after, until, known, following));
         let shutdown = pin!(state.shutdown.wait());
         pump(&tx, events, pacing, shutdown, delivered).await
     };
@@ -387,7 +396,7 @@ mod tests {
         ));
         let state = AppState::new(engine, crate::ServerConfig::default());
         let (tx, _rx) = mpsc::channel(1);
-        let feed = feed(state, tx, RunId::new(), 0, Until::Terminal, Known::Unknown);
+        let feed = feed(state, tx, RunId::new(), 0, Until::Terminal, Known::Unknown, None);
         let size = std::mem::size_of_val(&feed);
         assert!(size <= 3 * 1024, "the feed future takes {size} bytes");
     }

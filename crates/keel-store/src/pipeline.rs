@@ -221,6 +221,36 @@ pub(crate) trait Tx {
         kinds: &[EventKind],
         now: Timestamp,
     ) -> impl Future<Output = StoreResult<Vec<Event>>>;
+
+    /// A new run's rows ([`NewRows`]); the events as written, or `None` if a unique index refused
+    /// the run (see [`insert_run`]). One statement after another; a backend where each is a round
+    /// trip writes them as one.
+    fn insert_start(&mut self, rows: &NewRows<'_>) -> impl Future<Output = StoreResult<Option<Vec<Event>>>>
+    where
+        Self: Sized,
+    {
+        async move {
+            if !insert_run(self, rows.run, rows.pending, rows.one_active_run).await? {
+                return Ok(None);
+            }
+            if let Some(message) = rows.message {
+                insert_message(self, message).await?;
+            }
+            self.insert_events(&rows.run.id, 1, rows.events, rows.run.created_at).await.map(Some)
+        }
+    }
+}
+
+/// What [`start_run`] writes: the run (with the text of its message while it waits, `pending`), its
+/// user message unless it waits, and its first events from sequence 1, all at the run's
+/// `created_at`.
+pub(crate) struct NewRows<'a> {
+    pub run: &'a Run,
+    pub pending: Option<&'a str>,
+    pub message: Option<&'a Message>,
+    pub events: &'a [EventKind],
+    /// The name of the unique index that keeps one active run per conversation.
+    pub one_active_run: &'a str,
 }
 
 /// An event's data as `run_events.data` stores it: its fields as JSON text, without the type.
@@ -306,7 +336,7 @@ async fn insert_message<T: Tx>(tx: &mut T, m: &Message) -> StoreResult<()> {
     insert(tx, "message", &INSERT_MESSAGE, &args).await
 }
 
-static INSERT_RUN: Sql = Sql::new(
+pub(crate) static INSERT_RUN: Sql = Sql::new(
     "INSERT INTO runs (id, conversation_id, user_message_id, user_id, agent_id, status, reason, \
      cancel_on_disconnect, cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, \
      created_at, updated_at, pending_content, worker) \
@@ -318,7 +348,23 @@ static INSERT_RUN: Sql = Sql::new(
 /// or, where the backend does not name the index, possibly the id. The caller tells them apart.
 async fn insert_run<T: Tx>(tx: &mut T, run: &Run, pending: Option<&str>, one_active_run: &str) -> StoreResult<bool> {
     let checkpoint = T::encode("checkpoint", &run.checkpoint)?;
-    let args = [
+    let args = run_args(run, pending, &checkpoint);
+    match tx.execute(INSERT_RUN.text(T::DIALECT), &args).await {
+        Ok(_) => Ok(true),
+        Err(e) if refused_as_active(&e, one_active_run) => Ok(false),
+        Err(e) => Err(e.insert("run")),
+    }
+}
+
+/// A unique violation of the one-active-run index (or, where the backend does not name the index,
+/// of any: the caller tells them apart).
+pub(crate) fn refused_as_active(e: &DbError, one_active_run: &str) -> bool {
+    e.unique && e.constraint.as_deref().is_none_or(|c| c == one_active_run)
+}
+
+/// The parameters of [`INSERT_RUN`], in its order: `$1` … `$17`.
+pub(crate) fn run_args<'a>(run: &'a Run, pending: Option<&'a str>, checkpoint: &'a Encoded) -> [Arg<'a>; 17] {
+    [
         text(run.id.as_str()),
         text(run.conversation_id.as_str()),
         text(run.user_message_id.as_str()),
@@ -331,17 +377,12 @@ async fn insert_run<T: Tx>(tx: &mut T, run: &Run, pending: Option<&str>, one_act
         Arg::Int(Some(run.next_sequence)),
         Arg::Text(run.lease_owner.as_deref()),
         Arg::Time(run.lease_expires_at),
-        Arg::Encoded(Some(&checkpoint)),
+        Arg::Encoded(Some(checkpoint)),
         time(run.created_at),
         time(run.updated_at),
         Arg::Text(pending),
         Arg::Text(run.worker.as_deref()),
-    ];
-    match tx.execute(INSERT_RUN.text(T::DIALECT), &args).await {
-        Ok(_) => Ok(true),
-        Err(e) if e.unique && e.constraint.as_deref().is_none_or(|c| c == one_active_run) => Ok(false),
-        Err(e) => Err(e.insert("run")),
-    }
+    ]
 }
 
 static BUMP_CONVERSATION: Sql =
@@ -483,14 +524,16 @@ pub(crate) async fn start_run<T: Tx>(
         created_at: now,
     };
     // the run first: the message refers to it
-    let pending = waits.then(|| new.content.as_str());
-    if !insert_run(tx, &run, pending, one_active_run).await? {
+    let rows = NewRows {
+        run: &run,
+        pending: waits.then(|| new.content.as_str()),
+        message: (!waits).then_some(&message),
+        events: first_events,
+        one_active_run,
+    };
+    let Some(events) = tx.insert_start(&rows).await? else {
         return Ok(None);
-    }
-    if !waits {
-        insert_message(tx, &message).await?;
-    }
-    let events = tx.insert_events(&run.id, 1, first_events, now).await?;
+    };
     Ok(Some(StartedRun { message, run, events }))
 }
 

@@ -98,10 +98,12 @@ impl PostgresOptions {
     /// A run's worker waits for each answer before it commits again, so the queue holds about one
     /// commit per busy worker or request: as for SQLite's writer, a few thousand.
     pub const COMMIT_QUEUE: usize = 4096;
-    /// Four: a commit seldom waits for a committer to be free (the queueing a group adds to a
-    /// commit's latency), and groups still form whenever more commits arrive than four
-    /// transactions in flight write.
-    pub const COMMITTERS: usize = 4;
+    /// Two. Each group in flight costs its round trips whatever its size, so fewer committers make
+    /// bigger groups and less work per commit once the machine is busy; more let a commit wait less
+    /// for a free committer while it is not. Measured (`docs/benchmarks.md`, "Ninth session"): at
+    /// concurrency 32, one committer wrote 19% more runs a second than four, two 14% more; at
+    /// concurrency 8, one wrote 5% fewer than four, two as many.
+    pub const COMMITTERS: usize = 2;
 }
 
 impl Default for PostgresOptions {

@@ -501,6 +501,32 @@ async fn a_grouped_commit_moves_the_lease_only_with_the_status() {
     assert_eq!((done.status, done.lease_owner, done.lease_expires_at), (RunStatus::Completed, None, None));
 }
 
+/// A group's commits that end their runs say whether runs wait behind them, as a lone commit's do:
+/// the engine looks for the next run only when one waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grouped_end_says_whether_runs_wait_behind_it() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let (behind, alone, going_on) = (queued_run(&store).await, queued_run(&store).await, queued_run(&store).await);
+    let conversation = store.get_run(&behind).await.expect("get").expect("run").conversation_id;
+    let waiting = NewRun { enqueue: Some(vec![]), content: "next".into(), ..new_run(&conversation) };
+    let waiting = store.start_run(waiting).await.expect("enqueue");
+    assert_eq!(waiting.run.status, RunStatus::Waiting);
+    let end = |run: &RunId| {
+        let mut c = on_queued(run, 1);
+        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: None });
+        c
+    };
+    // a run that does not end says nothing waits, whatever waits behind it
+    let going_on_behind = store.get_run(&going_on).await.expect("get").expect("run").conversation_id;
+    let more = NewRun { enqueue: Some(vec![]), content: "later".into(), ..new_run(&going_on_behind) };
+    store.start_run(more).await.expect("enqueue");
+    let results = as_one_group(&url, &store, vec![end(&behind), end(&alone), on_queued(&going_on, 1)]).await;
+    let said: Vec<bool> = results.into_iter().map(|r| r.expect("commit").waiting_behind).collect();
+    assert_eq!(said, [true, false, false]);
+    assert_eq!(store.commit_stats().regrouped, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_commit_queue_refuses_at_once_and_loses_nothing_accepted() {
     let Some(url) = url() else { return };

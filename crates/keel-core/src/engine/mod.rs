@@ -35,7 +35,7 @@ use crate::store::{
     AnswerView, Commit, Committed, DueWork, Fence, IdempotencyAnswer, IdempotencyBegin, InterruptChange, NewLease,
     NewRun, RolledBack, RunChange, StartedRun, Store, StoreError, TextAppend, ToolCallChange, ToolCallUpdate,
 };
-use crate::stream::{run_events, Known, Until};
+use crate::stream::{run_events, Following, Known, Until};
 use crate::tool::{NextAttempt, Policy, Tool, ToolContext, ToolError, ToolOutput, ToolRegistry};
 
 mod client;
@@ -440,7 +440,7 @@ impl Engine {
         conversation_id: &ConversationId,
         message: SendMessage,
     ) -> EngineResult<StartedRun> {
-        self.start_message(user_id, conversation_id, message, false).await
+        Ok(self.start_message(user_id, conversation_id, message, false, false).await?.0)
     }
 
     /// The message's run, started now, or with `enqueue` created `waiting` behind the runs that are
@@ -451,7 +451,8 @@ impl Engine {
         conversation_id: &ConversationId,
         message: SendMessage,
         enqueue: bool,
-    ) -> EngineResult<StartedRun> {
+        follow: bool,
+    ) -> EngineResult<(StartedRun, Option<Following>)> {
         if self.is_shutting_down() {
             return Err(EngineError::ShuttingDown);
         }
@@ -496,6 +497,10 @@ impl Engine {
                 StoreError::NotFound(what) => EngineError::NotFound(what),
                 other => other.into(),
             })?;
+        // Subscribed before its first events are published and its worker starts: the caller's
+        // stream follows the run from its first event without reading the store.
+        let following = (follow && started.run.status != RunStatus::Waiting)
+            .then(|| Following::new(self.inner.bus.as_ref(), &started.run.id));
         self.inner.committed(&started.run, &started.events);
         if started.run.status == RunStatus::Waiting {
             // The runs ahead of it may have ended while it was written, and their end found nothing
@@ -504,10 +509,10 @@ impl Engine {
                 self.inner.config.metrics.store_error("promote_waiting");
                 tracing::warn!(conversation_id = %conversation_id, error = %e, "looking for the next waiting run failed");
             }
-            return Ok(started);
+            return Ok((started, None));
         }
         self.inner.start_worker(&started, reserved);
-        Ok(started)
+        Ok((started, following))
     }
 
     /// [`Engine::send_message`] with a strategy for a conversation whose run is not over (see
@@ -520,9 +525,26 @@ impl Engine {
         message: SendMessage,
         strategy: MultitaskStrategy,
     ) -> EngineResult<StartedRun> {
+        Ok(self.send_message_following(user_id, conversation_id, message, strategy, false).await?.0)
+    }
+
+    /// [`Engine::send_message_with`], and with `follow`, for a run that starts now, a subscription
+    /// to its events made before they were published, for [`Engine::events_following`].
+    pub async fn send_message_following(
+        &self,
+        user_id: &str,
+        conversation_id: &ConversationId,
+        message: SendMessage,
+        strategy: MultitaskStrategy,
+        follow: bool,
+    ) -> EngineResult<(StartedRun, Option<Following>)> {
         let rollback = match strategy {
-            MultitaskStrategy::Reject => return self.start_message(user_id, conversation_id, message, false).await,
-            MultitaskStrategy::Enqueue => return self.start_message(user_id, conversation_id, message, true).await,
+            MultitaskStrategy::Reject => {
+                return self.start_message(user_id, conversation_id, message, false, follow).await;
+            }
+            MultitaskStrategy::Enqueue => {
+                return self.start_message(user_id, conversation_id, message, true, follow).await;
+            }
             MultitaskStrategy::Interrupt => false,
             MultitaskStrategy::Rollback => true,
         };
@@ -533,13 +555,13 @@ impl Engine {
         }
         // Another message may start a run between the clearing and the start: a few tries.
         for _ in 0..3 {
-            match self.start_message(user_id, conversation_id, message.clone(), false).await {
+            match self.start_message(user_id, conversation_id, message.clone(), false, follow).await {
                 Err(EngineError::RunActive(_)) => {}
                 other => return other,
             }
             self.clear_conversation(conversation_id, rollback).await?;
         }
-        self.start_message(user_id, conversation_id, message, false).await
+        self.start_message(user_id, conversation_id, message, false, follow).await
     }
 
     /// Cancels every run of the conversation that is not over, for a new message — the waiting ones
@@ -649,6 +671,26 @@ impl Engine {
         until: Until,
         known: Known,
     ) -> impl Stream<Item = Result<Event, StoreError>> + Send + 'static {
+        self.events_following(run_id, after, until, known, None)
+    }
+
+    /// A subscription to `run_id`'s events from now on, for [`Engine::events_following`]: make it
+    /// before the write whose events a reader follows (a resume of the run).
+    pub fn follow(&self, run_id: &RunId) -> Following {
+        Following::new(self.inner.bus.as_ref(), run_id)
+    }
+
+    /// [`Engine::events`] from a subscription made before the write the reader follows
+    /// ([`Engine::follow`], [`Engine::send_message_following`]): when it holds the event after
+    /// `after`, the stream starts without reading the store. `None`: as [`Engine::events`].
+    pub fn events_following(
+        &self,
+        run_id: &RunId,
+        after: i64,
+        until: Until,
+        known: Known,
+        following: Option<Following>,
+    ) -> impl Stream<Item = Result<Event, StoreError>> + Send + 'static {
         run_events(
             self.inner.store.clone(),
             self.inner.bus.clone(),
@@ -656,6 +698,7 @@ impl Engine {
             after,
             until,
             known,
+            following,
             self.inner.idle.clone(),
             self.inner.config.metrics.clone(),
         )

@@ -115,11 +115,12 @@ pub async fn post_message(
     let message = SendMessage { content: body.content, cancel_on_disconnect: body.cancel_on_disconnect };
     // A stream's slot is taken before the run starts, so a refused stream starts nothing.
     let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
-    let started = state.engine.send_message_with(&caller.0, &id, message, strategy).await?;
+    let follow = permit.is_some();
+    let (started, following) = state.engine.send_message_following(&caller.0, &id, message, strategy, follow).await?;
     let run_id = started.run.id;
     if let Some(permit) = permit {
         // just started (or waiting its turn): not over
-        return Ok(sse::stream_run(&state, permit, run_id, 0, Until::PauseOrTerminal, Known::Active));
+        return Ok(sse::stream_run(&state, permit, run_id, 0, Until::PauseOrTerminal, Known::Active, following));
     }
     if wait {
         return Ok(Json(super::settle_turn(&state, &caller, &run_id, 0).await?).into_response());

@@ -134,7 +134,7 @@ pub async fn events(
         return Ok(Json(EventPage { events, has_more: last < run.last_sequence() }).into_response());
     }
     let permit = state.limits.streams.acquire(&caller.0)?;
-    Ok(sse::stream_run(&state, permit, id, after, Until::Terminal, Known::of(&run)))
+    Ok(sse::stream_run(&state, permit, id, after, Until::Terminal, Known::of(&run), None))
 }
 
 /// `?limit=N`, 1 to `max`; absent is `max`.
@@ -215,11 +215,13 @@ pub async fn resume(
     let request = ResumeRequest { interrupt_id, decision, idempotency_key, note: body.note };
     // A stream's slot is taken before the resume, so a refused stream resumes nothing.
     let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
+    // Subscribed before the claim is written: the stream follows from `resumed` without a read.
+    let following = permit.as_ref().map(|_| state.engine.follow(&id));
     let accepted = state.engine.resume(&caller.0, &id, request).await?;
     let after = (accepted.resumed_sequence - 1).max(0);
     if let Some(permit) = permit {
         // just resumed: not over
-        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal, Known::Active));
+        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal, Known::Active, following));
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;
@@ -289,11 +291,12 @@ pub async fn tool_result(
     let request = ToolResultRequest { call_id: body.call_id, outcome, idempotency_key };
     // A stream's slot is taken before the answer, so a refused stream answers nothing.
     let permit = sse::permit_if_streaming(&state, &caller, &headers)?;
+    let following = permit.as_ref().map(|_| state.engine.follow(&id));
     let accepted = state.engine.submit_tool_result(&caller.0, &id, request).await?;
     let after = (accepted.resumed_sequence - 1).max(0);
     if let Some(permit) = permit {
         // just resumed: not over
-        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal, Known::Active));
+        return Ok(sse::stream_run(&state, permit, id, after, Until::PauseOrTerminal, Known::Active, following));
     }
     if wait {
         let turn = super::settle_turn(&state, &caller, &id, after).await?;

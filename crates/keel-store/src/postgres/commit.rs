@@ -12,7 +12,12 @@ use sqlx::postgres::{PgArguments, PgRow};
 use sqlx::query::Query;
 use sqlx::{PgConnection, Postgres, Row};
 
-use crate::pipeline::{event_data, numbered, Arg, Cell, DbError, Dialect, Encoded, Tx, Ty};
+use std::sync::LazyLock;
+
+use crate::pipeline::{
+    event_data, numbered, refused_as_active, run_args, Arg, Cell, DbError, Dialect, Encoded, NewRows, Tx, Ty,
+    INSERT_RUN,
+};
 
 use super::{insert, json, micros};
 
@@ -115,5 +120,41 @@ impl Tx for PgTx<'_> {
         .await
         .map_err(insert("event"))?;
         Ok(events)
+    }
+
+    /// One statement, one round trip: the run, then (from what it returned) its message and its
+    /// events. The foreign keys to the run are checked at the statement's end, when it is there.
+    async fn insert_start(&mut self, rows: &NewRows<'_>) -> StoreResult<Option<Vec<Event>>> {
+        static SQL: LazyLock<String> = LazyLock::new(|| {
+            format!(
+                "WITH r AS ({}) RETURNING id, conversation_id, created_at), \
+                 m AS (INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+                       SELECT $18, r.conversation_id, r.id, $19, $20, NULL, r.created_at FROM r WHERE $18::text IS NOT NULL), \
+                 e AS (INSERT INTO run_events (run_id, sequence, type, data, created_at) \
+                       SELECT r.id, e.sequence, e.type, e.data::jsonb, r.created_at \
+                       FROM r, unnest($21::bigint[], $22::text[], $23::text[]) AS e (sequence, type, data)) \
+                 SELECT 1",
+                INSERT_RUN.text(Dialect::Postgres).trim_end_matches(')'),
+            )
+        });
+        let run = rows.run;
+        let checkpoint = Self::encode("checkpoint", &run.checkpoint)?;
+        let events = numbered(&run.id, 1, rows.events, run.created_at);
+        let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
+        let types: Vec<&str> = rows.events.iter().map(EventKind::type_name).collect();
+        let data = rows.events.iter().map(event_data).collect::<StoreResult<Vec<_>>>()?;
+        let message = rows.message;
+        let query = bind(sqlx::query(SQL.as_str()), &run_args(run, rows.pending, &checkpoint))
+            .bind(message.map(|m| m.id.as_str()))
+            .bind(message.map(|m| m.role.as_str()))
+            .bind(message.map(|m| m.content.as_str()))
+            .bind(&sequences)
+            .bind(&types)
+            .bind(&data);
+        match query.execute(&mut *self.0).await.map_err(failure) {
+            Ok(_) => Ok(Some(events)),
+            Err(e) if refused_as_active(&e, rows.one_active_run) => Ok(None),
+            Err(e) => Err(e.insert("run")),
+        }
     }
 }

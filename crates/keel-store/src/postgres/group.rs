@@ -13,7 +13,10 @@
 //! deadlock on them; the rows read are then current until the transaction ends. Each commit's fence
 //! (lease owner, status) and status move are checked against those rows in Rust, exactly as the
 //! conditional `UPDATE` of a lone commit checks them: a commit its fence refuses is answered with the
-//! same error and left out of the group's statements, at no cost to the others.
+//! same error and left out of the group's statements, at no cost to the others. The same read says
+//! whether runs wait behind each run (one probe of the index of waiting runs), so a commit that
+//! ends its run answers [`Committed::waiting_behind`] as a lone commit does, and the engine reads
+//! nothing more after a run's end when nothing waits.
 //!
 //! **Refusals past the fence.** The other checks (a tool call or an interrupt not in the state the
 //! commit expects, a reused id, an idempotency key not in flight, a record of another run) are
@@ -248,6 +251,10 @@ struct RunRow {
     lease_owner: Option<String>,
     lease_expires_at: Option<DateTime<Utc>>,
     reason: Option<String>,
+    /// Runs of its conversation wait their turn (read with the lock, as a lone commit's end reads
+    /// it in its transaction): a commit that ends the run says so, and the engine looks for the
+    /// next one only then.
+    waiting_behind: bool,
 }
 
 async fn write(pool: &PgPool, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
@@ -280,8 +287,10 @@ async fn apply(
     let mut ids: Vec<&str> = commits.iter().map(|c| c.run_id.as_str()).collect();
     ids.sort_unstable();
     let rows = sqlx::query(
-        "SELECT id, status, conversation_id, next_sequence, cancel_requested, lease_owner, lease_expires_at, reason \
-         FROM runs WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE",
+        "SELECT id, status, conversation_id, next_sequence, cancel_requested, lease_owner, lease_expires_at, reason, \
+         EXISTS (SELECT 1 FROM runs w WHERE w.conversation_id = runs.conversation_id AND w.status = 'waiting') \
+             AS waiting_behind \
+         FROM runs WHERE id = ANY($1) ORDER BY id FOR NO KEY UPDATE OF runs",
     )
     .bind(&ids)
     .fetch_all(&mut *conn)
@@ -301,6 +310,7 @@ async fn apply(
                     lease_owner: c.get("lease_owner")?,
                     lease_expires_at: c.opt_ts("lease_expires_at")?,
                     reason: c.get("reason")?,
+                    waiting_behind: c.get("waiting_behind")?,
                 },
             ))
         };
@@ -345,8 +355,7 @@ fn committed(c: &Commit, run: &RunRow) -> Committed {
         .zip(&c.events)
         .map(|(sequence, kind)| Event::new(kind.clone(), c.run_id.clone(), sequence, now))
         .collect();
-    // the group does not look for waiting runs: the engine does, whenever a run ended
-    let waiting_behind = c.run.as_ref().is_some_and(|change| change.to.is_terminal());
+    let waiting_behind = run.waiting_behind && c.run.as_ref().is_some_and(|change| change.to.is_terminal());
     Committed { events, cancel_requested: run.cancel_requested, waiting_behind }
 }
 
