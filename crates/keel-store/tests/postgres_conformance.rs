@@ -471,6 +471,52 @@ async fn a_call_moved_twice_by_one_commit_is_written_in_its_group() {
     assert!(stored.started_at.is_some());
 }
 
+/// A commit that inserts a call and moves it (a model's call, classified in the same commit) is
+/// written inside a group in one row, as the insert then the update would leave it; a move from
+/// another state than the inserted one is refused, alone, as the lone path refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_inserted_and_moved_by_one_commit_is_written_in_its_group() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
+    let call = |run: &RunId| keel_core::domain::ToolCall {
+        id: keel_core::ids::CallId::new(),
+        run_id: run.clone(),
+        name: "restart".into(),
+        args: serde_json::json!({"id": "a"}).into(),
+        state: ToolCallState::Requested,
+        result: None,
+        summary: None,
+        attempts: 0,
+        started_at: None,
+        finished_at: None,
+    };
+    let (asked, wrong) = (call(&runs[0]), call(&runs[1]));
+    let mut ask = on_queued(&runs[0], 1);
+    ask.tool_calls.push(ToolCallChange::Insert(asked.clone()));
+    ask.tool_calls.push(ToolCallChange::Update(keel_core::store::ToolCallUpdate {
+        summary: Some("asked".into()),
+        ..keel_core::store::ToolCallUpdate::new(&asked.id, ToolCallState::Requested, ToolCallState::Asking)
+    }));
+    let mut refused = on_queued(&runs[1], 1);
+    refused.tool_calls.push(ToolCallChange::Insert(wrong.clone()));
+    refused.tool_calls.push(ToolCallChange::transition(&wrong.id, ToolCallState::Allowed, ToolCallState::Executing));
+    let regrouped = store.commit_stats().regrouped;
+    let results = as_one_group(&url, &store, vec![ask, on_queued(&runs[2], 2)]).await;
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    assert_eq!(store.commit_stats().regrouped, regrouped, "written by the group itself");
+    let stored = store.list_tool_calls(&runs[0]).await.expect("calls").pop().expect("the call");
+    assert_eq!((stored.state, stored.summary.as_ref().map(|s| s.as_str())), (ToolCallState::Asking, Some("asked")));
+
+    let results = as_one_group(&url, &store, vec![refused, on_queued(&runs[2], 1)]).await;
+    assert!(matches!(results[0], Err(StoreError::Conflict(_))), "{:?}", results[0]);
+    assert!(results[1].is_ok(), "{:?}", results[1]);
+    // refused past its fence: the group is written again without it, as any such refusal
+    assert_eq!(store.commit_stats().regrouped, regrouped + 1);
+    assert!(store.list_tool_calls(&runs[1]).await.expect("calls").is_empty(), "nothing of the refused commit");
+    assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_grouped_commit_moves_the_lease_only_with_the_status() {
     let Some(url) = url() else { return };

@@ -29,9 +29,9 @@
 //! on the same row: applying the group table by table is the same as applying its commits one after
 //! the other. A commit for a run already in the group waits for the next group.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use chrono::{DateTime, Utc};
 use keel_core::domain::{lease_holder, InterruptStatus, RunStatus};
@@ -39,7 +39,9 @@ use keel_core::event::Event;
 use keel_core::ids::ConversationId;
 use keel_core::store::{Commit, Committed, Fence, StoreError, StoreResult, ToolCallChange, ToolCallUpdate};
 use serde_json::Value;
-use sqlx::{PgConnection, PgPool};
+use sqlx::postgres::PgArguments;
+use sqlx::query::Query;
+use sqlx::{PgConnection, PgPool, Postgres, Row};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
 use super::{db, json, micros, Cols};
@@ -484,13 +486,11 @@ struct Batch {
     messages: Messages,
     discards: Discards,
     call_inserts: CallInserts,
-    /// The calls' updates in layers, each written by one statement, in order: a call's first
-    /// update in the group is in the first, its second (a commit that joined two steps: an
-    /// answer's `allowed`, then the attempt's `executing`) in the second, and so on. One statement
-    /// matches each row once.
-    call_updates: Vec<CallUpdates>,
-    /// How many updates of each call the layers hold.
-    call_update_count: HashMap<String, usize>,
+    /// The calls' updates, one row per call: a call moved twice by one commit (a commit that
+    /// joined two steps: an answer's `allowed`, then the attempt's `executing`) is one move from
+    /// the first state to the last, with the later values over the earlier ones, as the two
+    /// updates one after the other would leave it. One statement matches each row once.
+    call_updates: CallUpdates,
     interrupt_inserts: InterruptInserts,
     interrupt_changes: InterruptChanges,
     /// (conversation, key) → (value, source, updated_at): the last write of a key wins, as it
@@ -618,13 +618,72 @@ impl Batch {
                     attempts,
                     started_at,
                     finished_at,
-                }) => {
-                    let layer = self.call_update_count.entry(id.as_str().to_owned()).or_default();
-                    if *layer == self.call_updates.len() {
-                        self.call_updates.push(CallUpdates::default());
+                }) if self.call_inserts.ids.iter().any(|i| i == id.as_str()) => {
+                    // A call this commit inserts (the group's commits are of distinct runs): the move
+                    // is applied to the row before it is written, as the update would apply it after.
+                    let ci = &mut self.call_inserts;
+                    let Some(i) = ci.ids.iter().position(|i| i == id.as_str()) else { return Ok(false) };
+                    if ci.states[i] != from.as_str() {
+                        return Ok(false);
                     }
-                    let cu = &mut self.call_updates[*layer];
-                    *layer += 1;
+                    ci.states[i] = to.as_str();
+                    if let Some(args) = args {
+                        ci.args[i] = args.inner().clone();
+                    }
+                    if let Some(result) = result {
+                        ci.results[i] = Some(result.inner().clone());
+                    }
+                    if let Some(summary) = summary {
+                        ci.summaries[i] = Some(summary.as_str().to_owned());
+                    }
+                    if started_at.is_some() {
+                        ci.started_at[i] = *started_at;
+                    }
+                    if finished_at.is_some() {
+                        ci.finished_at[i] = *finished_at;
+                    }
+                    if let Some(n) = attempts {
+                        ci.attempts[i] = *n as i32;
+                    }
+                }
+                ToolCallChange::Update(ToolCallUpdate {
+                    id,
+                    from,
+                    to,
+                    args,
+                    result,
+                    summary,
+                    attempts,
+                    started_at,
+                    finished_at,
+                }) => {
+                    let cu = &mut self.call_updates;
+                    if let Some(i) = cu.ids.iter().position(|i| i == id.as_str()) {
+                        // moved again: from where the move before left it
+                        if cu.to[i] != from.as_str() {
+                            return Ok(false);
+                        }
+                        cu.to[i] = to.as_str();
+                        if let Some(args) = args {
+                            cu.args[i] = Some(args.inner().clone());
+                        }
+                        if let Some(result) = result {
+                            cu.results[i] = Some(result.inner().clone());
+                        }
+                        if let Some(summary) = summary {
+                            cu.summaries[i] = Some(summary.as_str().to_owned());
+                        }
+                        if started_at.is_some() {
+                            cu.started_at[i] = *started_at;
+                        }
+                        if finished_at.is_some() {
+                            cu.finished_at[i] = *finished_at;
+                        }
+                        if let Some(n) = attempts {
+                            cu.attempts[i] = Some(*n as i32);
+                        }
+                        continue;
+                    }
                     cu.ids.push(id.as_str().to_owned());
                     cu.run_ids.push(run_id.to_owned());
                     cu.from.push(from.as_str());
@@ -695,285 +754,369 @@ impl Batch {
         Ok(true)
     }
 
-    /// The group's statements, in the order a lone commit makes them. A statement that fails, or a
-    /// conditional one that matches fewer rows than it was given, refuses a commit: `Regroup`.
+    /// The group's statements, in the order a lone commit makes them, sent as few as they can be:
+    /// see [`stages`]. A statement that fails, or a conditional one that matches fewer rows than it
+    /// was given, refuses a commit: `Regroup`.
     async fn execute(self, conn: &mut PgConnection) -> Result<(), GroupFailure> {
-        let regroup = |_| GroupFailure::Regroup;
-        let r = &self.runs;
-        sqlx::query(
-            "UPDATE runs SET status = u.status, reason = u.reason, lease_owner = u.lease_owner, \
-             lease_expires_at = u.lease_expires_at, next_sequence = u.next_sequence, updated_at = u.updated_at, \
-             checkpoint = COALESCE(u.checkpoint, runs.checkpoint), worker = COALESCE(u.worker, runs.worker) \
-             FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::bigint[], \
-                         $7::timestamptz[], $8::jsonb[], $9::text[]) \
-                  AS u (id, status, reason, lease_owner, lease_expires_at, next_sequence, updated_at, checkpoint, \
-                        worker) \
-             WHERE runs.id = u.id",
-        )
-        .bind(&r.ids)
-        .bind(&r.status)
-        .bind(&r.reason)
-        .bind(&r.lease_owner)
-        .bind(&r.lease_expires_at)
-        .bind(&r.next_sequence)
-        .bind(&r.updated_at)
-        .bind(&r.checkpoint)
-        .bind(&r.worker)
-        .execute(&mut *conn)
-        .await
-        .map_err(regroup)?;
+        // in key order, so two groups lock the rows of one conversation in the same order
+        let mut facts: Vec<_> = self.facts.iter().collect();
+        facts.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut fact_columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for ((conversation, key), (value, source, updated_at)) in facts {
+            fact_columns.0.push(conversation.as_str());
+            fact_columns.1.push(key.as_str());
+            fact_columns.2.push(value.as_str());
+            fact_columns.3.push(*source);
+            fact_columns.4.push(*updated_at);
+        }
+        let mut summaries: Vec<_> = self.summaries.iter().collect();
+        summaries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut summary_columns = (Vec::new(), Vec::new(), Vec::new());
+        for (conversation, (through, text)) in summaries {
+            summary_columns.0.push(conversation.as_str());
+            summary_columns.1.push(through.as_str());
+            summary_columns.2.push(text.as_str());
+        }
 
+        let mut parts: Vec<Part<'_>> = Vec::new();
+        let r = &self.runs;
+        parts.push(Part::new(RUNS, UPDATE_RUNS, 9, None, r.ids.iter(), move |q| {
+            q.bind(&r.ids)
+                .bind(&r.status)
+                .bind(&r.reason)
+                .bind(&r.lease_owner)
+                .bind(&r.lease_expires_at)
+                .bind(&r.next_sequence)
+                .bind(&r.updated_at)
+                .bind(&r.checkpoint)
+                .bind(&r.worker)
+        }));
         let t = &self.texts;
         if !t.ids.is_empty() {
-            let done = sqlx::query(
-                "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
-                 SELECT t.id, t.conversation_id, t.run_id, 'assistant', t.content, NULL, t.created_at \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) \
-                      AS t (id, conversation_id, run_id, content, created_at) \
-                 ON CONFLICT (id) DO UPDATE SET content = messages.content || excluded.content \
-                 WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'",
-            )
-            .bind(&t.ids)
-            .bind(&t.conversation_ids)
-            .bind(&t.run_ids)
-            .bind(&t.texts)
-            .bind(&t.created_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
-            all_matched(done.rows_affected(), t.ids.len())?;
+            parts.push(Part::new(MESSAGES, APPEND_TEXTS, 5, Some(t.ids.len()), t.run_ids.iter(), move |q| {
+                q.bind(&t.ids).bind(&t.conversation_ids).bind(&t.run_ids).bind(&t.texts).bind(&t.created_at)
+            }));
         }
-
         let m = &self.messages;
         if !m.ids.is_empty() {
-            sqlx::query(
-                "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], \
-                                      $7::timestamptz[])",
-            )
-            .bind(&m.ids)
-            .bind(&m.conversation_ids)
-            .bind(&m.run_ids)
-            .bind(&m.roles)
-            .bind(&m.contents)
-            .bind(&m.tool_call_ids)
-            .bind(&m.created_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+            parts.push(Part::new(MESSAGES, INSERT_MESSAGES, 7, None, m.run_ids.iter().flatten(), move |q| {
+                q.bind(&m.ids)
+                    .bind(&m.conversation_ids)
+                    .bind(&m.run_ids)
+                    .bind(&m.roles)
+                    .bind(&m.contents)
+                    .bind(&m.tool_call_ids)
+                    .bind(&m.created_at)
+            }));
         }
-
         let d = &self.discards;
         if !d.ids.is_empty() {
             // a message that never got its first text was never created: nothing to delete is fine
-            sqlx::query(
-                "DELETE FROM messages USING unnest($1::text[], $2::text[]) AS d (id, run_id) \
-                 WHERE messages.id = d.id AND messages.run_id = d.run_id AND messages.role = 'assistant'",
-            )
-            .bind(&d.ids)
-            .bind(&d.run_ids)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+            parts.push(Part::new(MESSAGES, DISCARD_MESSAGES, 2, None, d.run_ids.iter(), move |q| {
+                q.bind(&d.ids).bind(&d.run_ids)
+            }));
         }
-
         let ci = &self.call_inserts;
         if !ci.ids.is_empty() {
-            sqlx::query(
-                "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
-                 started_at, finished_at, attempts) \
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::text[], \
-                                      $7::jsonb[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::int4[])",
-            )
-            .bind(&ci.ids)
-            .bind(&ci.run_ids)
-            .bind(&ci.conversation_ids)
-            .bind(&ci.names)
-            .bind(&ci.args)
-            .bind(&ci.states)
-            .bind(&ci.results)
-            .bind(&ci.summaries)
-            .bind(&ci.started_at)
-            .bind(&ci.finished_at)
-            .bind(&ci.attempts)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+            parts.push(Part::new(TOOL_CALLS, INSERT_CALLS, 11, None, ci.run_ids.iter(), move |q| {
+                q.bind(&ci.ids)
+                    .bind(&ci.run_ids)
+                    .bind(&ci.conversation_ids)
+                    .bind(&ci.names)
+                    .bind(&ci.args)
+                    .bind(&ci.states)
+                    .bind(&ci.results)
+                    .bind(&ci.summaries)
+                    .bind(&ci.started_at)
+                    .bind(&ci.finished_at)
+                    .bind(&ci.attempts)
+            }));
         }
-
-        for cu in &self.call_updates {
-            let done = sqlx::query(
-                "UPDATE tool_calls SET state = u.to_state, args = COALESCE(u.args, tool_calls.args), \
-                 result = COALESCE(u.result, tool_calls.result), summary = COALESCE(u.summary, tool_calls.summary), \
-                 started_at = COALESCE(u.started_at, tool_calls.started_at), \
-                 finished_at = COALESCE(u.finished_at, tool_calls.finished_at), \
-                 attempts = COALESCE(u.attempts, tool_calls.attempts) \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], $7::text[], \
-                             $8::timestamptz[], $9::timestamptz[], $10::int4[]) \
-                      AS u (id, run_id, from_state, to_state, args, result, summary, started_at, finished_at, attempts) \
-                 WHERE tool_calls.id = u.id AND tool_calls.run_id = u.run_id AND tool_calls.state = u.from_state",
-            )
-            .bind(&cu.ids)
-            .bind(&cu.run_ids)
-            .bind(&cu.from)
-            .bind(&cu.to)
-            .bind(&cu.args)
-            .bind(&cu.results)
-            .bind(&cu.summaries)
-            .bind(&cu.started_at)
-            .bind(&cu.finished_at)
-            .bind(&cu.attempts)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
-            // one row per update: each layer holds a call once
-            all_matched(done.rows_affected(), cu.ids.len())?;
+        let cu = &self.call_updates;
+        if !cu.ids.is_empty() {
+            // one row per call
+            parts.push(Part::new(TOOL_CALLS, UPDATE_CALLS, 10, Some(cu.ids.len()), cu.run_ids.iter(), move |q| {
+                q.bind(&cu.ids)
+                    .bind(&cu.run_ids)
+                    .bind(&cu.from)
+                    .bind(&cu.to)
+                    .bind(&cu.args)
+                    .bind(&cu.results)
+                    .bind(&cu.summaries)
+                    .bind(&cu.started_at)
+                    .bind(&cu.finished_at)
+                    .bind(&cu.attempts)
+            }));
         }
-
         let ii = &self.interrupt_inserts;
         if !ii.ids.is_empty() {
-            sqlx::query(
-                "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, expires_at, \
-                 decision, resolved_by, resolved_at, note) \
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], \
-                                      $7::timestamptz[], $8::timestamptz[], $9::jsonb[], $10::text[], \
-                                      $11::timestamptz[], $12::text[])",
-            )
-            .bind(&ii.ids)
-            .bind(&ii.run_ids)
-            .bind(&ii.kinds)
-            .bind(&ii.statuses)
-            .bind(&ii.payloads)
-            .bind(&ii.call_ids)
-            .bind(&ii.created_at)
-            .bind(&ii.expires_at)
-            .bind(&ii.decisions)
-            .bind(&ii.resolved_by)
-            .bind(&ii.resolved_at)
-            .bind(&ii.notes)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+            parts.push(Part::new(INTERRUPTS, INSERT_INTERRUPTS, 12, None, ii.run_ids.iter(), move |q| {
+                q.bind(&ii.ids)
+                    .bind(&ii.run_ids)
+                    .bind(&ii.kinds)
+                    .bind(&ii.statuses)
+                    .bind(&ii.payloads)
+                    .bind(&ii.call_ids)
+                    .bind(&ii.created_at)
+                    .bind(&ii.expires_at)
+                    .bind(&ii.decisions)
+                    .bind(&ii.resolved_by)
+                    .bind(&ii.resolved_at)
+                    .bind(&ii.notes)
+            }));
         }
-
         let ic = &self.interrupt_changes;
         if !ic.ids.is_empty() {
             // an interrupt past its expiry may still expire or be cancelled, never be resolved
-            let done = sqlx::query(
-                "UPDATE interrupts SET status = u.to_status, decision = COALESCE(u.decision, interrupts.decision), \
-                 resolved_by = COALESCE(u.resolved_by, interrupts.resolved_by), resolved_at = u.now, \
-                 note = COALESCE(u.note, interrupts.note) \
-                 FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::text[], $6::text[], \
-                             $7::timestamptz[], $8::bool[]) \
-                      AS u (id, run_id, to_status, decision, resolved_by, note, now, resolving) \
-                 WHERE interrupts.id = u.id AND interrupts.run_id = u.run_id AND interrupts.status = 'pending' \
-                   AND (NOT u.resolving OR interrupts.expires_at > u.now)",
-            )
-            .bind(&ic.ids)
-            .bind(&ic.run_ids)
-            .bind(&ic.to)
-            .bind(&ic.decisions)
-            .bind(&ic.resolved_by)
-            .bind(&ic.notes)
-            .bind(&ic.now)
-            .bind(&ic.resolving)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
-            all_matched(done.rows_affected(), ic.ids.len())?;
+            parts.push(Part::new(INTERRUPTS, CHANGE_INTERRUPTS, 8, Some(ic.ids.len()), ic.run_ids.iter(), move |q| {
+                q.bind(&ic.ids)
+                    .bind(&ic.run_ids)
+                    .bind(&ic.to)
+                    .bind(&ic.decisions)
+                    .bind(&ic.resolved_by)
+                    .bind(&ic.notes)
+                    .bind(&ic.now)
+                    .bind(&ic.resolving)
+            }));
         }
-
-        if !self.facts.is_empty() {
-            // in key order, so two groups lock the rows of one conversation in the same order
-            let mut facts: Vec<_> = self.facts.into_iter().collect();
-            facts.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-            let mut columns = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for ((conversation, key), (value, source, updated_at)) in facts {
-                columns.0.push(conversation);
-                columns.1.push(key);
-                columns.2.push(value);
-                columns.3.push(source);
-                columns.4.push(updated_at);
-            }
-            sqlx::query(
-                "INSERT INTO facts (conversation_id, key, value, source, updated_at) \
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) \
-                 ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
-                 updated_at = excluded.updated_at",
-            )
-            .bind(&columns.0)
-            .bind(&columns.1)
-            .bind(&columns.2)
-            .bind(&columns.3)
-            .bind(&columns.4)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+        if !fact_columns.0.is_empty() {
+            let f = &fact_columns;
+            parts.push(Part::new(FACTS, UPSERT_FACTS, 5, None, no_runs(), move |q| {
+                q.bind(&f.0).bind(&f.1).bind(&f.2).bind(&f.3).bind(&f.4)
+            }));
         }
-
-        if !self.summaries.is_empty() {
-            let mut summaries: Vec<_> = self.summaries.into_iter().collect();
-            summaries.sort_unstable_by(|a, b| a.0.cmp(&b.0));
-            let mut columns = (Vec::new(), Vec::new(), Vec::new());
-            for (conversation, (through, text)) in summaries {
-                columns.0.push(conversation);
-                columns.1.push(through);
-                columns.2.push(text);
-            }
-            sqlx::query(
-                "INSERT INTO summaries (conversation_id, through_message_id, text) \
-                 SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) \
-                 ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
-                 text = excluded.text",
-            )
-            .bind(&columns.0)
-            .bind(&columns.1)
-            .bind(&columns.2)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+        if !summary_columns.0.is_empty() {
+            let c = &summary_columns;
+            parts.push(Part::new(SUMMARIES, UPSERT_SUMMARIES, 3, None, no_runs(), move |q| {
+                q.bind(&c.0).bind(&c.1).bind(&c.2)
+            }));
         }
-
         let e = &self.events;
         if !e.run_ids.is_empty() {
-            sqlx::query(
-                "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
-                 SELECT e.run_id, e.sequence, e.type, e.data::jsonb, e.created_at \
-                 FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::timestamptz[]) \
-                      AS e (run_id, sequence, type, data, created_at)",
-            )
-            .bind(&e.run_ids)
-            .bind(&e.sequences)
-            .bind(&e.types)
-            .bind(&e.data)
-            .bind(&e.created_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
+            parts.push(Part::new(RUN_EVENTS, INSERT_EVENTS, 5, None, no_runs(), move |q| {
+                q.bind(&e.run_ids).bind(&e.sequences).bind(&e.types).bind(&e.data).bind(&e.created_at)
+            }));
         }
-
         let a = &self.answers;
         if !a.keys.is_empty() {
-            let done = sqlx::query(
-                "UPDATE idempotency_keys SET state = 'done', status = u.status, response = u.response, \
-                 expires_at = u.expires_at \
-                 FROM unnest($1::text[], $2::text[], $3::bigint[], $4::jsonb[], $5::timestamptz[]) \
-                      AS u (user_id, key, status, response, expires_at) \
-                 WHERE idempotency_keys.user_id = u.user_id AND idempotency_keys.key = u.key \
-                   AND idempotency_keys.state = 'in_flight'",
-            )
-            .bind(&a.user_ids)
-            .bind(&a.keys)
-            .bind(&a.statuses)
-            .bind(&a.responses)
-            .bind(&a.expires_at)
-            .execute(&mut *conn)
-            .await
-            .map_err(regroup)?;
-            all_matched(done.rows_affected(), a.keys.len())?;
+            parts.push(Part::new(IDEMPOTENCY_KEYS, STORE_ANSWERS, 5, Some(a.keys.len()), no_runs(), move |q| {
+                q.bind(&a.user_ids).bind(&a.keys).bind(&a.statuses).bind(&a.responses).bind(&a.expires_at)
+            }));
+        }
+
+        for stage in stages(parts) {
+            run_stage(conn, stage).await?;
         }
         Ok(())
     }
+}
+
+const RUNS: &str = "runs";
+const MESSAGES: &str = "messages";
+const TOOL_CALLS: &str = "tool_calls";
+const INTERRUPTS: &str = "interrupts";
+const FACTS: &str = "facts";
+const SUMMARIES: &str = "summaries";
+const RUN_EVENTS: &str = "run_events";
+const IDEMPOTENCY_KEYS: &str = "idempotency_keys";
+
+const UPDATE_RUNS: &str = "UPDATE runs SET status = u.status, reason = u.reason, lease_owner = u.lease_owner, \
+     lease_expires_at = u.lease_expires_at, next_sequence = u.next_sequence, updated_at = u.updated_at, \
+     checkpoint = COALESCE(u.checkpoint, runs.checkpoint), worker = COALESCE(u.worker, runs.worker) \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[], $6::bigint[], \
+                 $7::timestamptz[], $8::jsonb[], $9::text[]) \
+          AS u (id, status, reason, lease_owner, lease_expires_at, next_sequence, updated_at, checkpoint, worker) \
+     WHERE runs.id = u.id";
+const APPEND_TEXTS: &str =
+    "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+     SELECT t.id, t.conversation_id, t.run_id, 'assistant', t.content, NULL, t.created_at \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) \
+          AS t (id, conversation_id, run_id, content, created_at) \
+     ON CONFLICT (id) DO UPDATE SET content = messages.content || excluded.content \
+     WHERE messages.run_id = excluded.run_id AND messages.role = 'assistant'";
+const INSERT_MESSAGES: &str =
+    "INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::timestamptz[])";
+const DISCARD_MESSAGES: &str = "DELETE FROM messages USING unnest($1::text[], $2::text[]) AS d (id, run_id) \
+     WHERE messages.id = d.id AND messages.run_id = d.run_id AND messages.role = 'assistant'";
+const INSERT_CALLS: &str = "INSERT INTO tool_calls (id, run_id, conversation_id, name, args, state, result, summary, \
+     started_at, finished_at, attempts) \
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::text[], \
+                          $7::jsonb[], $8::text[], $9::timestamptz[], $10::timestamptz[], $11::int4[])";
+const UPDATE_CALLS: &str = "UPDATE tool_calls SET state = u.to_state, args = COALESCE(u.args, tool_calls.args), \
+     result = COALESCE(u.result, tool_calls.result), summary = COALESCE(u.summary, tool_calls.summary), \
+     started_at = COALESCE(u.started_at, tool_calls.started_at), \
+     finished_at = COALESCE(u.finished_at, tool_calls.finished_at), \
+     attempts = COALESCE(u.attempts, tool_calls.attempts) \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], $7::text[], \
+                 $8::timestamptz[], $9::timestamptz[], $10::int4[]) \
+          AS u (id, run_id, from_state, to_state, args, result, summary, started_at, finished_at, attempts) \
+     WHERE tool_calls.id = u.id AND tool_calls.run_id = u.run_id AND tool_calls.state = u.from_state";
+const INSERT_INTERRUPTS: &str = "INSERT INTO interrupts (id, run_id, kind, status, payload, call_ids, created_at, \
+     expires_at, decision, resolved_by, resolved_at, note) \
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::jsonb[], $6::jsonb[], \
+                          $7::timestamptz[], $8::timestamptz[], $9::jsonb[], $10::text[], \
+                          $11::timestamptz[], $12::text[])";
+const CHANGE_INTERRUPTS: &str = "UPDATE interrupts SET status = u.to_status, \
+     decision = COALESCE(u.decision, interrupts.decision), \
+     resolved_by = COALESCE(u.resolved_by, interrupts.resolved_by), resolved_at = u.now, \
+     note = COALESCE(u.note, interrupts.note) \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::text[], $6::text[], \
+                 $7::timestamptz[], $8::bool[]) \
+          AS u (id, run_id, to_status, decision, resolved_by, note, now, resolving) \
+     WHERE interrupts.id = u.id AND interrupts.run_id = u.run_id AND interrupts.status = 'pending' \
+       AND (NOT u.resolving OR interrupts.expires_at > u.now)";
+const UPSERT_FACTS: &str = "INSERT INTO facts (conversation_id, key, value, source, updated_at) \
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) \
+     ON CONFLICT (conversation_id, key) DO UPDATE SET value = excluded.value, source = excluded.source, \
+     updated_at = excluded.updated_at";
+const UPSERT_SUMMARIES: &str = "INSERT INTO summaries (conversation_id, through_message_id, text) \
+     SELECT * FROM unnest($1::text[], $2::text[], $3::text[]) \
+     ON CONFLICT (conversation_id) DO UPDATE SET through_message_id = excluded.through_message_id, \
+     text = excluded.text";
+const INSERT_EVENTS: &str = "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
+     SELECT e.run_id, e.sequence, e.type, e.data::jsonb, e.created_at \
+     FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::timestamptz[]) \
+          AS e (run_id, sequence, type, data, created_at)";
+const STORE_ANSWERS: &str = "UPDATE idempotency_keys SET state = 'done', status = u.status, response = u.response, \
+     expires_at = u.expires_at \
+     FROM unnest($1::text[], $2::text[], $3::bigint[], $4::jsonb[], $5::timestamptz[]) \
+          AS u (user_id, key, status, response, expires_at) \
+     WHERE idempotency_keys.user_id = u.user_id AND idempotency_keys.key = u.key \
+       AND idempotency_keys.state = 'in_flight'";
+
+type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
+
+/// One multi-row statement of a group: the table it writes, its text (parameters `$1` …
+/// `$params`), what binds them, how many rows it must change when it is conditional, and the runs
+/// whose rows it writes.
+struct Part<'q> {
+    table: &'static str,
+    sql: &'static str,
+    params: usize,
+    expect: Option<usize>,
+    runs: HashSet<&'q str>,
+    bind: Box<dyn FnOnce(PgQuery<'q>) -> PgQuery<'q> + Send + 'q>,
+}
+
+impl<'q> Part<'q> {
+    fn new<S: AsRef<str> + 'q>(
+        table: &'static str,
+        sql: &'static str,
+        params: usize,
+        expect: Option<usize>,
+        runs: impl Iterator<Item = &'q S>,
+        bind: impl FnOnce(PgQuery<'q>) -> PgQuery<'q> + Send + 'q,
+    ) -> Self {
+        Self { table, sql, params, expect, runs: runs.map(AsRef::as_ref).collect(), bind: Box::new(bind) }
+    }
+}
+
+fn no_runs() -> std::iter::Empty<&'static String> {
+    std::iter::empty()
+}
+
+/// The parts in stages, each sent as one statement, in order. A part joins the last stage unless
+/// a part of it writes the same table for one of the same runs: then it starts the next one. Within
+/// a stage, parts write different rows, and the rows of one conversation's messages come in order
+/// (their `seq`), so one statement of them all — its parts run with one snapshot, in an order
+/// PostgreSQL chooses — writes what they would one after the other. The usual group is one stage:
+/// with `BEGIN`, the lock and `COMMIT`, four round trips, not one per table.
+fn stages(parts: Vec<Part<'_>>) -> Vec<Vec<Part<'_>>> {
+    let mut stages: Vec<Vec<Part<'_>>> = Vec::new();
+    for part in parts {
+        let joins = stages
+            .last()
+            .is_some_and(|stage| !stage.iter().any(|p| p.table == part.table && !p.runs.is_disjoint(&part.runs)));
+        match stages.last_mut() {
+            Some(stage) if joins => stage.push(part),
+            _ => stages.push(vec![part]),
+        }
+    }
+    stages
+}
+
+/// `sql` with its parameters `$n` renumbered `$(n + offset)`.
+fn shifted(sql: &str, offset: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 16);
+    let mut rest = sql;
+    while let Some(at) = rest.find('$') {
+        out.push_str(&rest[..=at]);
+        rest = &rest[at + 1..];
+        let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
+        if let Ok(n) = rest[..digits].parse::<usize>() {
+            out.push_str(&(n + offset).to_string());
+        }
+        rest = &rest[digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// One stage's statement, several parts as the data-modifying `WITH` clauses of one statement,
+/// which answers how many rows each conditional one changed. Made once per combination of parts
+/// (a handful: the kinds of commits there are) and kept for the process's life, so the statement
+/// is the same text, prepared once per connection.
+fn stage_sql(stage: &[Part<'_>]) -> &'static str {
+    type Shape = Vec<(usize, bool)>;
+    static MADE: LazyLock<std::sync::Mutex<HashMap<Shape, &'static str>>> = LazyLock::new(Default::default);
+    let shape: Shape = stage.iter().map(|p| (p.sql.as_ptr() as usize, p.expect.is_some())).collect();
+    let mut made = MADE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(sql) = made.get(&shape) {
+        return sql;
+    }
+    let sql: &'static str = Box::leak(combined(stage).into_boxed_str());
+    made.insert(shape, sql);
+    sql
+}
+
+fn combined(stage: &[Part<'_>]) -> String {
+    let mut sql = String::from("WITH ");
+    let mut counts = Vec::new();
+    let mut offset = 0;
+    for (i, part) in stage.iter().enumerate() {
+        if i > 0 {
+            sql.push_str(", ");
+        }
+        sql.push_str(&format!("p{i} AS ({}", shifted(part.sql, offset)));
+        if part.expect.is_some() {
+            sql.push_str(" RETURNING 1");
+            counts.push(format!("(SELECT count(*) FROM p{i})"));
+        }
+        sql.push(')');
+        offset += part.params;
+    }
+    if counts.is_empty() {
+        counts.push("0".into());
+    }
+    sql.push_str(" SELECT ");
+    sql.push_str(&counts.join(", "));
+    sql
+}
+
+async fn run_stage(conn: &mut PgConnection, stage: Vec<Part<'_>>) -> Result<(), GroupFailure> {
+    let regroup = |_| GroupFailure::Regroup;
+    if let [_] = stage.as_slice() {
+        let part = stage.into_iter().next().ok_or(GroupFailure::Regroup)?;
+        let done = (part.bind)(sqlx::query(part.sql)).execute(&mut *conn).await.map_err(regroup)?;
+        if let Some(expected) = part.expect {
+            all_matched(done.rows_affected(), expected)?;
+        }
+        return Ok(());
+    }
+    let sql = stage_sql(&stage);
+    let mut expected = Vec::new();
+    let mut query = sqlx::query(sql);
+    for part in stage {
+        expected.extend(part.expect);
+        query = (part.bind)(query);
+    }
+    let row = query.fetch_one(&mut *conn).await.map_err(regroup)?;
+    for (i, expected) in expected.into_iter().enumerate() {
+        let matched: i64 = row.try_get(i).map_err(regroup)?;
+        all_matched(u64::try_from(matched).unwrap_or_default(), expected)?;
+    }
+    Ok(())
 }
 
 fn all_matched(matched: u64, given: usize) -> Result<(), GroupFailure> {
@@ -981,5 +1124,67 @@ fn all_matched(matched: u64, given: usize) -> Result<(), GroupFailure> {
         Ok(())
     } else {
         Err(GroupFailure::Regroup)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn part<'q>(
+        table: &'static str,
+        sql: &'static str,
+        params: usize,
+        expect: Option<usize>,
+        runs: &'q [String],
+    ) -> Part<'q> {
+        Part::new(table, sql, params, expect, runs.iter(), |q| q)
+    }
+
+    #[test]
+    fn parameters_are_renumbered_past_the_ones_before() {
+        assert_eq!(shifted("a = $1 AND b = $10::text[] AND c = $2", 3), "a = $4 AND b = $13::text[] AND c = $5");
+        assert_eq!(shifted("no parameters", 7), "no parameters");
+    }
+
+    #[test]
+    fn a_stage_takes_parts_that_write_other_rows() {
+        let (a, b) = (vec!["run_a".to_owned()], vec!["run_b".to_owned()]);
+        // other tables, or one table for other runs: one stage
+        let parts = vec![
+            part(RUNS, "UPDATE runs SET x = $1", 1, None, &a),
+            part(MESSAGES, "INSERT INTO messages VALUES ($1)", 1, Some(1), &a),
+            part(MESSAGES, "INSERT INTO messages VALUES ($1, $2)", 2, None, &b),
+            part(RUN_EVENTS, "INSERT INTO run_events VALUES ($1)", 1, None, &[]),
+        ];
+        let staged = super::stages(parts);
+        assert_eq!(staged.len(), 1);
+        assert_eq!(
+            combined(&staged[0]),
+            "WITH p0 AS (UPDATE runs SET x = $1), p1 AS (INSERT INTO messages VALUES ($2) RETURNING 1), \
+             p2 AS (INSERT INTO messages VALUES ($3, $4)), p3 AS (INSERT INTO run_events VALUES ($5)) \
+             SELECT (SELECT count(*) FROM p1)"
+        );
+        // one table for one run twice: the second waits for the next stage, and what follows it too
+        let parts = vec![
+            part(TOOL_CALLS, "INSERT INTO tool_calls VALUES ($1)", 1, None, &a),
+            part(TOOL_CALLS, "UPDATE tool_calls SET y = $1", 1, Some(1), &a),
+            part(RUN_EVENTS, "INSERT INTO run_events VALUES ($1)", 1, None, &[]),
+        ];
+        let staged = super::stages(parts);
+        let tables: Vec<Vec<&str>> = staged.iter().map(|s| s.iter().map(|p| p.sql).collect()).collect();
+        assert_eq!(
+            tables,
+            [
+                vec!["INSERT INTO tool_calls VALUES ($1)"],
+                vec!["UPDATE tool_calls SET y = $1", "INSERT INTO run_events VALUES ($1)"]
+            ]
+        );
+        assert_eq!(
+            combined(&staged[1][..1]),
+            "WITH p0 AS (UPDATE tool_calls SET y = $1 RETURNING 1) SELECT (SELECT count(*) FROM p0)"
+        );
+        // nothing conditional: the statement still answers a row
+        assert!(combined(&staged[0]).ends_with(" SELECT 0"));
     }
 }
