@@ -425,7 +425,7 @@ static ACTIVE_RUN: Sql = Sql::new(
 /// waiting one. One row, of two scalar probes of two partial indexes (the one-active-run index,
 /// `runs_waiting`): no sort, so SQLite builds no temporary b-tree for it (a `UNION ALL … ORDER BY`
 /// built two at every start).
-static BLOCKING_RUN: Sql = Sql::new(
+pub(crate) static BLOCKING_RUN: Sql = Sql::new(
     "SELECT COALESCE((SELECT id FROM runs WHERE conversation_id = $1 \
      AND (status = 'queued' OR status = 'running' OR status = 'interrupted') LIMIT 1), \
      (SELECT id FROM runs WHERE conversation_id = $1 AND status = 'waiting' ORDER BY created_at, id LIMIT 1))",
@@ -454,45 +454,18 @@ pub(crate) async fn blocking_run_id<T: Tx>(tx: &mut T, conversation_id: &Convers
     }
 }
 
-/// A new run, `queued`, with its user message and first events, under the ids given (made once by
-/// the caller, so that a write run again answers the same). `Ok(None)` if the one-active-run index
-/// refused the run: another run of the conversation became active between the check and the insert
-/// (or, where the backend does not name the index, the run id was taken); the caller tells which.
-///
-/// A conversation with a run that is not over (active, or waiting) refuses it with `RunActive`,
-/// unless `new.enqueue` asks it to wait: then the run is `waiting`, its message's text kept on it
-/// (`pending_content`), with the enqueue's first events, and neither the message nor a new version
-/// is written (both come with [`promote`]).
-///
-/// Bumping (or, for an enqueued message, locking) the conversation's version first locks its row on
-/// PostgreSQL: starts and promotions on one conversation are serialised, and the check sees the run
-/// of a start that committed while this one waited. The version is the run's checkpoint's: what
-/// the context was built from.
-pub(crate) async fn start_run<T: Tx>(
-    tx: &mut T,
+/// The run and user message [`start_run`] writes, at conversation `version`; a run that `waits`
+/// is `waiting`, with no lease. `events`: how many first events it is written with.
+pub(crate) fn new_run_rows<T: Tx>(
     new: &NewRun,
     run_id: RunId,
     message_id: MessageId,
-    one_active_run: &str,
-) -> StoreResult<Option<StartedRun>> {
+    version: i64,
+    waits: bool,
+    events: usize,
+) -> StoreResult<(Run, Message)> {
     let now = T::stored(new.now);
-    let conversation = [text(new.conversation_id.as_str())];
-    let mut version = conversation_version(tx, "start a run", new.enqueue.is_none(), &conversation).await?;
-    let waits = match (blocking_run_id(tx, &new.conversation_id).await?, &new.enqueue) {
-        (Some(blocking), None) => return Err(StoreError::RunActive(blocking)),
-        (Some(_), Some(_)) => true,
-        (None, Some(_)) => {
-            // nothing ahead: it starts now, as a message that would not wait
-            version = conversation_version(tx, "start a run", true, &conversation).await?;
-            false
-        }
-        (None, None) => false,
-    };
-    let first_events = match &new.enqueue {
-        Some(waiting_events) if waits => waiting_events,
-        _ => &new.events,
-    };
-    let events_len = i64::try_from(first_events.len()).map_err(|_| StoreError::Backend("too many events".into()))?;
+    let events_len = i64::try_from(events).map_err(|_| StoreError::Backend("too many events".into()))?;
     // A run that starts at once may be created leased to its worker; a waiting one never is.
     let lease = new.lease.as_ref().filter(|_| !waits);
     let run = Run {
@@ -523,6 +496,47 @@ pub(crate) async fn start_run<T: Tx>(
         tool_call_id: None,
         created_at: now,
     };
+    Ok((run, message))
+}
+
+/// A new run, `queued`, with its user message and first events, under the ids given (made once by
+/// the caller, so that a write run again answers the same). `Ok(None)` if the one-active-run index
+/// refused the run: another run of the conversation became active between the check and the insert
+/// (or, where the backend does not name the index, the run id was taken); the caller tells which.
+///
+/// A conversation with a run that is not over (active, or waiting) refuses it with `RunActive`,
+/// unless `new.enqueue` asks it to wait: then the run is `waiting`, its message's text kept on it
+/// (`pending_content`), with the enqueue's first events, and neither the message nor a new version
+/// is written (both come with [`promote`]).
+///
+/// Bumping (or, for an enqueued message, locking) the conversation's version first locks its row on
+/// PostgreSQL: starts and promotions on one conversation are serialised, and the check sees the run
+/// of a start that committed while this one waited. The version is the run's checkpoint's: what
+/// the context was built from.
+pub(crate) async fn start_run<T: Tx>(
+    tx: &mut T,
+    new: &NewRun,
+    run_id: RunId,
+    message_id: MessageId,
+    one_active_run: &str,
+) -> StoreResult<Option<StartedRun>> {
+    let conversation = [text(new.conversation_id.as_str())];
+    let mut version = conversation_version(tx, "start a run", new.enqueue.is_none(), &conversation).await?;
+    let waits = match (blocking_run_id(tx, &new.conversation_id).await?, &new.enqueue) {
+        (Some(blocking), None) => return Err(StoreError::RunActive(blocking)),
+        (Some(_), Some(_)) => true,
+        (None, Some(_)) => {
+            // nothing ahead: it starts now, as a message that would not wait
+            version = conversation_version(tx, "start a run", true, &conversation).await?;
+            false
+        }
+        (None, None) => false,
+    };
+    let first_events = match &new.enqueue {
+        Some(waiting_events) if waits => waiting_events,
+        _ => &new.events,
+    };
+    let (run, message) = new_run_rows::<T>(new, run_id, message_id, version, waits, first_events.len())?;
     // the run first: the message refers to it
     let rows = NewRows {
         run: &run,

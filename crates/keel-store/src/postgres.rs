@@ -703,6 +703,15 @@ async fn commit_alone(pool: &PgPool, commit: &Commit) -> StoreResult<Committed> 
 #[async_trait]
 impl RunStore for PostgresStore {
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
+        if new.enqueue.is_none() {
+            let mut conn = self.pool.acquire().await.map_err(db("start a run"))?;
+            match commit::start_at_once(&mut conn, &new, RunId::new(), MessageId::new()).await? {
+                commit::AtOnce::Started(started) => return Ok(started),
+                commit::AtOnce::Blocked(active) => return Err(StoreError::RunActive(active)),
+                // something changed the conversation meanwhile: the locking way
+                commit::AtOnce::Raced => {}
+            }
+        }
         for _ in 0..START_ATTEMPTS {
             let mut tx = self.begin().await?;
             // On an error the transaction is dropped, which rolls it back.

@@ -251,6 +251,64 @@ async fn a_start_that_loses_to_the_unique_index_reports_the_winner() {
     assert_eq!((active.id, active.status), (winner, RunStatus::Running));
 }
 
+/// A start is one statement that sees the database as of its start. A message enqueued meanwhile
+/// (it writes the conversation's row, then a waiting run, and commits while the start waits for the
+/// row) is not in what the statement saw, and no unique index stands for a waiting run: the start
+/// must still find it, and refuse to run ahead of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_that_waited_for_the_conversation_sees_the_run_enqueued_meanwhile() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = connect_fresh(&url).await;
+    let conversation = store.create_conversation("alice", &"t".into(), "ops", now()).await.expect("create");
+
+    let mut other = raw(&url, store.schema().expect("schema")).await;
+    let waiting = RunId::new();
+    sqlx::query("BEGIN").execute(&mut other).await.expect("begin");
+    sqlx::query("UPDATE conversations SET version = version WHERE id = $1")
+        .bind(conversation.id.as_str())
+        .execute(&mut other)
+        .await
+        .expect("lock the conversation");
+    sqlx::query(
+        "INSERT INTO runs (id, conversation_id, user_message_id, user_id, status, checkpoint, created_at, updated_at) \
+         VALUES ($1, $2, 'msg_x', 'bob', 'waiting', $3, $4, $4)",
+    )
+    .bind(waiting.as_str())
+    .bind(conversation.id.as_str())
+    .bind(serde_json::to_value(Checkpoint::start(0)).expect("json"))
+    .bind(now())
+    .execute(&mut other)
+    .await
+    .expect("insert the waiting run");
+
+    let starting = {
+        let store = store.clone();
+        let new = new_run(&conversation.id);
+        tokio::spawn(async move { store.start_run(new).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!starting.is_finished(), "the start should wait for the conversation's row");
+    sqlx::query("COMMIT").execute(&mut other).await.expect("commit");
+
+    match starting.await.expect("task") {
+        Err(StoreError::RunActive(id)) => assert_eq!(id, waiting),
+        other => panic!("expected RunActive naming the waiting run, got {other:?}"),
+    }
+    assert!(store.active_run(&conversation.id).await.expect("active").is_none(), "nothing started ahead of it");
+    assert!(store.list_messages(&conversation.id).await.expect("messages").is_empty());
+    assert_eq!(store.get_conversation(&conversation.id).await.expect("get").expect("exists").version, 0);
+
+    // with nothing in the way, a start is written whole, at the conversation's next version
+    let (fresh, _) = (store.create_conversation("alice", &"u".into(), "ops", now()).await.expect("create"), ());
+    let new = NewRun { events: vec![EventKind::NodeStarted { node: "a".into() }], ..new_run(&fresh.id) };
+    let started = store.start_run(new).await.expect("start");
+    assert_eq!(started.run.checkpoint.conversation_version, 1);
+    assert_eq!(store.get_run(&started.run.id).await.expect("get").expect("run"), started.run);
+    assert_eq!(store.list_messages(&fresh.id).await.expect("messages"), vec![started.message.clone()]);
+    assert_eq!(store.list_events(&started.run.id, 0, 10).await.expect("events"), started.events);
+    assert_eq!(store.get_conversation(&fresh.id).await.expect("get").expect("exists").version, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_begins_of_one_key_start_it_once() {
     let Some(url) = url() else { return };

@@ -2,10 +2,11 @@
 //! transaction, with `timestamptz` and `jsonb` columns, and events inserted from arrays in one
 //! statement.
 
+use keel_core::domain::Checkpoint;
 use keel_core::domain::Timestamp;
 use keel_core::event::{Event, EventKind};
-use keel_core::ids::RunId;
-use keel_core::store::StoreResult;
+use keel_core::ids::{MessageId, RunId};
+use keel_core::store::{NewRun, StartedRun, StoreError, StoreResult};
 use serde::Serialize;
 use serde_json::Value;
 use sqlx::postgres::{PgArguments, PgRow};
@@ -15,8 +16,8 @@ use sqlx::{PgConnection, Postgres, Row};
 use std::sync::LazyLock;
 
 use crate::pipeline::{
-    event_data, numbered, refused_as_active, run_args, Arg, Cell, DbError, Dialect, Encoded, NewRows, Tx, Ty,
-    INSERT_RUN,
+    event_data, new_run_rows, numbered, refused_as_active, run_args, Arg, Cell, DbError, Dialect, Encoded, NewRows, Tx,
+    Ty, BLOCKING_RUN, INSERT_RUN,
 };
 
 use super::{insert, json, micros};
@@ -157,4 +158,92 @@ impl Tx for PgTx<'_> {
             Err(e) => Err(e.insert("run")),
         }
     }
+}
+
+/// What [`start_at_once`] did.
+pub enum AtOnce {
+    Started(StartedRun),
+    /// The conversation has a run that is not over (active, or waiting): this one.
+    Blocked(RunId),
+    /// The conversation's row changed since the statement's snapshot (a start, an enqueue or a
+    /// promotion committed meanwhile, or one was in flight): nothing was written; start again the
+    /// locking way.
+    Raced,
+}
+
+/// A message that does not wait, started in one statement, with no transaction of its own (the
+/// statement is one): the conversation's version bumped, its blocking runs checked, the run, the
+/// message and the first events written — four round trips less than `BEGIN`, the lock, the check,
+/// the rows and `COMMIT`.
+///
+/// **Why it is as safe as the lock.** The locking way bumps the version first, so the check after
+/// it sees every start, enqueue and promotion that committed before. One statement sees the
+/// database as of its start, but its `UPDATE` of the conversation is conditional on the row being
+/// the one it saw (`xmin`, re-checked on the newest row if it had to wait for it); every start,
+/// enqueue and promotion writes that row, so any of them committed since the snapshot makes the
+/// statement write nothing, and the caller starts again the locking way. A run that ended since
+/// only makes the check stale in the safe direction, as it can be for the locking way too.
+pub async fn start_at_once(
+    conn: &mut PgConnection,
+    new: &NewRun,
+    run_id: RunId,
+    message_id: MessageId,
+) -> StoreResult<AtOnce> {
+    static SQL: LazyLock<String> = LazyLock::new(|| {
+        let blocking = BLOCKING_RUN.text(Dialect::Postgres).replace("$1", "$2");
+        format!(
+            "WITH seen AS (SELECT xmin FROM conversations WHERE id = $2), \
+             blocking AS ({blocking} AS id), \
+             v AS (UPDATE conversations c SET version = c.version + 1 FROM seen, blocking \
+                   WHERE c.id = $2 AND c.xmin = seen.xmin AND blocking.id IS NULL RETURNING c.version), \
+             r AS (INSERT INTO runs (id, conversation_id, user_message_id, user_id, agent_id, status, reason, \
+                   cancel_on_disconnect, cancel_requested, next_sequence, lease_owner, lease_expires_at, checkpoint, \
+                   created_at, updated_at, pending_content, worker) \
+                   SELECT $1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, \
+                   jsonb_set($13, '{{conversationVersion}}', to_jsonb(v.version)), $14, $15, $16, $17 FROM v \
+                   RETURNING id, conversation_id, created_at), \
+             m AS (INSERT INTO messages (id, conversation_id, run_id, role, content, tool_call_id, created_at) \
+                   SELECT $18, r.conversation_id, r.id, $19, $20, NULL, r.created_at FROM r), \
+             e AS (INSERT INTO run_events (run_id, sequence, type, data, created_at) \
+                   SELECT r.id, e.sequence, e.type, e.data::jsonb, r.created_at \
+                   FROM r, unnest($21::bigint[], $22::text[], $23::text[]) AS e (sequence, type, data)) \
+             SELECT EXISTS (SELECT 1 FROM seen), (SELECT id FROM blocking), (SELECT version FROM v)"
+        )
+    });
+    // the version is the statement's: 0 until it is known
+    let (mut run, message) = new_run_rows::<PgTx<'_>>(new, run_id, message_id, 0, false, new.events.len())?;
+    let checkpoint = PgTx::encode("checkpoint", &run.checkpoint)?;
+    let events = numbered(&run.id, 1, &new.events, run.created_at);
+    let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
+    let types: Vec<&str> = new.events.iter().map(EventKind::type_name).collect();
+    let data = new.events.iter().map(event_data).collect::<StoreResult<Vec<_>>>()?;
+    let row = bind(sqlx::query(SQL.as_str()), &run_args(&run, None, &checkpoint))
+        .bind(message.id.as_str())
+        .bind(message.role.as_str())
+        .bind(message.content.as_str())
+        .bind(&sequences)
+        .bind(&types)
+        .bind(&data)
+        .fetch_one(&mut *conn)
+        .await;
+    let row = match row.map_err(failure) {
+        Ok(row) => row,
+        // a run made active by someone the snapshot did not see: the locking way says who
+        Err(e) if refused_as_active(&e, super::ONE_ACTIVE_RUN) => return Ok(AtOnce::Raced),
+        Err(e) => return Err(e.insert("run")),
+    };
+    let read = |e: sqlx::Error| StoreError::Backend(format!("start a run: {e}"));
+    let found: bool = row.try_get(0).map_err(read)?;
+    let blocking: Option<String> = row.try_get(1).map_err(read)?;
+    let version: Option<i64> = row.try_get(2).map_err(read)?;
+    if !found {
+        return Err(StoreError::NotFound("conversation"));
+    }
+    if let Some(blocking) = blocking {
+        let id = blocking.parse().map_err(|_| StoreError::Backend("column runs.id: not a run id".into()))?;
+        return Ok(AtOnce::Blocked(id));
+    }
+    let Some(version) = version else { return Ok(AtOnce::Raced) };
+    run.checkpoint = Checkpoint::start(version);
+    Ok(AtOnce::Started(StartedRun { message, run, events }))
 }
