@@ -706,7 +706,7 @@ impl RunStore for PostgresStore {
         if new.enqueue.is_none() {
             let mut conn = self.pool.acquire().await.map_err(db("start a run"))?;
             match commit::start_at_once(&mut conn, &new, RunId::new(), MessageId::new()).await? {
-                commit::AtOnce::Started(started) => return Ok(started),
+                commit::AtOnce::Started(started) => return Ok(*started),
                 commit::AtOnce::Blocked(active) => return Err(StoreError::RunActive(active)),
                 // something changed the conversation meanwhile: the locking way
                 commit::AtOnce::Raced => {}

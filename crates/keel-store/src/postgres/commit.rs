@@ -162,7 +162,7 @@ impl Tx for PgTx<'_> {
 
 /// What [`start_at_once`] did.
 pub enum AtOnce {
-    Started(StartedRun),
+    Started(Box<StartedRun>),
     /// The conversation has a run that is not over (active, or waiting): this one.
     Blocked(RunId),
     /// The conversation's row changed since the statement's snapshot (a start, an enqueue or a
@@ -245,5 +245,5 @@ pub async fn start_at_once(
     }
     let Some(version) = version else { return Ok(AtOnce::Raced) };
     run.checkpoint = Checkpoint::start(version);
-    Ok(AtOnce::Started(StartedRun { message, run, events }))
+    Ok(AtOnce::Started(Box::new(StartedRun { message, run, events })))
 }
