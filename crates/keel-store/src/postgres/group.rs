@@ -214,10 +214,12 @@ async fn write_group(pool: &PgPool, group: Vec<Job>, counters: &Counters) {
     counters.groups.fetch_add(1, Ordering::Relaxed);
     counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
     let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
-    // A commit alone is cheaper the lone way: its fence is its first statement, with no lock to
-    // take before it (four round trips for the usual commit, not five).
+    // A commit alone that is its fence's one statement (its events, its status and checkpoint) is
+    // cheaper the lone way: `BEGIN`, that statement, `COMMIT`. Any more (its messages, calls,
+    // interrupts, facts, answer, or the look for waiting runs at a run's end) is a statement each
+    // there, and one in all here: `BEGIN`, the lock, one statement, `COMMIT`.
     let written = match commits.as_slice() {
-        [commit] => Ok(vec![super::commit_alone(pool, commit).await]),
+        [commit] if fence_alone(commit) => Ok(vec![super::commit_alone(pool, commit).await]),
         _ => write(pool, &commits).await,
     };
     let answers = match written {
@@ -242,6 +244,20 @@ async fn write_group(pool: &PgPool, group: Vec<Job>, counters: &Counters) {
         // a caller that stopped waiting has nobody to tell
         let _ = job.reply.send(answer);
     }
+}
+
+/// The commit is written by its fence's statement alone on the lone path.
+fn fence_alone(c: &Commit) -> bool {
+    c.text.is_empty()
+        && c.messages.is_empty()
+        && c.discard_messages.is_empty()
+        && c.tool_calls.is_empty()
+        && c.new_interrupts.is_empty()
+        && c.interrupt_changes.is_empty()
+        && c.facts.is_empty()
+        && c.summary.is_none()
+        && c.idempotency.is_none()
+        && !c.run.as_ref().is_some_and(|change| change.to.is_terminal())
 }
 
 /// The run row as the group's lock read it.
