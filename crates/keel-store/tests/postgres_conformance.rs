@@ -400,6 +400,22 @@ fn on_queued(run_id: &RunId, events: usize) -> Commit {
     commit
 }
 
+/// A call of `run`'s to `restart`, in `state`, not started.
+fn new_call(run: &RunId, state: ToolCallState) -> keel_core::domain::ToolCall {
+    keel_core::domain::ToolCall {
+        id: keel_core::ids::CallId::new(),
+        run_id: run.clone(),
+        name: "restart".into(),
+        args: serde_json::json!({"id": "a"}).into(),
+        state,
+        result: None,
+        summary: None,
+        attempts: 0,
+        started_at: None,
+        finished_at: None,
+    }
+}
+
 /// A transaction on another connection that holds the run row: the committers wait for it.
 async fn hold_run(url: &str, store: &PostgresStore, run_id: &RunId) -> PgConnection {
     let mut conn = raw(url, store.schema().expect("schema")).await;
@@ -497,18 +513,7 @@ async fn a_call_moved_twice_by_one_commit_is_written_in_its_group() {
     let Some(url) = url() else { return };
     let (store, _guard) = one_committer(&url, 64).await;
     let runs = [queued_run(&store).await, queued_run(&store).await];
-    let call = keel_core::domain::ToolCall {
-        id: keel_core::ids::CallId::new(),
-        run_id: runs[0].clone(),
-        name: "restart".into(),
-        args: serde_json::json!({"id": "a"}).into(),
-        state: ToolCallState::Asking,
-        result: None,
-        summary: None,
-        attempts: 0,
-        started_at: None,
-        finished_at: None,
-    };
+    let call = new_call(&runs[0], ToolCallState::Asking);
     let mut insert = on_queued(&runs[0], 1);
     insert.tool_calls.push(ToolCallChange::Insert(call.clone()));
     store.commit(insert).await.expect("insert the call");
@@ -537,19 +542,7 @@ async fn a_call_inserted_and_moved_by_one_commit_is_written_in_its_group() {
     let Some(url) = url() else { return };
     let (store, _guard) = one_committer(&url, 64).await;
     let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
-    let call = |run: &RunId| keel_core::domain::ToolCall {
-        id: keel_core::ids::CallId::new(),
-        run_id: run.clone(),
-        name: "restart".into(),
-        args: serde_json::json!({"id": "a"}).into(),
-        state: ToolCallState::Requested,
-        result: None,
-        summary: None,
-        attempts: 0,
-        started_at: None,
-        finished_at: None,
-    };
-    let (asked, wrong) = (call(&runs[0]), call(&runs[1]));
+    let (asked, wrong) = (new_call(&runs[0], ToolCallState::Requested), new_call(&runs[1], ToolCallState::Requested));
     let mut ask = on_queued(&runs[0], 1);
     ask.tool_calls.push(ToolCallChange::Insert(asked.clone()));
     ask.tool_calls.push(ToolCallChange::Update(keel_core::store::ToolCallUpdate {
