@@ -532,6 +532,18 @@ async fn a_call_moved_twice_by_one_commit_is_written_in_its_group() {
     let stored = store.list_tool_calls(&runs[0]).await.expect("calls").pop().expect("the call");
     assert_eq!((stored.state, stored.attempts), (ToolCallState::Executing, 1));
     assert!(stored.started_at.is_some());
+
+    // a second move from another state than the first left it in: refused, alone, and the call
+    // is as it was
+    let mut wrong = on_queued(&runs[0], 1);
+    wrong.tool_calls.push(ToolCallChange::transition(&call.id, ToolCallState::Executing, ToolCallState::Succeeded));
+    wrong.tool_calls.push(ToolCallChange::transition(&call.id, ToolCallState::Executing, ToolCallState::Failed));
+    let results = as_one_group(&url, &store, vec![wrong, on_queued(&runs[1], 1)]).await;
+    assert!(matches!(results[0], Err(StoreError::Conflict(_))), "{:?}", results[0]);
+    assert!(results[1].is_ok(), "{:?}", results[1]);
+    let stored = store.list_tool_calls(&runs[0]).await.expect("calls").pop().expect("the call");
+    assert_eq!(stored.state, ToolCallState::Executing);
+    assert_eq!(store.list_events(&runs[1], 0, 100).await.expect("events").len(), 3);
 }
 
 /// A commit that inserts a call and moves it (a model's call, classified in the same commit) is
