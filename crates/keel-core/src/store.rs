@@ -102,6 +102,24 @@ impl ToolCallUpdate {
             finished_at: None,
         }
     }
+
+    /// Joins `next`, a later move of the same call, into this one: one move from this one's `from`
+    /// to `next`'s `to`, with `next`'s values over this one's — what the two leave one after the
+    /// other. `false`, and nothing joined, when `next` is another call's or does not start where
+    /// this one ends.
+    pub fn then(&mut self, next: &ToolCallUpdate) -> bool {
+        if next.id != self.id || next.from != self.to {
+            return false;
+        }
+        self.to = next.to;
+        self.args = next.args.clone().or_else(|| self.args.take());
+        self.result = next.result.clone().or_else(|| self.result.take());
+        self.summary = next.summary.clone().or_else(|| self.summary.take());
+        self.attempts = next.attempts.or(self.attempts);
+        self.started_at = next.started_at.or(self.started_at);
+        self.finished_at = next.finished_at.or(self.finished_at);
+        true
+    }
 }
 
 impl ToolCallChange {
@@ -689,6 +707,29 @@ mod tests {
 
     fn at(secs: i64) -> Timestamp {
         chrono::DateTime::from_timestamp(secs, 0).unwrap()
+    }
+
+    #[test]
+    fn two_moves_of_a_call_join_as_one_from_the_first_state_to_the_last() {
+        let id = CallId::new();
+        let mut first = ToolCallUpdate {
+            summary: Some("asked".into()),
+            ..ToolCallUpdate::new(&id, ToolCallState::Asking, ToolCallState::Allowed)
+        };
+        let second = ToolCallUpdate {
+            attempts: Some(1),
+            started_at: Some(at(5)),
+            ..ToolCallUpdate::new(&id, ToolCallState::Allowed, ToolCallState::Executing)
+        };
+        assert!(first.then(&second));
+        assert_eq!((first.from, first.to), (ToolCallState::Asking, ToolCallState::Executing));
+        assert_eq!(first.summary.as_ref().map(|s| s.as_str()), Some("asked"), "kept where the later move sets nothing");
+        assert_eq!((first.attempts, first.started_at), (Some(1), Some(at(5))));
+        // not from where it ends, or another call's: nothing joined
+        let before = first.clone();
+        assert!(!first.then(&ToolCallUpdate::new(&id, ToolCallState::Allowed, ToolCallState::Failed)));
+        assert!(!first.then(&ToolCallUpdate::new(&CallId::new(), ToolCallState::Executing, ToolCallState::Failed)));
+        assert_eq!(first, before);
     }
 
     #[test]

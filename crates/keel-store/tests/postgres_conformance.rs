@@ -281,13 +281,29 @@ async fn a_start_that_waited_for_the_conversation_sees_the_run_enqueued_meanwhil
     .await
     .expect("insert the waiting run");
 
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut other).await.expect("pid");
     let starting = {
         let store = store.clone();
         let new = new_run(&conversation.id);
         tokio::spawn(async move { store.start_run(new).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!starting.is_finished(), "the start should wait for the conversation's row");
+    // the start is blocked by the transaction that holds the conversation's row
+    let mut watcher = raw(&url, store.schema().expect("schema")).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let blocked: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE $1 = ANY (pg_blocking_pids(pid)))")
+                .bind(holder)
+                .fetch_one(&mut watcher)
+                .await
+                .expect("look at the waits");
+        if blocked {
+            break;
+        }
+        assert!(!starting.is_finished(), "the start should wait for the conversation's row");
+        assert!(std::time::Instant::now() < deadline, "timed out waiting for the start to wait");
+        tokio::task::yield_now().await;
+    }
     sqlx::query("COMMIT").execute(&mut other).await.expect("commit");
 
     match starting.await.expect("task") {

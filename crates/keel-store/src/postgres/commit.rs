@@ -22,6 +22,24 @@ use crate::pipeline::{
 
 use super::{insert, json, micros};
 
+/// A run's events numbered from a first sequence, and the arrays a statement `unnest`s them from:
+/// sequences, types, and the data as JSON text, cast by the statement (no `Value` built to be
+/// serialized again).
+struct EventArrays {
+    events: Vec<Event>,
+    sequences: Vec<i64>,
+    types: Vec<&'static str>,
+    data: Vec<String>,
+}
+
+fn event_arrays(run_id: &RunId, first: i64, kinds: &[EventKind], now: Timestamp) -> StoreResult<EventArrays> {
+    let events = numbered(run_id, first, kinds, now);
+    let sequences = events.iter().map(|e| e.sequence).collect();
+    let types = kinds.iter().map(EventKind::type_name).collect();
+    let data = kinds.iter().map(event_data).collect::<StoreResult<_>>()?;
+    Ok(EventArrays { events, sequences, types, data })
+}
+
 /// A connection in its transaction, as the pipeline's [`Tx`].
 pub struct PgTx<'c>(pub &'c mut PgConnection);
 
@@ -102,11 +120,7 @@ impl Tx for PgTx<'_> {
         if kinds.is_empty() {
             return Ok(Vec::new());
         }
-        let events = numbered(run_id, first_sequence, kinds, now);
-        let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
-        let types: Vec<&str> = kinds.iter().map(EventKind::type_name).collect();
-        // the data as JSON text, cast by the statement: no `Value` built to be serialized again
-        let data = kinds.iter().map(event_data).collect::<StoreResult<Vec<_>>>()?;
+        let EventArrays { events, sequences, types, data } = event_arrays(run_id, first_sequence, kinds, now)?;
         sqlx::query(
             "INSERT INTO run_events (run_id, sequence, type, data, created_at) \
              SELECT $1, e.sequence, e.type, e.data::jsonb, $5 \
@@ -140,10 +154,7 @@ impl Tx for PgTx<'_> {
         });
         let run = rows.run;
         let checkpoint = Self::encode("checkpoint", &run.checkpoint)?;
-        let events = numbered(&run.id, 1, rows.events, run.created_at);
-        let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
-        let types: Vec<&str> = rows.events.iter().map(EventKind::type_name).collect();
-        let data = rows.events.iter().map(event_data).collect::<StoreResult<Vec<_>>>()?;
+        let EventArrays { events, sequences, types, data } = event_arrays(&run.id, 1, rows.events, run.created_at)?;
         let message = rows.message;
         let query = bind(sqlx::query(SQL.as_str()), &run_args(run, rows.pending, &checkpoint))
             .bind(message.map(|m| m.id.as_str()))
@@ -213,10 +224,7 @@ pub async fn start_at_once(
     // the version is the statement's: 0 until it is known
     let (mut run, message) = new_run_rows::<PgTx<'_>>(new, run_id, message_id, 0, false, new.events.len())?;
     let checkpoint = PgTx::encode("checkpoint", &run.checkpoint)?;
-    let events = numbered(&run.id, 1, &new.events, run.created_at);
-    let sequences: Vec<i64> = events.iter().map(|e| e.sequence).collect();
-    let types: Vec<&str> = new.events.iter().map(EventKind::type_name).collect();
-    let data = new.events.iter().map(event_data).collect::<StoreResult<Vec<_>>>()?;
+    let EventArrays { events, sequences, types, data } = event_arrays(&run.id, 1, &new.events, run.created_at)?;
     let row = bind(sqlx::query(SQL.as_str()), &run_args(&run, None, &checkpoint))
         .bind(message.id.as_str())
         .bind(message.role.as_str())

@@ -34,9 +34,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 
 use chrono::{DateTime, Utc};
-use keel_core::domain::{lease_holder, InterruptStatus, RunStatus};
+use keel_core::domain::{lease_holder, InterruptStatus, RunStatus, ToolCall};
 use keel_core::event::Event;
 use keel_core::ids::ConversationId;
+use keel_core::mask::Masked;
 use keel_core::store::{Commit, Committed, Fence, StoreError, StoreResult, ToolCallChange, ToolCallUpdate};
 use serde_json::Value;
 use sqlx::postgres::PgArguments;
@@ -258,6 +259,36 @@ fn fence_alone(c: &Commit) -> bool {
         && c.summary.is_none()
         && c.idempotency.is_none()
         && !c.run.as_ref().is_some_and(|change| change.to.is_terminal())
+}
+
+/// A commit's call changes as one row per call, as the changes one after the other would leave
+/// them: the calls it inserts with its moves of them applied ([`ToolCallChange::apply_to`]), and
+/// each other call's moves joined into one ([`ToolCallUpdate::then`]: a commit that joined two
+/// steps moves a call twice, an answer's `allowed`, then the attempt's `executing`). `None`: a move
+/// that does not start where its call is, which the lone path refuses with its exact answer.
+fn fold_calls(changes: &[ToolCallChange]) -> Option<(Vec<ToolCall>, Vec<ToolCallUpdate>)> {
+    let mut inserted: Vec<ToolCall> = Vec::new();
+    let mut moved: Vec<ToolCallUpdate> = Vec::new();
+    for change in changes {
+        match change {
+            ToolCallChange::Insert(call) => inserted.push(call.clone()),
+            ToolCallChange::Update(u) => {
+                if let Some(call) = inserted.iter().find(|call| call.id == u.id) {
+                    if call.state != u.from {
+                        return None;
+                    }
+                    change.apply_to(&mut inserted);
+                } else if let Some(earlier) = moved.iter_mut().find(|m| m.id == u.id) {
+                    if !earlier.then(u) {
+                        return None;
+                    }
+                } else {
+                    moved.push(u.clone());
+                }
+            }
+        }
+    }
+    Some((inserted, moved))
 }
 
 /// The run row as the group's lock read it.
@@ -608,110 +639,34 @@ impl Batch {
             self.discards.ids.push(id.as_str().to_owned());
             self.discards.run_ids.push(run_id.to_owned());
         }
-        for change in &c.tool_calls {
-            match change {
-                ToolCallChange::Insert(call) => {
-                    let ci = &mut self.call_inserts;
-                    ci.ids.push(call.id.as_str().to_owned());
-                    ci.run_ids.push(call.run_id.as_str().to_owned());
-                    ci.conversation_ids.push(conversation.to_owned());
-                    ci.names.push(call.name.clone());
-                    ci.args.push(call.args.inner().clone());
-                    ci.states.push(call.state.as_str());
-                    ci.results.push(call.result.as_ref().map(|r| r.inner().clone()));
-                    ci.summaries.push(call.summary.as_ref().map(|s| s.as_str().to_owned()));
-                    ci.started_at.push(call.started_at);
-                    ci.finished_at.push(call.finished_at);
-                    ci.attempts.push(call.attempts as i32);
-                }
-                ToolCallChange::Update(ToolCallUpdate {
-                    id,
-                    from,
-                    to,
-                    args,
-                    result,
-                    summary,
-                    attempts,
-                    started_at,
-                    finished_at,
-                }) if self.call_inserts.ids.iter().any(|i| i == id.as_str()) => {
-                    // A call this commit inserts (the group's commits are of distinct runs): the move
-                    // is applied to the row before it is written, as the update would apply it after.
-                    let ci = &mut self.call_inserts;
-                    let Some(i) = ci.ids.iter().position(|i| i == id.as_str()) else { return Ok(false) };
-                    if ci.states[i] != from.as_str() {
-                        return Ok(false);
-                    }
-                    ci.states[i] = to.as_str();
-                    if let Some(args) = args {
-                        ci.args[i] = args.inner().clone();
-                    }
-                    if let Some(result) = result {
-                        ci.results[i] = Some(result.inner().clone());
-                    }
-                    if let Some(summary) = summary {
-                        ci.summaries[i] = Some(summary.as_str().to_owned());
-                    }
-                    if started_at.is_some() {
-                        ci.started_at[i] = *started_at;
-                    }
-                    if finished_at.is_some() {
-                        ci.finished_at[i] = *finished_at;
-                    }
-                    if let Some(n) = attempts {
-                        ci.attempts[i] = *n as i32;
-                    }
-                }
-                ToolCallChange::Update(ToolCallUpdate {
-                    id,
-                    from,
-                    to,
-                    args,
-                    result,
-                    summary,
-                    attempts,
-                    started_at,
-                    finished_at,
-                }) => {
-                    let cu = &mut self.call_updates;
-                    if let Some(i) = cu.ids.iter().position(|i| i == id.as_str()) {
-                        // moved again: from where the move before left it
-                        if cu.to[i] != from.as_str() {
-                            return Ok(false);
-                        }
-                        cu.to[i] = to.as_str();
-                        if let Some(args) = args {
-                            cu.args[i] = Some(args.inner().clone());
-                        }
-                        if let Some(result) = result {
-                            cu.results[i] = Some(result.inner().clone());
-                        }
-                        if let Some(summary) = summary {
-                            cu.summaries[i] = Some(summary.as_str().to_owned());
-                        }
-                        if started_at.is_some() {
-                            cu.started_at[i] = *started_at;
-                        }
-                        if finished_at.is_some() {
-                            cu.finished_at[i] = *finished_at;
-                        }
-                        if let Some(n) = attempts {
-                            cu.attempts[i] = Some(*n as i32);
-                        }
-                        continue;
-                    }
-                    cu.ids.push(id.as_str().to_owned());
-                    cu.run_ids.push(run_id.to_owned());
-                    cu.from.push(from.as_str());
-                    cu.to.push(to.as_str());
-                    cu.args.push(args.as_ref().map(|a| a.inner().clone()));
-                    cu.results.push(result.as_ref().map(|r| r.inner().clone()));
-                    cu.summaries.push(summary.as_ref().map(|s| s.as_str().to_owned()));
-                    cu.started_at.push(*started_at);
-                    cu.finished_at.push(*finished_at);
-                    cu.attempts.push(attempts.map(|n| n as i32));
-                }
-            }
+        // one row per call (see `fold_calls`); a move that does not start where its call is: refused
+        let Some((inserted, moved)) = fold_calls(&c.tool_calls) else { return Ok(false) };
+        for call in inserted {
+            let ci = &mut self.call_inserts;
+            ci.ids.push(call.id.as_str().to_owned());
+            ci.run_ids.push(call.run_id.as_str().to_owned());
+            ci.conversation_ids.push(conversation.to_owned());
+            ci.names.push(call.name);
+            ci.args.push(call.args.into_inner());
+            ci.states.push(call.state.as_str());
+            ci.results.push(call.result.map(Masked::into_inner));
+            ci.summaries.push(call.summary.map(Masked::into_inner));
+            ci.started_at.push(call.started_at);
+            ci.finished_at.push(call.finished_at);
+            ci.attempts.push(call.attempts as i32);
+        }
+        for u in moved {
+            let cu = &mut self.call_updates;
+            cu.ids.push(u.id.as_str().to_owned());
+            cu.run_ids.push(run_id.to_owned());
+            cu.from.push(u.from.as_str());
+            cu.to.push(u.to.as_str());
+            cu.args.push(u.args.map(Masked::into_inner));
+            cu.results.push(u.result.map(Masked::into_inner));
+            cu.summaries.push(u.summary.map(Masked::into_inner));
+            cu.started_at.push(u.started_at);
+            cu.finished_at.push(u.finished_at);
+            cu.attempts.push(u.attempts.map(|n| n as i32));
         }
         for i in &c.new_interrupts {
             let ii = &mut self.interrupt_inserts;
@@ -796,7 +751,7 @@ impl Batch {
 
         let mut parts: Vec<Part<'_>> = Vec::new();
         let r = &self.runs;
-        parts.push(Part::new(RUNS, UPDATE_RUNS, 9, None, r.ids.iter(), move |q| {
+        parts.push(Part::new(RUNS, UPDATE_RUNS, None, r.ids.iter(), move |q| {
             q.bind(&r.ids)
                 .bind(&r.status)
                 .bind(&r.reason)
@@ -809,13 +764,13 @@ impl Batch {
         }));
         let t = &self.texts;
         if !t.ids.is_empty() {
-            parts.push(Part::new(MESSAGES, APPEND_TEXTS, 5, Some(t.ids.len()), t.run_ids.iter(), move |q| {
+            parts.push(Part::new(MESSAGES, APPEND_TEXTS, Some(t.ids.len()), t.run_ids.iter(), move |q| {
                 q.bind(&t.ids).bind(&t.conversation_ids).bind(&t.run_ids).bind(&t.texts).bind(&t.created_at)
             }));
         }
         let m = &self.messages;
         if !m.ids.is_empty() {
-            parts.push(Part::new(MESSAGES, INSERT_MESSAGES, 7, None, m.run_ids.iter().flatten(), move |q| {
+            parts.push(Part::new(MESSAGES, INSERT_MESSAGES, None, m.run_ids.iter().flatten(), move |q| {
                 q.bind(&m.ids)
                     .bind(&m.conversation_ids)
                     .bind(&m.run_ids)
@@ -828,13 +783,13 @@ impl Batch {
         let d = &self.discards;
         if !d.ids.is_empty() {
             // a message that never got its first text was never created: nothing to delete is fine
-            parts.push(Part::new(MESSAGES, DISCARD_MESSAGES, 2, None, d.run_ids.iter(), move |q| {
+            parts.push(Part::new(MESSAGES, DISCARD_MESSAGES, None, d.run_ids.iter(), move |q| {
                 q.bind(&d.ids).bind(&d.run_ids)
             }));
         }
         let ci = &self.call_inserts;
         if !ci.ids.is_empty() {
-            parts.push(Part::new(TOOL_CALLS, INSERT_CALLS, 11, None, ci.run_ids.iter(), move |q| {
+            parts.push(Part::new(TOOL_CALLS, INSERT_CALLS, None, ci.run_ids.iter(), move |q| {
                 q.bind(&ci.ids)
                     .bind(&ci.run_ids)
                     .bind(&ci.conversation_ids)
@@ -851,7 +806,7 @@ impl Batch {
         let cu = &self.call_updates;
         if !cu.ids.is_empty() {
             // one row per call
-            parts.push(Part::new(TOOL_CALLS, UPDATE_CALLS, 10, Some(cu.ids.len()), cu.run_ids.iter(), move |q| {
+            parts.push(Part::new(TOOL_CALLS, UPDATE_CALLS, Some(cu.ids.len()), cu.run_ids.iter(), move |q| {
                 q.bind(&cu.ids)
                     .bind(&cu.run_ids)
                     .bind(&cu.from)
@@ -866,7 +821,7 @@ impl Batch {
         }
         let ii = &self.interrupt_inserts;
         if !ii.ids.is_empty() {
-            parts.push(Part::new(INTERRUPTS, INSERT_INTERRUPTS, 12, None, ii.run_ids.iter(), move |q| {
+            parts.push(Part::new(INTERRUPTS, INSERT_INTERRUPTS, None, ii.run_ids.iter(), move |q| {
                 q.bind(&ii.ids)
                     .bind(&ii.run_ids)
                     .bind(&ii.kinds)
@@ -884,7 +839,7 @@ impl Batch {
         let ic = &self.interrupt_changes;
         if !ic.ids.is_empty() {
             // an interrupt past its expiry may still expire or be cancelled, never be resolved
-            parts.push(Part::new(INTERRUPTS, CHANGE_INTERRUPTS, 8, Some(ic.ids.len()), ic.run_ids.iter(), move |q| {
+            parts.push(Part::new(INTERRUPTS, CHANGE_INTERRUPTS, Some(ic.ids.len()), ic.run_ids.iter(), move |q| {
                 q.bind(&ic.ids)
                     .bind(&ic.run_ids)
                     .bind(&ic.to)
@@ -897,25 +852,25 @@ impl Batch {
         }
         if !fact_columns.0.is_empty() {
             let f = &fact_columns;
-            parts.push(Part::new(FACTS, UPSERT_FACTS, 5, None, no_runs(), move |q| {
+            parts.push(Part::new(FACTS, UPSERT_FACTS, None, no_runs(), move |q| {
                 q.bind(&f.0).bind(&f.1).bind(&f.2).bind(&f.3).bind(&f.4)
             }));
         }
         if !summary_columns.0.is_empty() {
             let c = &summary_columns;
-            parts.push(Part::new(SUMMARIES, UPSERT_SUMMARIES, 3, None, no_runs(), move |q| {
+            parts.push(Part::new(SUMMARIES, UPSERT_SUMMARIES, None, no_runs(), move |q| {
                 q.bind(&c.0).bind(&c.1).bind(&c.2)
             }));
         }
         let e = &self.events;
         if !e.run_ids.is_empty() {
-            parts.push(Part::new(RUN_EVENTS, INSERT_EVENTS, 5, None, no_runs(), move |q| {
+            parts.push(Part::new(RUN_EVENTS, INSERT_EVENTS, None, no_runs(), move |q| {
                 q.bind(&e.run_ids).bind(&e.sequences).bind(&e.types).bind(&e.data).bind(&e.created_at)
             }));
         }
         let a = &self.answers;
         if !a.keys.is_empty() {
-            parts.push(Part::new(IDEMPOTENCY_KEYS, STORE_ANSWERS, 5, Some(a.keys.len()), no_runs(), move |q| {
+            parts.push(Part::new(IDEMPOTENCY_KEYS, STORE_ANSWERS, Some(a.keys.len()), no_runs(), move |q| {
                 q.bind(&a.user_ids).bind(&a.keys).bind(&a.statuses).bind(&a.responses).bind(&a.expires_at)
             }));
         }
@@ -1003,13 +958,12 @@ const STORE_ANSWERS: &str = "UPDATE idempotency_keys SET state = 'done', status 
 
 type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
 
-/// One multi-row statement of a group: the table it writes, its text (parameters `$1` …
-/// `$params`), what binds them, how many rows it must change when it is conditional, and the runs
+/// One multi-row statement of a group: the table it writes, its text (parameters `$1`, `$2`, …),
+/// what binds them, how many rows it must change when it is conditional, and the runs
 /// whose rows it writes.
 struct Part<'q> {
     table: &'static str,
     sql: &'static str,
-    params: usize,
     expect: Option<usize>,
     runs: HashSet<&'q str>,
     bind: Box<dyn FnOnce(PgQuery<'q>) -> PgQuery<'q> + Send + 'q>,
@@ -1019,12 +973,11 @@ impl<'q> Part<'q> {
     fn new<S: AsRef<str> + 'q>(
         table: &'static str,
         sql: &'static str,
-        params: usize,
         expect: Option<usize>,
         runs: impl Iterator<Item = &'q S>,
         bind: impl FnOnce(PgQuery<'q>) -> PgQuery<'q> + Send + 'q,
     ) -> Self {
-        Self { table, sql, params, expect, runs: runs.map(AsRef::as_ref).collect(), bind: Box::new(bind) }
+        Self { table, sql, expect, runs: runs.map(AsRef::as_ref).collect(), bind: Box::new(bind) }
     }
 }
 
@@ -1052,9 +1005,10 @@ fn stages(parts: Vec<Part<'_>>) -> Vec<Vec<Part<'_>>> {
     stages
 }
 
-/// `sql` with its parameters `$n` renumbered `$(n + offset)`.
-fn shifted(sql: &str, offset: usize) -> String {
+/// `sql` with its parameters `$n` renumbered `$(n + offset)`, and the highest `n` it had.
+fn shifted(sql: &str, offset: usize) -> (String, usize) {
     let mut out = String::with_capacity(sql.len() + 16);
+    let mut highest = 0;
     let mut rest = sql;
     while let Some(at) = rest.find('$') {
         out.push_str(&rest[..=at]);
@@ -1062,11 +1016,12 @@ fn shifted(sql: &str, offset: usize) -> String {
         let digits = rest.find(|c: char| !c.is_ascii_digit()).unwrap_or(rest.len());
         if let Ok(n) = rest[..digits].parse::<usize>() {
             out.push_str(&(n + offset).to_string());
+            highest = highest.max(n);
         }
         rest = &rest[digits..];
     }
     out.push_str(rest);
-    out
+    (out, highest)
 }
 
 /// One stage's statement, several parts as the data-modifying `WITH` clauses of one statement,
@@ -1094,13 +1049,14 @@ fn combined(stage: &[Part<'_>]) -> String {
         if i > 0 {
             sql.push_str(", ");
         }
-        sql.push_str(&format!("p{i} AS ({}", shifted(part.sql, offset)));
+        let (text, params) = shifted(part.sql, offset);
+        sql.push_str(&format!("p{i} AS ({text}"));
         if part.expect.is_some() {
             sql.push_str(" RETURNING 1");
             counts.push(format!("(SELECT count(*) FROM p{i})"));
         }
         sql.push(')');
-        offset += part.params;
+        offset += params;
     }
     if counts.is_empty() {
         counts.push("0".into());
@@ -1147,20 +1103,17 @@ fn all_matched(matched: u64, given: usize) -> Result<(), GroupFailure> {
 mod tests {
     use super::*;
 
-    fn part<'q>(
-        table: &'static str,
-        sql: &'static str,
-        params: usize,
-        expect: Option<usize>,
-        runs: &'q [String],
-    ) -> Part<'q> {
-        Part::new(table, sql, params, expect, runs.iter(), |q| q)
+    fn part<'q>(table: &'static str, sql: &'static str, expect: Option<usize>, runs: &'q [String]) -> Part<'q> {
+        Part::new(table, sql, expect, runs.iter(), |q| q)
     }
 
     #[test]
     fn parameters_are_renumbered_past_the_ones_before() {
-        assert_eq!(shifted("a = $1 AND b = $10::text[] AND c = $2", 3), "a = $4 AND b = $13::text[] AND c = $5");
-        assert_eq!(shifted("no parameters", 7), "no parameters");
+        assert_eq!(
+            shifted("a = $1 AND b = $10::text[] AND c = $2", 3),
+            ("a = $4 AND b = $13::text[] AND c = $5".into(), 10)
+        );
+        assert_eq!(shifted("no parameters", 7), ("no parameters".into(), 0));
     }
 
     #[test]
@@ -1168,10 +1121,10 @@ mod tests {
         let (a, b) = (vec!["run_a".to_owned()], vec!["run_b".to_owned()]);
         // other tables, or one table for other runs: one stage
         let parts = vec![
-            part(RUNS, "UPDATE runs SET x = $1", 1, None, &a),
-            part(MESSAGES, "INSERT INTO messages VALUES ($1)", 1, Some(1), &a),
-            part(MESSAGES, "INSERT INTO messages VALUES ($1, $2)", 2, None, &b),
-            part(RUN_EVENTS, "INSERT INTO run_events VALUES ($1)", 1, None, &[]),
+            part(RUNS, "UPDATE runs SET x = $1", None, &a),
+            part(MESSAGES, "INSERT INTO messages VALUES ($1)", Some(1), &a),
+            part(MESSAGES, "INSERT INTO messages VALUES ($1, $2)", None, &b),
+            part(RUN_EVENTS, "INSERT INTO run_events VALUES ($1)", None, &[]),
         ];
         let staged = super::stages(parts);
         assert_eq!(staged.len(), 1);
@@ -1183,9 +1136,9 @@ mod tests {
         );
         // one table for one run twice: the second waits for the next stage, and what follows it too
         let parts = vec![
-            part(TOOL_CALLS, "INSERT INTO tool_calls VALUES ($1)", 1, None, &a),
-            part(TOOL_CALLS, "UPDATE tool_calls SET y = $1", 1, Some(1), &a),
-            part(RUN_EVENTS, "INSERT INTO run_events VALUES ($1)", 1, None, &[]),
+            part(TOOL_CALLS, "INSERT INTO tool_calls VALUES ($1)", None, &a),
+            part(TOOL_CALLS, "UPDATE tool_calls SET y = $1", Some(1), &a),
+            part(RUN_EVENTS, "INSERT INTO run_events VALUES ($1)", None, &[]),
         ];
         let staged = super::stages(parts);
         let tables: Vec<Vec<&str>> = staged.iter().map(|s| s.iter().map(|p| p.sql).collect()).collect();
