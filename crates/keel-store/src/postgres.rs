@@ -53,7 +53,8 @@ static MIGRATOR: Migrator = sqlx::migrate!("./migrations/postgres");
 const EARLIER_CHECKSUMS: &[(i64, &str)] =
     &[(1, "a47af493a73e34b5997330377134d296c5d86319b51456f174cf3492b91a696ac578243185d724b5c095899b2fca52e6")];
 
-/// The committers' connections (at most [`PostgresOptions::COMMITTERS`]) and the readers'.
+/// The connections of everything but the committers, which have [`PostgresOptions::committers`] more
+/// of their own.
 const MAX_CONNECTIONS: u32 = 12;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).

@@ -695,6 +695,33 @@ async fn a_full_commit_queue_refuses_at_once_and_loses_nothing_accepted() {
     store.commit(on_queued(&runs[0], 1)).await.expect("accepted again");
 }
 
+/// The committers write on connections of their own: with every connection of the store's pool
+/// held by readers, commits are still written at once (they used to wait for one, up to the pool's
+/// acquire timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commits_are_written_while_every_reader_connection_is_busy() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let runs = [queued_run(&store).await, queued_run(&store).await];
+    let size = store.pool().options().get_max_connections();
+    let mut held = Vec::new();
+    for _ in 0..size {
+        held.push(store.pool().acquire().await.expect("a reader connection"));
+    }
+    assert_eq!(store.pool().num_idle(), 0, "every reader connection is held");
+    for run in &runs {
+        let committed = tokio::time::timeout(Duration::from_secs(5), store.commit(on_queued(run, 2)))
+            .await
+            .expect("a commit does not wait for a reader connection")
+            .expect("commit");
+        assert_eq!(committed.events.len(), 2);
+    }
+    drop(held);
+    for run in &runs {
+        assert_eq!(store.list_events(run, 0, 100).await.expect("events").len(), 2, "both commits are stored");
+    }
+}
+
 /// Two instances on one database: their groups take the run rows in one order, so commits on the
 /// same runs from both never deadlock, and every one is written once, in contiguous sequences.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
