@@ -722,6 +722,81 @@ async fn commits_are_written_while_every_reader_connection_is_busy() {
     }
 }
 
+/// How often `table` of `schema` was read whole, as PostgreSQL's statistics say.
+async fn seq_scans(conn: &mut PgConnection, schema: &str, table: &str) -> i64 {
+    sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2")
+        .bind(schema)
+        .bind(table)
+        .fetch_one(conn)
+        .await
+        .expect("table statistics")
+}
+
+/// Closes `store`, ends its sessions (named `name`) and waits until they are gone: a session sends
+/// its counts to the statistics as it ends, at the latest.
+async fn close_and_count(store: PostgresStore, conn: &mut PgConnection, name: &str) {
+    store.close().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: Vec<bool> =
+            sqlx::query_scalar("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(name)
+                .fetch_all(&mut *conn)
+                .await
+                .expect("sessions");
+        if left.is_empty() {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "the store's sessions did not end");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The committers find rows by their keys, whatever the tables' size: on a new database (tables
+/// of a page, statistics not gathered), where a plan kept for the connection's life would read
+/// `runs` and `tool_calls` whole at every commit, lone commits and groups read them only by index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_committers_find_rows_by_key_on_a_new_database() {
+    let Some(url) = url() else { return };
+    let (_, guard) = connect_fresh(&url).await;
+    let schema = guard.0.schema().expect("schema").to_owned();
+    let options = PostgresOptions { commit_queue: 64, committers: 1 };
+    let named = |name: &str| {
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}application_name={name}")
+    };
+    let mut probe = PgConnection::connect(&url).await.expect("connect");
+    // the runs started by one store, closed and counted
+    let setup_name = format!("{schema}_setup");
+    let setup =
+        PostgresStore::connect_with_schema_and(&named(&setup_name), &schema, options.clone()).await.expect("connect");
+    let runs = [queued_run(&setup).await, queued_run(&setup).await, queued_run(&setup).await];
+    close_and_count(setup, &mut probe, &setup_name).await;
+    let before = (seq_scans(&mut probe, &schema, "runs").await, seq_scans(&mut probe, &schema, "tool_calls").await);
+    // the commits by another, whose readers read nothing
+    let name = format!("{schema}_commits");
+    let store = PostgresStore::connect_with_schema_and(&named(&name), &schema, options).await.expect("connect");
+    let call = new_call(&runs[0], ToolCallState::Requested);
+    for round in 0..3 {
+        for run in &runs {
+            // lone commits (events only)
+            store.commit(on_queued(run, 1)).await.expect("a lone commit");
+        }
+        // groups of one: the call inserted, moved, and moved again
+        let mut c = on_queued(&runs[0], 1);
+        c.tool_calls.push(match round {
+            0 => ToolCallChange::Insert(call.clone()),
+            1 => ToolCallChange::transition(&call.id, ToolCallState::Requested, ToolCallState::Asking),
+            _ => ToolCallChange::transition(&call.id, ToolCallState::Asking, ToolCallState::Allowed),
+        });
+        store.commit(c).await.expect("a grouped commit");
+    }
+    close_and_count(store, &mut probe, &name).await;
+    let after = (seq_scans(&mut probe, &schema, "runs").await, seq_scans(&mut probe, &schema, "tool_calls").await);
+    assert_eq!(after, before, "the committer read runs or tool_calls whole");
+    drop(guard);
+}
+
 /// Two instances on one database: their groups take the run rows in one order, so commits on the
 /// same runs from both never deadlock, and every one is written once, in contiguous sequences.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -105,15 +105,22 @@ impl Committer {
     /// kinds of records it holds (a dozen combinations), and PostgreSQL plans a prepared statement
     /// afresh at each of its first five executions on a connection before it settles on a plan it
     /// keeps: on the readers' dozen connections that took ~0.6 ms of planning a group for thousands
-    /// of groups, on the committers' own it takes it for a few dozen. And their connections keep
-    /// the first plan (`plan_cache_mode = force_generic_plan`): every statement a committer sends
-    /// finds its rows by key (`unnest` of the rows' keys, `= ANY` of the runs' ids), which a plan
-    /// made without the values does as well, and a custom plan would be made again at every
-    /// execution for nothing. Nor does a group wait for a connection behind the readers, or a
-    /// reader behind the groups.
+    /// of groups, on the committers' own it takes it for a few dozen.
+    ///
+    /// Every statement a committer sends finds its rows by key (`unnest` of the rows' keys, `= ANY`
+    /// of the runs' ids), so its connections keep the first plan of each
+    /// (`plan_cache_mode = force_generic_plan`: a plan made without the values does as well, and a
+    /// custom one would be made again at every execution for nothing), and that plan reads the
+    /// keys' indexes (`enable_seqscan = off`). A plan made while a table is small — a new
+    /// database, statistics not gathered yet — would otherwise read all of `runs`, `tool_calls`
+    /// or `idempotency_keys` at every group, for as long as it is kept, however large they grow
+    /// (docs/benchmarks.md, "Tenth session"). Nor does a group wait for a connection behind the
+    /// readers, or a reader behind the groups.
     pub fn start(pool: PgPool, committers: usize, capacity: usize) -> Self {
         let committers = committers.max(1);
-        let connect = (*pool.connect_options()).clone().options([("plan_cache_mode", "force_generic_plan")]);
+        let connect = (*pool.connect_options())
+            .clone()
+            .options([("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")]);
         let pool = pool
             .options()
             .clone()
