@@ -16,11 +16,11 @@
 //!   ends with the stored answer; the fleet's `restartCount`s equal the successful
 //!   `restart_instance` calls the runs report. A final pass on a fresh process re-checks every run.
 //! - `a_retried_approval_is_answered_after_a_crash`: the same approval (same idempotency key) sent
-//!   again after the server died while handling it must be answered. **It fails today**: the key
-//!   stays `in_flight` (409 `IDEMPOTENCY_KEY_IN_FLIGHT`) for its 24 hours, both when the approval was
-//!   lost and when it was committed (the run resumed, but the client can never get the answer). The
-//!   random suite meets this too; it reports such keys ("STUCK KEY") and settles those runs with
-//!   another key, so that its other invariants are still checked.
+//!   again after the server died while handling it must be answered: the first answer when the
+//!   approval was committed (it is stored under the key in the claim's own transaction), a fresh
+//!   evaluation when it was lost (a store one process opens forgets its in-flight keys when it
+//!   starts). The random suite checks this too: a key that stays in flight is reported ("STUCK
+//!   KEY"), and that run is settled with another key so that its other invariants are still checked.
 //! - `a_slow_reader_neither_slows_the_run_nor_grows_the_server`: readers taking ~1 event/s on a
 //!   2,000-event run.
 //!
