@@ -199,18 +199,21 @@ pub struct Commit {
     pub summary: Option<Summary>,
     /// Sequenced in order after the run's last event.
     pub events: Vec<EventKind>,
-    /// The answer of the request that made this commit, stored under its (in-flight) idempotency
-    /// key in the same transaction: a crash can't separate the effect of a request from the answer
-    /// a retry gets.
+    /// The answer of the request that made this commit, stored under its idempotency key in the
+    /// same transaction: a crash can't separate the effect of a request from the answer a retry
+    /// gets, and the key is taken by the request whose effect commits, not before.
     pub idempotency: Option<IdempotencyAnswer>,
 }
 
-/// Marks an in-flight idempotency key `done` with its answer (refused with `Conflict` unless the key
-/// is in flight).
+/// Stores a request's answer under its idempotency key, `done`: a free key (never used, or expired
+/// at the commit's `now`) is taken, a key this same request began ([`RunStore::idempotency_begin`]:
+/// in flight, with the same `request_hash`) is completed; any other — an answer stored already —
+/// refuses the whole commit with `Conflict`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IdempotencyAnswer {
     pub user_id: String,
     pub key: String,
+    pub request_hash: String,
     pub status: u16,
     pub response: Value,
     pub expires_at: Timestamp,
@@ -511,6 +514,16 @@ pub trait RunStore: Send + Sync {
         now: Timestamp,
         expires_at: Timestamp,
     ) -> StoreResult<IdempotencyBegin>;
+    /// What the key holds for the request `request_hash`, read only: its answer (`Done`), another
+    /// request's (`Mismatch`), a request begun and not answered (`InFlight`), or `None` when the
+    /// key is free (never used, or expired at `now`). Never `Started`.
+    async fn idempotency_find(
+        &self,
+        user_id: &str,
+        key: &str,
+        request_hash: &str,
+        now: Timestamp,
+    ) -> StoreResult<Option<IdempotencyBegin>>;
     async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()>;
     /// Forgets an in-flight key whose request failed before it had an answer, so a retry can proceed.
     async fn idempotency_abandon(&self, user_id: &str, key: &str) -> StoreResult<()>;

@@ -1412,34 +1412,68 @@ pub async fn cancel_request_is_seen_by_the_next_commit(store: SharedStore) {
     assert_eq!((finished.status, finished.cancel_requested), (RunStatus::Completed, false));
 }
 
-/// The answer stored under an idempotency key commits with the changes it reports, or not at all.
+/// The answer stored under an idempotency key commits with the changes it reports, or not at all;
+/// it takes a free key, completes the same request's in-flight one, and is refused by an answer
+/// stored already.
 pub async fn an_answer_commits_with_the_change_it_reports(store: SharedStore) {
     let (_, run) = running(&store, "w").await;
-    let answer = |key: &str| IdempotencyAnswer {
+    // an answer is kept 1,000 after its commit
+    let answer = |key: &str, hash: &str, now: i64| IdempotencyAnswer {
         user_id: "alice".into(),
         key: key.into(),
+        request_hash: hash.into(),
         status: 200,
-        response: json!({"ok": key}),
-        expires_at: at(1000),
+        response: json!({"ok": key, "hash": hash}),
+        expires_at: at(now + 1000),
     };
-    // Not in flight: the whole commit is refused, its event too.
-    let before = sequences(&store, &run.id).await;
-    let mut c = Commit::new(run.id.clone(), lease("w", at(50)), at(1)).event(node("x"));
-    c.idempotency = Some(answer("never-begun"));
-    assert_conflict(store.commit(c).await);
-    assert_eq!(sequences(&store, &run.id).await, before);
+    let commit = |now: i64, key: &str, hash: &str| {
+        let mut c = Commit::new(run.id.clone(), lease("w", at(5000)), at(now)).event(node("x"));
+        c.idempotency = Some(answer(key, hash, now));
+        c
+    };
+    let find = |key: &'static str, hash: &'static str, now: i64| {
+        let store = store.clone();
+        async move { store.idempotency_find("alice", key, hash, at(now)).await.expect("find") }
+    };
+    assert_eq!(find("k", "h", 1).await, None);
 
-    // In flight: done, with its answer, in the same transaction as the event.
-    assert_eq!(store.idempotency_begin("alice", "k", "h", at(1), at(30)).await.unwrap(), IdempotencyBegin::Started);
-    let mut c = Commit::new(run.id.clone(), lease("w", at(50)), at(2)).event(node("y"));
-    c.idempotency = Some(answer("k"));
-    commit_ok(&store, c).await;
+    // A free key: taken, with its answer, in the same transaction as the event.
+    let before = sequences(&store, &run.id).await;
+    commit_ok(&store, commit(1, "k", "h")).await;
     assert_eq!(sequences(&store, &run.id).await.len(), before.len() + 1);
-    // Answered keys keep the answer's expiry (1000), not the in-flight one (30).
+    let done = IdempotencyBegin::Done { status: 200, response: json!({"ok": "k", "hash": "h"}) };
+    assert_eq!(find("k", "h", 2).await, Some(done.clone()));
+    assert_eq!(find("k", "other", 2).await, Some(IdempotencyBegin::Mismatch));
+    // keys are per user
+    assert_eq!(store.idempotency_find("bob", "k", "h", at(2)).await.expect("find"), None);
+
+    // A key holding an answer, the same request's or another's: the whole commit is refused, its
+    // event too, and the answer stays.
+    let before = sequences(&store, &run.id).await;
+    assert_conflict(store.commit(commit(3, "k", "h")).await);
+    assert_conflict(store.commit(commit(3, "k", "other")).await);
+    assert_eq!(sequences(&store, &run.id).await, before);
+    assert_eq!(find("k", "h", 4).await, Some(done));
+
+    // The same request's in-flight key is completed; another request's is not.
+    assert_eq!(store.idempotency_begin("alice", "b", "h", at(5), at(30)).await.unwrap(), IdempotencyBegin::Started);
+    assert_eq!(find("b", "h", 6).await, Some(IdempotencyBegin::InFlight));
+    assert_conflict(store.commit(commit(6, "b", "other")).await);
+    commit_ok(&store, commit(7, "b", "h")).await;
+    // Answered keys keep the answer's expiry (1007), not the in-flight one (30).
     assert_eq!(
-        store.idempotency_begin("alice", "k", "h", at(31), at(60)).await.unwrap(),
-        IdempotencyBegin::Done { status: 200, response: json!({"ok": "k"}) }
+        find("b", "h", 31).await,
+        Some(IdempotencyBegin::Done { status: 200, response: json!({"ok": "b", "hash": "h"}) })
     );
+
+    // An expired key (taken at 1, kept until 1001) is free again: found as nothing, and taken by
+    // the next answer.
+    assert!(find("k", "h", 1000).await.is_some());
+    assert_eq!(find("k", "h", 1001).await, None);
+    commit_ok(&store, commit(1001, "k", "later")).await;
+    assert_eq!(find("k", "h", 1002).await, Some(IdempotencyBegin::Mismatch));
+    let later = IdempotencyBegin::Done { status: 200, response: json!({"ok": "k", "hash": "later"}) };
+    assert_eq!(find("k", "later", 1002).await, Some(later));
 }
 
 pub async fn idempotency_keys(store: SharedStore) {

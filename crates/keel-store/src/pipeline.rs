@@ -1133,9 +1133,15 @@ async fn upsert_summary<T: Tx>(tx: &mut T, conversation_id: &ConversationId, s: 
     Ok(())
 }
 
+/// The answer under its key: a free key (new, or expired at the commit) is taken, the same request's
+/// in-flight key completed; a key holding an answer changes nothing, which refuses the commit.
 static STORE_ANSWER: Sql = Sql::new(
-    "UPDATE idempotency_keys SET state = 'done', status = $1, response = $2, expires_at = $3 \
-     WHERE user_id = $4 AND key = $5 AND state = 'in_flight'",
+    "INSERT INTO idempotency_keys (user_id, key, request_hash, state, status, response, expires_at) \
+     VALUES ($4, $5, $6, 'done', $1, $2, $3) \
+     ON CONFLICT (user_id, key) DO UPDATE SET request_hash = excluded.request_hash, state = 'done', \
+     status = excluded.status, response = excluded.response, expires_at = excluded.expires_at \
+     WHERE idempotency_keys.expires_at <= $7 \
+        OR (idempotency_keys.state = 'in_flight' AND idempotency_keys.request_hash = excluded.request_hash)",
 );
 
 /// Everything of one commit, and the answer stored under its idempotency key, in the caller's
@@ -1178,9 +1184,11 @@ pub(crate) async fn apply_commit<T: Tx>(tx: &mut T, c: &Commit) -> StoreResult<C
             time(answer.expires_at),
             text(&answer.user_id),
             text(&answer.key),
+            text(&answer.request_hash),
+            time(c.now),
         ];
         if execute(tx, "store the answer under its idempotency key", &STORE_ANSWER, &args).await? == 0 {
-            return Err(StoreError::Conflict("the idempotency key is not in flight".into()));
+            return Err(StoreError::Conflict("the idempotency key holds another answer".into()));
         }
     }
     // A run's end looks, in the same transaction, for runs waiting behind it (one probe of an

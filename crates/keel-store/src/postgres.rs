@@ -272,6 +272,25 @@ fn pool_options() -> PgPoolOptions {
     PgPoolOptions::new().max_connections(MAX_CONNECTIONS).acquire_timeout(ACQUIRE_TIMEOUT)
 }
 
+/// What a key's row holds for the request `request_hash`.
+fn stored_key(row: &PgRow, request_hash: &str) -> StoreResult<IdempotencyBegin> {
+    let c = Cols::new(row, "idempotency_keys");
+    let stored_hash: String = c.get("request_hash")?;
+    if stored_hash != request_hash {
+        return Ok(IdempotencyBegin::Mismatch);
+    }
+    let state: String = c.get("state")?;
+    match state.as_str() {
+        "in_flight" => Ok(IdempotencyBegin::InFlight),
+        "done" => {
+            let status: i64 = c.get("status")?;
+            let status = u16::try_from(status).map_err(|e| c.bad("status", e))?;
+            Ok(IdempotencyBegin::Done { status, response: c.json("response")? })
+        }
+        _ => Err(c.bad("state", "unknown value")),
+    }
+}
+
 /// One connection, at once: an unreachable database is an error with its reason (the pool would
 /// retry until its timeout and then say only that it timed out).
 async fn probe(options: &PgConnectOptions) -> StoreResult<()> {
@@ -1137,24 +1156,30 @@ impl RunStore for PostgresStore {
             .map_err(db("begin an idempotent request"))?;
             // abandoned since: try again
             let Some(row) = row else { continue };
-            let c = Cols::new(&row, "idempotency_keys");
-            let stored_hash: String = c.get("request_hash")?;
-            if stored_hash != request_hash {
-                return Ok(IdempotencyBegin::Mismatch);
-            }
-            let state: String = c.get("state")?;
-            return match state.as_str() {
-                "in_flight" => Ok(IdempotencyBegin::InFlight),
-                "done" => {
-                    let status: i64 = c.get("status")?;
-                    let status = u16::try_from(status).map_err(|e| c.bad("status", e))?;
-                    Ok(IdempotencyBegin::Done { status, response: c.json("response")? })
-                }
-                _ => Err(c.bad("state", "unknown value")),
-            };
+            return stored_key(&row, request_hash);
         }
         // the key keeps being started and abandoned by other requests: one of them is in flight
         Ok(IdempotencyBegin::InFlight)
+    }
+
+    async fn idempotency_find(
+        &self,
+        user_id: &str,
+        key: &str,
+        request_hash: &str,
+        now: Timestamp,
+    ) -> StoreResult<Option<IdempotencyBegin>> {
+        let row = sqlx::query(
+            "SELECT request_hash, state, status, response FROM idempotency_keys \
+             WHERE user_id = $1 AND key = $2 AND expires_at > $3",
+        )
+        .bind(user_id)
+        .bind(key)
+        .bind(now)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db("read an idempotency key"))?;
+        row.map(|row| stored_key(&row, request_hash)).transpose()
     }
 
     async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()> {

@@ -115,13 +115,14 @@ impl Engine {
             }
         };
 
-        // Expiry, then the key (the same request again gets the first answer), then the claim.
+        // Expiry, then the claim, which stores its answer under the key (the same request again gets
+        // the first answer: see `under_key`).
         let now = inner.clock.now();
         self.refuse_if_expired(&interrupt, now).await?;
         let hash = result_hash(run_id, &call_id, &outcome);
-        let claim =
-            self.claim_tool_result(&run, &interrupt, &calls, call, outcome, (user_id, role), &req.idempotency_key, now);
-        self.under_key(user_id, &req.idempotency_key, &hash, now, "tool-result", claim).await
+        let key = (req.idempotency_key.as_str(), hash.as_str());
+        let claim = self.claim_tool_result(&run, &interrupt, &calls, call, outcome, (user_id, role), key, now);
+        self.under_key(user_id, &req.idempotency_key, &hash, "tool-result", claim).await
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -133,7 +134,7 @@ impl Engine {
         call: &ToolCall,
         outcome: ClientOutcome,
         (user_id, role): (&str, Option<UserRole>),
-        key: &str,
+        (key, request_hash): (&str, &str),
         now: Timestamp,
     ) -> EngineResult<ToolResultAccepted> {
         let inner = &self.inner;
@@ -212,6 +213,7 @@ impl Engine {
         commit.idempotency = Some(IdempotencyAnswer {
             user_id: user_id.to_owned(),
             key: key.to_owned(),
+            request_hash: request_hash.to_owned(),
             status: 200,
             response: serde_json::to_value(&accepted).unwrap_or(Value::Null),
             expires_at: now + chrono::Duration::hours(24),

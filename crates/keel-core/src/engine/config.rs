@@ -29,9 +29,6 @@ pub struct EngineConfig {
     pub model_retries: u32,
     /// The role of a user the store does not know.
     pub default_role: Option<UserRole>,
-    /// How long an idempotency key stays reserved by a request that never finished (its process
-    /// died): until then a retry is told `IDEMPOTENCY_KEY_IN_FLIGHT`, after it the retry proceeds.
-    pub idempotency_in_flight_ttl: Duration,
     /// Attempts of one tool call before it fails (or, without an answer from a tool that is not
     /// idempotent, before a human is asked): the first and the retries with the same key.
     pub tool_max_attempts: u32,
@@ -63,7 +60,6 @@ impl Default for EngineConfig {
             // Model clients retry before the first token themselves; this is one more try on top.
             model_retries: 1,
             default_role: None,
-            idempotency_in_flight_ttl: Duration::from_secs(30),
             tool_max_attempts: 3,
             tool_retry_backoff: Duration::from_millis(200),
             max_message_chars: 32_000,

@@ -36,9 +36,10 @@ pub(super) struct Replayed(pub(super) bool);
 
 impl Engine {
     /// A human's decision on a pending interrupt, in the order that makes it safe: authorize the
-    /// current caller, check expiry, validate the decision, reserve the idempotency key, claim the
-    /// interrupt with a conditional update (one winner), then continue the run. The side effects
-    /// happen in the worker, after a precheck and a conditional claim of each call.
+    /// current caller, check expiry, validate the decision, claim the interrupt with a conditional
+    /// update (one winner) that stores its answer under the idempotency key, then continue the
+    /// run. The side effects happen in the worker, after a precheck and a conditional claim of
+    /// each call.
     pub async fn resume(&self, user_id: &str, run_id: &RunId, req: ResumeRequest) -> EngineResult<ResumeAccepted> {
         let outcome = self.resume_once(user_id, run_id, req).await;
         self.count_answer("resume", outcome)
@@ -110,11 +111,11 @@ impl Engine {
         let now = inner.clock.now();
         self.refuse_if_expired(&interrupt, now).await?;
 
-        // 3. The idempotency key, then the claim; the answer is stored under the key in the
-        //    claim's own transaction.
+        // 3. The claim, whose transaction stores the answer under the idempotency key (a repeat of
+        //    this request gets that answer: `under_key`).
         let hash = request_hash(run_id, &req.interrupt_id, &req.decision.to_value(), req.note.as_deref());
-        let claim = self.claim_and_continue(&run, &interrupt, &req, decisions, &calls, user_id, role, now);
-        self.under_key(user_id, &req.idempotency_key, &hash, now, "resume", claim).await
+        let claim = self.claim_and_continue(&run, &interrupt, &req, &hash, decisions, &calls, user_id, role, now);
+        self.under_key(user_id, &req.idempotency_key, &hash, "resume", claim).await
     }
 
     /// An interrupt past its expiry is expired (if nobody did it yet) and refused.
@@ -133,32 +134,40 @@ impl Engine {
     /// An answer to an interrupt (a decision, a client's result) under its idempotency key: the
     /// same request again gets the stored first answer, another under the same key is refused, and
     /// a `claim` that fails leaves the key free for a retry to be evaluated afresh.
+    ///
+    /// Nothing is written before the claim: its commit stores the answer under the key
+    /// ([`Commit::idempotency`]), taking the key only if it is free, so the request whose effect
+    /// commits is the one that holds the key, and a crash leaves the key either free or answered,
+    /// never reserved. A claim that fails — the interrupt answered already, the run moved on, the
+    /// key holding an answer — looks the key up (one read): the same request's stored answer is
+    /// the reply (a retry, a double click, a second tab sending the same decision), another
+    /// request's is `IDEMPOTENCY_KEY_REUSED`, and a free key leaves the claim's own error.
     pub(super) async fn under_key<T: serde::de::DeserializeOwned>(
         &self,
         user_id: &str,
         key: &str,
         hash: &str,
-        now: Timestamp,
         what: &str,
         claim: impl std::future::Future<Output = EngineResult<T>>,
     ) -> EngineResult<(T, Replayed)> {
-        let store = &self.inner.store;
-        let in_flight_until = now + chrono_dur(self.inner.config.idempotency_in_flight_ttl);
-        match store.idempotency_begin(user_id, key, hash, now, in_flight_until).await? {
-            IdempotencyBegin::Done { response, .. } => {
-                return serde_json::from_value(response)
-                    .map(|accepted| (accepted, Replayed(true)))
-                    .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored {what} answer: {e}"))));
-            }
-            IdempotencyBegin::InFlight => return Err(EngineError::IdempotencyKeyInFlight),
-            IdempotencyBegin::Mismatch => return Err(EngineError::IdempotencyKeyReused),
-            IdempotencyBegin::Started => {}
+        let refused = match claim.await {
+            Ok(accepted) => return Ok((accepted, Replayed(false))),
+            Err(e) => e,
+        };
+        // Not a decision on the request: no answer to look for.
+        if matches!(refused, EngineError::ShuttingDown | EngineError::Overloaded) {
+            return Err(refused);
         }
-        let claimed = claim.await;
-        if claimed.is_err() {
-            store.idempotency_abandon(user_id, key).await?;
+        let now = self.inner.clock.now();
+        match self.inner.store.idempotency_find(user_id, key, hash, now).await? {
+            Some(IdempotencyBegin::Done { response, .. }) => serde_json::from_value(response)
+                .map(|accepted| (accepted, Replayed(true)))
+                .map_err(|e| EngineError::Store(StoreError::Backend(format!("stored {what} answer: {e}")))),
+            Some(IdempotencyBegin::Mismatch) => Err(EngineError::IdempotencyKeyReused),
+            // begun by a request of an earlier version, not answered yet
+            Some(IdempotencyBegin::InFlight) => Err(EngineError::IdempotencyKeyInFlight),
+            Some(IdempotencyBegin::Started) | None => Err(refused),
         }
-        claimed.map(|accepted| (accepted, Replayed(false)))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -167,6 +176,7 @@ impl Engine {
         run: &Run,
         interrupt: &Interrupt,
         req: &ResumeRequest,
+        request_hash: &str,
         decisions: BTreeMap<CallId, CallDecision>,
         calls: &[ToolCall],
         user_id: &str,
@@ -249,6 +259,7 @@ impl Engine {
         commit.idempotency = Some(IdempotencyAnswer {
             user_id: user_id.to_owned(),
             key: req.idempotency_key.clone(),
+            request_hash: request_hash.to_owned(),
             status: 200,
             response: serde_json::to_value(&accepted).unwrap_or(Value::Null),
             expires_at: now + chrono::Duration::hours(24),

@@ -19,7 +19,7 @@
 //! nothing more after a run's end when nothing waits.
 //!
 //! **Refusals past the fence.** The other checks (a tool call or an interrupt not in the state the
-//! commit expects, a reused id, an idempotency key not in flight, a record of another run) are
+//! commit expects, a reused id, an idempotency key holding an answer, a record of another run) are
 //! rare; when one fails, the group's transaction is rolled back and its commits are written one by
 //! one, each in its own transaction by the lone-commit path ([`super::commit_alone`]), which gives
 //! each commit its exact answer: the refused commit fails alone and the others commit. (A savepoint
@@ -549,9 +549,13 @@ struct Events {
 struct Answers {
     user_ids: Vec<String>,
     keys: Vec<String>,
+    request_hashes: Vec<String>,
     statuses: Vec<i64>,
     responses: Vec<Value>,
     expires_at: Vec<DateTime<Utc>>,
+    /// The latest of the commits' instants: a key expired by then is free (the group is written
+    /// after every one of them).
+    now: Option<DateTime<Utc>>,
 }
 
 /// Everything the group writes, a column array per table column.
@@ -747,9 +751,11 @@ impl Batch {
             let a = &mut self.answers;
             a.user_ids.push(answer.user_id.clone());
             a.keys.push(answer.key.clone());
+            a.request_hashes.push(answer.request_hash.clone());
             a.statuses.push(i64::from(answer.status));
             a.responses.push(answer.response.clone());
             a.expires_at.push(answer.expires_at);
+            a.now = a.now.max(Some(c.now));
         }
         Ok(true)
     }
@@ -900,7 +906,13 @@ impl Batch {
         let a = &self.answers;
         if !a.keys.is_empty() {
             parts.push(Part::new(IDEMPOTENCY_KEYS, STORE_ANSWERS, Some(a.keys.len()), no_runs(), move |q| {
-                q.bind(&a.user_ids).bind(&a.keys).bind(&a.statuses).bind(&a.responses).bind(&a.expires_at)
+                q.bind(&a.user_ids)
+                    .bind(&a.keys)
+                    .bind(&a.request_hashes)
+                    .bind(&a.statuses)
+                    .bind(&a.responses)
+                    .bind(&a.expires_at)
+                    .bind(a.now)
             }));
         }
 
@@ -978,12 +990,17 @@ const INSERT_EVENTS: &str = "INSERT INTO run_events (run_id, sequence, type, dat
      SELECT e.run_id, e.sequence, e.type, e.data::jsonb, e.created_at \
      FROM unnest($1::text[], $2::bigint[], $3::text[], $4::text[], $5::timestamptz[]) \
           AS e (run_id, sequence, type, data, created_at)";
-const STORE_ANSWERS: &str = "UPDATE idempotency_keys SET state = 'done', status = u.status, response = u.response, \
-     expires_at = u.expires_at \
-     FROM unnest($1::text[], $2::text[], $3::bigint[], $4::jsonb[], $5::timestamptz[]) \
-          AS u (user_id, key, status, response, expires_at) \
-     WHERE idempotency_keys.user_id = u.user_id AND idempotency_keys.key = u.key \
-       AND idempotency_keys.state = 'in_flight'";
+/// As a lone commit's (`pipeline::STORE_ANSWER`): a free key taken, the same request's in-flight key
+/// completed, a key holding an answer left alone (fewer rows than answers: the group is refused).
+const STORE_ANSWERS: &str = "INSERT INTO idempotency_keys AS k \
+     (user_id, key, request_hash, state, status, response, expires_at) \
+     SELECT u.user_id, u.key, u.request_hash, 'done', u.status, u.response, u.expires_at \
+     FROM unnest($1::text[], $2::text[], $3::text[], $4::bigint[], $5::jsonb[], $6::timestamptz[]) \
+          AS u (user_id, key, request_hash, status, response, expires_at) \
+     ON CONFLICT (user_id, key) DO UPDATE SET request_hash = excluded.request_hash, state = 'done', \
+     status = excluded.status, response = excluded.response, expires_at = excluded.expires_at \
+     WHERE k.expires_at <= $7::timestamptz \
+        OR (k.state = 'in_flight' AND k.request_hash = excluded.request_hash)";
 
 type PgQuery<'q> = Query<'q, Postgres, PgArguments>;
 

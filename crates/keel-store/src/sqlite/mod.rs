@@ -685,30 +685,7 @@ impl RunStore for SqliteStore {
         let (user_id, key, request_hash) = (user_id.to_owned(), key.to_owned(), request_hash.to_owned());
         self.db
             .write(move |c| {
-                let stored = one(
-                    c,
-                    "begin an idempotent request",
-                    "SELECT * FROM idempotency_keys WHERE user_id = ? AND key = ? AND expires_at > ?",
-                    [&user_id, &key, &ts(&now)],
-                    |r| {
-                        let cols = Cols::new(r, "idempotency_keys");
-                        let stored_hash: String = cols.get("request_hash")?;
-                        if stored_hash != request_hash {
-                            return Ok(IdempotencyBegin::Mismatch);
-                        }
-                        let state: String = cols.get("state")?;
-                        match state.as_str() {
-                            "in_flight" => Ok(IdempotencyBegin::InFlight),
-                            "done" => {
-                                let status: i64 = cols.get("status")?;
-                                let status = u16::try_from(status).map_err(|e| cols.bad("status", e))?;
-                                Ok(IdempotencyBegin::Done { status, response: cols.json("response")? })
-                            }
-                            _ => Err(cols.bad("state", "unknown value")),
-                        }
-                    },
-                )?;
-                if let Some(stored) = stored {
+                if let Some(stored) = find_key(c, "begin an idempotent request", &user_id, &key, &request_hash, &now)? {
                     return Ok(stored);
                 }
                 // new, or expired: this request starts it (again)
@@ -724,6 +701,17 @@ impl RunStore for SqliteStore {
                 Ok(IdempotencyBegin::Started)
             })
             .await
+    }
+
+    async fn idempotency_find(
+        &self,
+        user_id: &str,
+        key: &str,
+        request_hash: &str,
+        now: Timestamp,
+    ) -> StoreResult<Option<IdempotencyBegin>> {
+        let (user_id, key, request_hash) = (user_id.to_owned(), key.to_owned(), request_hash.to_owned());
+        self.db.read(move |c| find_key(c, "read an idempotency key", &user_id, &key, &request_hash, &now)).await
     }
 
     async fn idempotency_complete(&self, user_id: &str, key: &str, status: u16, response: &Value) -> StoreResult<()> {
@@ -1224,6 +1212,40 @@ impl Store for SqliteStore {
     async fn db_now(&self) -> StoreResult<Timestamp> {
         Ok(chrono::Utc::now())
     }
+}
+
+/// What a live key (not expired at `now`) holds for the request `request_hash` ([`RunStore::idempotency_find`]).
+fn find_key(
+    c: &Conn<'_, '_>,
+    what: &'static str,
+    user_id: &str,
+    key: &str,
+    request_hash: &str,
+    now: &Timestamp,
+) -> StoreResult<Option<IdempotencyBegin>> {
+    one(
+        c,
+        what,
+        "SELECT * FROM idempotency_keys WHERE user_id = ? AND key = ? AND expires_at > ?",
+        [user_id, key, &ts(now)],
+        |r| {
+            let cols = Cols::new(r, "idempotency_keys");
+            let stored_hash: String = cols.get("request_hash")?;
+            if stored_hash != request_hash {
+                return Ok(IdempotencyBegin::Mismatch);
+            }
+            let state: String = cols.get("state")?;
+            match state.as_str() {
+                "in_flight" => Ok(IdempotencyBegin::InFlight),
+                "done" => {
+                    let status: i64 = cols.get("status")?;
+                    let status = u16::try_from(status).map_err(|e| cols.bad("status", e))?;
+                    Ok(IdempotencyBegin::Done { status, response: cols.json("response")? })
+                }
+                _ => Err(cols.bad("state", "unknown value")),
+            }
+        },
+    )
 }
 
 #[cfg(test)]
