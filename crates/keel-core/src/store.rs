@@ -328,6 +328,9 @@ pub struct AnswerView {
     pub tool_calls: Vec<ToolCall>,
     /// The role stored for the user (`None`: none is).
     pub role: Option<UserRole>,
+    /// The facts of the run's conversation: what a tool's result adds to, for its
+    /// `facts_updated` (an interrupted run's conversation changes only by that run).
+    pub facts: Vec<Fact>,
 }
 
 /// The lease a run gets when it is created or started ([`NewRun::lease`],

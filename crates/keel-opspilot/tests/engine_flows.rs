@@ -49,6 +49,19 @@ async fn three_turn_conversation_resolves_it_from_facts() {
     assert_eq!(h.restart_count("pay-prod-2").await, 1);
     assert_eq!(h.instance_status("pay-prod-2").await, "healthy");
     assert_contiguous(&h.all_events(&run3).await);
+    // The restart's facts_updated, made by the worker the approval started (from the facts the
+    // approval read, not a read of its own), holds every fact of the conversation: the earlier
+    // runs' too.
+    let stored = keel_core::fact_map(&h.store.list_facts(&conv).await.unwrap());
+    assert_eq!(stored.get("instance").map(String::as_str), Some("pay-prod-2"));
+    let updated: Vec<_> = after
+        .iter()
+        .filter_map(|e| match &e.kind {
+            EventKind::FactsUpdated { facts } => Some(facts.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(updated, [stored], "one facts_updated, with all the facts");
 }
 
 #[tokio::test]

@@ -848,9 +848,15 @@ pub async fn expired_interrupt_cannot_be_resolved(store: SharedStore) {
 
 /// What an answer to an interrupt reads in one go is what the separate reads give: the run, its
 /// interrupts (a resolved one too, oldest first), its calls in order, and the answering user's
-/// stored role; nothing for a run that does not exist, and no role for a user without one.
+/// stored role, and the facts of its conversation (not another's); nothing for a run that does not
+/// exist, and no role for a user without one.
 pub async fn an_answer_view_is_the_run_its_interrupts_calls_and_the_role(store: SharedStore) {
-    let (_, run, first) = interrupted(&store, at(300)).await;
+    let (conversation, run, first) = interrupted(&store, at(300)).await;
+    // another conversation's fact
+    let (_, other, _) = interrupted(&store, at(300)).await;
+    let mut c = Commit::new(other.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, at(9));
+    c.facts.push(fact("order", "ord-9", FactSource::ToolResult, at(9)));
+    commit_ok(&store, c).await;
     // the first interrupt answered, a second one asked, in one commit each
     let mut c = Commit::new(run.id.clone(), acquire("w2", RunStatus::Interrupted, at(400)), at(10));
     c.run = to(RunStatus::Running);
@@ -868,6 +874,8 @@ pub async fn an_answer_view_is_the_run_its_interrupts_calls_and_the_role(store: 
     c.tool_calls.push(ToolCallChange::Insert(looked_up));
     c.tool_calls.push(ToolCallChange::Insert(call));
     c.new_interrupts.push(second);
+    c.facts.push(fact("order", "ord-2", FactSource::ToolResult, at(11)));
+    c.facts.push(fact("customer", "acme", FactSource::ToolResult, at(11)));
     commit_ok(&store, c).await;
     store.set_user_role("alice", UserRole::Operator).await.expect("role");
 
@@ -880,6 +888,9 @@ pub async fn an_answer_view_is_the_run_its_interrupts_calls_and_the_role(store: 
     assert!(calls.iter().any(|c| c.result.is_some()));
     assert_eq!(view.tool_calls, calls.iter().map(without_result).collect::<Vec<_>>(), "the calls, not their results");
     assert_eq!(view.role, Some(UserRole::Operator));
+    let facts = store.list_facts(&conversation.id).await.expect("facts");
+    assert_eq!(facts.len(), 2);
+    assert_eq!(keel_core::domain::fact_map(&view.facts), keel_core::domain::fact_map(&facts));
 
     assert_eq!(store.answer_view(&run.id, "nobody").await.expect("view").role, None);
     assert_eq!(

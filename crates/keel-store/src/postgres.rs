@@ -640,7 +640,7 @@ fn context_window_sql() -> &'static str {
             ("tool_call_id", "text"),
             ("created_at", "timestamptz"),
         ];
-        let fact: &[Column] = &[("key", "text"), ("value", "text"), ("source", "text"), ("updated_at", "timestamptz")];
+        let fact = FACT_COLUMNS;
         union_sql(
             &[
                 (0, "summaries", summary, "t.conversation_id = $1"),
@@ -654,8 +654,13 @@ fn context_window_sql() -> &'static str {
     })
 }
 
+/// The columns [`fact_from`] takes.
+const FACT_COLUMNS: &[Column] =
+    &[("key", "text"), ("value", "text"), ("source", "text"), ("updated_at", "timestamptz")];
+
 /// [`RunStore::answer_view`]'s one statement: the run (`k` 0), its interrupts, oldest first (`k` 1),
-/// its tool calls, in order (`k` 2), and the role of the user (`k` 3) ([`union_sql`]).
+/// its tool calls, in order (`k` 2), the role of the user (`k` 3) and the facts of the run's
+/// conversation (`k` 4) ([`union_sql`]).
 fn answer_view_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
@@ -698,9 +703,10 @@ fn answer_view_sql() -> &'static str {
                 (1, "interrupts", interrupt, "t.run_id = $1"),
                 (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, "t.run_id = $1"),
                 (3, "users", &[("role", "text")], "t.id = $2"),
+                (4, "facts", FACT_COLUMNS, "t.conversation_id = (SELECT conversation_id FROM runs WHERE id = $1)"),
             ],
             &[("result", "jsonb")],
-            "k, seq, created_at, id",
+            "k, seq, created_at, id, key",
         )
     })
 }
@@ -1088,7 +1094,8 @@ impl RunStore for PostgresStore {
                 0 => view.run = Some(run_from(row)?),
                 1 => view.interrupts.push(interrupt_from(row)?),
                 2 => view.tool_calls.push(tool_call_from(row)?),
-                _ => view.role = Some(Cols::new(row, "users").parse("role", UserRole::parse)?),
+                3 => view.role = Some(Cols::new(row, "users").parse("role", UserRole::parse)?),
+                _ => view.facts.push(fact_from(row)?),
             }
         }
         Ok(view)

@@ -333,6 +333,7 @@ impl Inner {
             held_first: false,
             planned_calls: primed.calls,
             primed_role: primed.role,
+            known_facts: primed.facts,
             claim_answer: None,
             claim_refused: false,
             renewer,

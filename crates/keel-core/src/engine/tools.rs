@@ -370,9 +370,16 @@ impl Worker {
                     updated_at: now,
                 });
             }
-            let mut facts = crate::domain::fact_map(&self.store().list_facts(&self.run.conversation_id).await?);
+            let mut facts = match self.known_facts.take() {
+                Some(known) => known,
+                None => crate::domain::fact_map(&self.store().list_facts(&self.run.conversation_id).await?),
+            };
             facts.extend(new_facts.into_iter().map(|(k, v)| (k, v.into_inner())));
-            c.events.push(EventKind::FactsUpdated { facts });
+            c.events.push(EventKind::FactsUpdated { facts: facts.clone() });
+            self.commit(c).await?;
+            // known again once written (a refused commit stops the worker)
+            self.known_facts = Some(facts);
+            return Ok(());
         }
         self.commit(c).await.map(|_| ())
     }

@@ -10,6 +10,9 @@ pub(super) struct Primed {
     /// The role of the run's user, read by that request just before (a resume by the run's own
     /// user): for the worker's first step, as fresh as its own read would be.
     pub(super) role: Option<Option<UserRole>>,
+    /// The facts of the run's conversation, read by that request just before, with that write's:
+    /// the worker's own writes are the only other change they can see ([`Worker::known_facts`]).
+    pub(super) facts: Option<FactMap>,
     /// An answer to an interrupt not written yet: the worker writes it with its first step
     /// ([`Claim`]).
     pub(super) claim: Option<Claim>,
@@ -33,12 +36,21 @@ impl Primed {
     /// After an answer to an interrupt of `run` by `user_id` (whose role is `role`), committed as
     /// `commit`, with the run's calls as they were before it: the calls as the commit leaves them,
     /// and the role when the one who answered is the run's user.
-    pub(super) fn after(commit: &Commit, calls: &[ToolCall], run: &Run, user_id: &str, role: Option<UserRole>) -> Self {
+    pub(super) fn after(
+        commit: &Commit,
+        view: (&[ToolCall], &[Fact]),
+        run: &Run,
+        user_id: &str,
+        role: Option<UserRole>,
+    ) -> Self {
+        let (calls, facts) = view;
         let mut calls = calls.to_vec();
         for change in &commit.tool_calls {
             change.apply_to(&mut calls);
         }
-        Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role), claim: None }
+        let mut facts = crate::domain::fact_map(facts);
+        facts.extend(commit.facts.iter().map(|f| (f.key.clone(), f.value.as_str().to_owned())));
+        Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role), facts: Some(facts), claim: None }
     }
 }
 
@@ -108,6 +120,10 @@ pub(super) struct Worker {
     /// The run's user's role, read just before the worker started ([`Primed::role`]): serves its
     /// first step only.
     pub(super) primed_role: Option<Option<UserRole>>,
+    /// The facts of the run's conversation as the worker last read them ([`Primed::facts`], the
+    /// context window) with its own writes since: no other run writes them while this one is
+    /// active, so a tool's `facts_updated` is made from them without a read.
+    pub(super) known_facts: Option<FactMap>,
     /// Where the outcome of the held answer's commit goes ([`Claim`]), until it is written.
     pub(super) claim_answer: Option<tokio::sync::oneshot::Sender<Result<Committed, StoreError>>>,
     /// The held answer's commit was refused: the run was never this worker's.
@@ -367,6 +383,7 @@ impl Worker {
         // One bounded read: the summary, the turns after it, their calls, the facts.
         let window = self.store().context_window(&self.run.conversation_id).await?;
         let facts = &window.facts;
+        self.known_facts = Some(crate::domain::fact_map(facts));
         let agent = self.agent.clone();
         let config = &agent.context;
         let plan = plan_context(

@@ -218,6 +218,17 @@ fn read_tool_calls(c: &Conn<'_, '_>, run_id: &RunId, with_results: bool) -> Stor
     many(c, "list tool calls", sql, [run_id.as_str()], tool_call_from)
 }
 
+/// The conversation's facts, by key.
+fn read_facts(c: &Conn<'_, '_>, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
+    many(
+        c,
+        "list facts",
+        "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
+        [conversation_id.as_str()],
+        fact_from,
+    )
+}
+
 fn read_role(c: &Conn<'_, '_>, user_id: &str) -> StoreResult<Option<UserRole>> {
     one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
         Cols::new(r, "users").parse("role", UserRole::parse)
@@ -633,11 +644,17 @@ impl RunStore for SqliteStore {
         let (run_id, user_id) = (run_id.to_owned(), user_id.to_owned());
         self.db
             .read(move |c| {
+                let run = read_run(c, &run_id)?;
+                let facts = match &run {
+                    Some(run) => read_facts(c, &run.conversation_id)?,
+                    None => Vec::new(),
+                };
                 Ok(AnswerView {
-                    run: read_run(c, &run_id)?,
+                    run,
                     interrupts: read_interrupts(c, &run_id)?,
                     tool_calls: read_tool_calls(c, &run_id, false)?,
                     role: read_role(c, &user_id)?,
+                    facts,
                 })
             })
             .await
@@ -964,17 +981,7 @@ impl ConversationStore for SqliteStore {
 
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
         let conversation_id = conversation_id.to_owned();
-        self.db
-            .read(move |c| {
-                many(
-                    c,
-                    "list facts",
-                    "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
-                    [conversation_id.as_str()],
-                    fact_from,
-                )
-            })
-            .await
+        self.db.read(move |c| read_facts(c, &conversation_id)).await
     }
 
     async fn get_summary(&self, conversation_id: &ConversationId) -> StoreResult<Option<Summary>> {
