@@ -208,7 +208,13 @@ struct Inner {
     /// The one look for every idle event stream of this process, where other processes commit
     /// (`poll_interval`); none where the bus delivers every event.
     idle: Option<Arc<crate::stream::IdleWatch>>,
+    /// Conversations' owners and agents, as made or read here ([`Engine::conversation_agent`]).
+    owners: Mutex<HashMap<ConversationId, (String, Option<String>)>>,
 }
+
+/// The most conversations whose owner and agent an engine keeps; past it, it forgets them all and
+/// reads them again as they come (at ~100 bytes each, a few megabytes at most).
+const OWNERS_KEPT: usize = 16_384;
 
 /// The engine. Dropping it aborts its workers at once, as a crash would; [`Engine::shutdown`] lets
 /// them reach a checkpoint first.
@@ -252,6 +258,7 @@ impl Engine {
                 shutting_down: AtomicBool::new(false),
                 capacity: supervisor::Capacity::new(max_concurrent_runs),
                 idle,
+                owners: Mutex::new(HashMap::new()),
             }),
             background: Mutex::new(Vec::new()),
         }
@@ -401,7 +408,38 @@ impl Engine {
         }
         let agent = self.inner.agents.resolve(agent_id).ok_or(EngineError::UnknownAgent)?;
         let title = Masked::from(if title.is_empty() { "New conversation" } else { title });
-        Ok(self.inner.store.create_conversation(user_id, &title, &agent.id, self.inner.clock.now()).await?)
+        let conversation =
+            self.inner.store.create_conversation(user_id, &title, &agent.id, self.inner.clock.now()).await?;
+        self.remember_owner(&conversation);
+        Ok(conversation)
+    }
+
+    /// The agent of `user_id`'s conversation `id` (someone else's is `NotFound`, like one that
+    /// doesn't exist), for a message that starts a run. A conversation's owner and agent are fixed
+    /// when it is made, and Keel deletes no conversation, so once made or read here they are known
+    /// without a read (a conversation made by another instance costs one, the first time).
+    async fn conversation_agent(&self, user_id: &str, id: &ConversationId) -> EngineResult<Option<String>> {
+        let known = self.inner.owners.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned();
+        let (owner, agent_id) = match known {
+            Some(known) => known,
+            None => {
+                let conversation = self.conversation(user_id, id).await?;
+                self.remember_owner(&conversation);
+                return Ok(conversation.agent_id);
+            }
+        };
+        if owner != user_id {
+            return Err(EngineError::NotFound("conversation"));
+        }
+        Ok(agent_id)
+    }
+
+    fn remember_owner(&self, conversation: &Conversation) {
+        let mut owners = self.inner.owners.lock().unwrap_or_else(|e| e.into_inner());
+        if owners.len() >= OWNERS_KEPT {
+            owners.clear();
+        }
+        owners.insert(conversation.id.clone(), (conversation.user_id.clone(), conversation.agent_id.clone()));
     }
 
     /// The agent a conversation talks to (the default one for a conversation made before agents).
@@ -467,9 +505,9 @@ impl Engine {
         if content.chars().count() > max {
             return Err(EngineError::Invalid(format!("content: must be at most {max} characters")));
         }
-        let conversation = self.conversation(user_id, conversation_id).await?;
+        let agent_id = self.conversation_agent(user_id, conversation_id).await?;
         // A conversation of an agent this server no longer runs can be read, not continued.
-        let agent = self.agent_of(&conversation).ok_or(EngineError::UnknownAgent)?;
+        let agent = self.inner.agents.resolve(agent_id.as_deref()).ok_or(EngineError::UnknownAgent)?;
         // A key or password pasted into the chat is masked before it is stored, streamed or shown to
         // the model.
         let content = Masked::from(content);
