@@ -26,8 +26,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    Commit, Committed, Fence, InterruptChange, NewLease, NewRun, RolledBack, StartedRun, StoreError, StoreResult,
-    TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewLease, NewRun, RolledBack, StartedRun, StoreError,
+    StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -1131,6 +1131,29 @@ async fn upsert_summary<T: Tx>(tx: &mut T, conversation_id: &ConversationId, s: 
     let args = [text(conversation_id.as_str()), text(s.through_message_id.as_str()), text(s.text.as_str())];
     execute(tx, "upsert the summary", &UPSERT_SUMMARY, &args).await?;
     Ok(())
+}
+
+/// What a live key's row holds for the request `request_hash` (both backends' readers): its
+/// `request_hash` and `state` as stored, and `done` to read its answer (status, response).
+pub(crate) fn stored_key(
+    request_hash: &str,
+    stored_hash: String,
+    state: String,
+    done: impl FnOnce() -> StoreResult<(i64, Value)>,
+) -> StoreResult<IdempotencyBegin> {
+    if stored_hash != request_hash {
+        return Ok(IdempotencyBegin::Mismatch);
+    }
+    match state.as_str() {
+        "in_flight" => Ok(IdempotencyBegin::InFlight),
+        "done" => {
+            let (status, response) = done()?;
+            let status = u16::try_from(status)
+                .map_err(|e| StoreError::Backend(format!("unreadable idempotency_keys.status: {e}")))?;
+            Ok(IdempotencyBegin::Done { status, response })
+        }
+        _ => Err(StoreError::Backend("unreadable idempotency_keys.state: unknown value".into())),
+    }
 }
 
 /// The answer under its key: a free key (new, or expired at the commit) is taken, the same request's

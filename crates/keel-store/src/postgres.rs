@@ -275,20 +275,9 @@ fn pool_options() -> PgPoolOptions {
 /// What a key's row holds for the request `request_hash`.
 fn stored_key(row: &PgRow, request_hash: &str) -> StoreResult<IdempotencyBegin> {
     let c = Cols::new(row, "idempotency_keys");
-    let stored_hash: String = c.get("request_hash")?;
-    if stored_hash != request_hash {
-        return Ok(IdempotencyBegin::Mismatch);
-    }
-    let state: String = c.get("state")?;
-    match state.as_str() {
-        "in_flight" => Ok(IdempotencyBegin::InFlight),
-        "done" => {
-            let status: i64 = c.get("status")?;
-            let status = u16::try_from(status).map_err(|e| c.bad("status", e))?;
-            Ok(IdempotencyBegin::Done { status, response: c.json("response")? })
-        }
-        _ => Err(c.bad("state", "unknown value")),
-    }
+    pipeline::stored_key(request_hash, c.get("request_hash")?, c.get("state")?, || {
+        Ok((c.get("status")?, c.json("response")?))
+    })
 }
 
 /// One connection, at once: an unreachable database is an error with its reason (the pool would

@@ -1236,21 +1236,10 @@ fn find_key(
         "SELECT * FROM idempotency_keys WHERE user_id = ? AND key = ? AND expires_at > ?",
         [user_id, key, &ts(now)],
         |r| {
-            let cols = Cols::new(r, "idempotency_keys");
-            let stored_hash: String = cols.get("request_hash")?;
-            if stored_hash != request_hash {
-                return Ok(IdempotencyBegin::Mismatch);
-            }
-            let state: String = cols.get("state")?;
-            match state.as_str() {
-                "in_flight" => Ok(IdempotencyBegin::InFlight),
-                "done" => {
-                    let status: i64 = cols.get("status")?;
-                    let status = u16::try_from(status).map_err(|e| cols.bad("status", e))?;
-                    Ok(IdempotencyBegin::Done { status, response: cols.json("response")? })
-                }
-                _ => Err(cols.bad("state", "unknown value")),
-            }
+            let c = Cols::new(r, "idempotency_keys");
+            pipeline::stored_key(request_hash, c.get("request_hash")?, c.get("state")?, || {
+                Ok((c.get("status")?, c.json("response")?))
+            })
         },
     )
 }
