@@ -629,13 +629,12 @@ fn context_window_sql() -> &'static str {
             ("tool_call_id", "text"),
             ("created_at", "timestamptz"),
         ];
-        let fact = FACT_COLUMNS;
         union_sql(
             &[
                 (0, "summaries", summary, "t.conversation_id = $1"),
                 (1, "messages", message, &messages),
                 (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, &calls),
-                (3, "facts", fact, "t.conversation_id = $1"),
+                (3, "facts", FACT_COLUMNS, "t.conversation_id = $1"),
             ],
             &[("result", "jsonb")],
             "k, seq, key",

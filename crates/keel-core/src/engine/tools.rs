@@ -359,13 +359,12 @@ impl Worker {
             summary,
             error_code: None,
         });
+        let mut known = None;
         if !output.facts.is_empty() {
-            let new_facts: Vec<(String, Masked<String>)> =
-                output.facts.iter().map(|(key, value)| (key.clone(), Masked::fact(key, value))).collect();
-            for (key, value) in &new_facts {
+            for (key, value) in &output.facts {
                 c.facts.push(Fact {
                     key: key.clone(),
-                    value: value.clone(),
+                    value: Masked::fact(key, value),
                     source: FactSource::ToolResult,
                     updated_at: now,
                 });
@@ -374,14 +373,16 @@ impl Worker {
                 Some(known) => known,
                 None => crate::domain::fact_map(&self.store().list_facts(&self.run.conversation_id).await?),
             };
-            facts.extend(new_facts.into_iter().map(|(k, v)| (k, v.into_inner())));
+            facts.extend(crate::domain::fact_map(&c.facts));
             c.events.push(EventKind::FactsUpdated { facts: facts.clone() });
-            self.commit(c).await?;
-            // known again once written (a refused commit stops the worker)
-            self.known_facts = Some(facts);
-            return Ok(());
+            known = Some(facts);
         }
-        self.commit(c).await.map(|_| ())
+        self.commit(c).await?;
+        // known again once written
+        if known.is_some() {
+            self.known_facts = known;
+        }
+        Ok(())
     }
 
     /// Records a call that failed (or never started): the model is told why and what kind of failure

@@ -49,7 +49,7 @@ impl Primed {
             change.apply_to(&mut calls);
         }
         let mut facts = crate::domain::fact_map(facts);
-        facts.extend(commit.facts.iter().map(|f| (f.key.clone(), f.value.as_str().to_owned())));
+        facts.extend(crate::domain::fact_map(&commit.facts));
         Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role), facts: Some(facts), claim: None }
     }
 }
