@@ -123,6 +123,10 @@ pub struct PostgresStore {
 }
 
 impl PostgresStore {
+    /// A pooled connection idle this long is tested (a round trip) before it is used again; one
+    /// used more recently is handed out as it is ([`pool_options`]).
+    pub const TEST_IDLE_AFTER: Duration = Duration::from_secs(1);
+
     /// Connects to `postgres://…` and migrates the database (in the connection's default schema,
     /// as its `search_path` says).
     pub async fn connect(url: &str) -> StoreResult<Self> {
@@ -268,8 +272,30 @@ impl PostgresStore {
     }
 }
 
+/// The pools' connections: up to [`MAX_CONNECTIONS`], each tested before it is handed out only
+/// when it sat idle for [`PostgresStore::TEST_IDLE_AFTER`] or longer.
+///
+/// sqlx tests every connection before it hands it out (`test_before_acquire`, on by default): a
+/// round trip to the database, and a wait for it, before each statement the pool runs. Under load
+/// that was a third of a run's round trips and 12–18% of its throughput (docs/benchmarks.md,
+/// "Eleventh session"). A connection in steady use has just answered; one that sat idle may have
+/// been ended meanwhile (the database restarted, a proxy or a firewall dropped it), and a test
+/// finds that out and opens another instead, so the caller never sees it. A connection in use
+/// when the database goes away fails the statement it runs, as it would with the test, and is
+/// closed (sqlx tests each connection as it comes back, and drops one that fails).
 fn pool_options() -> PgPoolOptions {
-    PgPoolOptions::new().max_connections(MAX_CONNECTIONS).acquire_timeout(ACQUIRE_TIMEOUT)
+    PgPoolOptions::new()
+        .max_connections(MAX_CONNECTIONS)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| {
+            Box::pin(async move {
+                if meta.idle_for >= PostgresStore::TEST_IDLE_AFTER {
+                    conn.ping().await?;
+                }
+                Ok(true)
+            })
+        })
 }
 
 /// What a key's row holds for the request `request_hash`.

@@ -797,6 +797,93 @@ async fn the_committers_find_rows_by_key_on_a_new_database() {
     drop(guard);
 }
 
+/// A run's commits that leave its status as it is change no indexed column of `runs`, so
+/// PostgreSQL writes them as heap-only tuples (no new entry in each of the table's indexes): the
+/// pruner's index names `finished_at`, which stays NULL until the run is over, not `updated_at`.
+/// The commit that ends the run changes its status, and its indexes, as it must.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_runs_commits_are_heap_only_updates() {
+    let Some(url) = url() else { return };
+    let (_, guard) = connect_fresh(&url).await;
+    let schema = guard.0.schema().expect("schema").to_owned();
+    let name = format!("{schema}_hot");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let store = PostgresStore::connect_with_schema_and(
+        &format!("{url}{separator}application_name={name}"),
+        &schema,
+        PostgresOptions { commit_queue: 64, committers: 1 },
+    )
+    .await
+    .expect("connect");
+    let run = queued_run(&store).await;
+    for _ in 0..10 {
+        store.commit(on_queued(&run, 2)).await.expect("a commit");
+    }
+    let mut end = on_queued(&run, 1);
+    end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("test".into()) });
+    store.commit(end).await.expect("the run's end");
+    let mut probe = PgConnection::connect(&url).await.expect("connect");
+    close_and_count(store, &mut probe, &name).await;
+    let (updates, hot): (i64, i64) = sqlx::query_as(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = 'runs'",
+    )
+    .bind(&schema)
+    .fetch_one(&mut probe)
+    .await
+    .expect("table statistics");
+    assert_eq!(updates, 11, "ten commits and the end, one update each");
+    assert_eq!(hot, 10, "the ten commits that left the status as it was, and not the end");
+    let finished: Option<DateTime<Utc>> =
+        sqlx::query_scalar(&format!("SELECT finished_at FROM {schema}.runs WHERE id = $1"))
+            .bind(run.as_str())
+            .fetch_one(&mut probe)
+            .await
+            .expect("finished_at");
+    assert!(finished.is_some(), "an ended run has its finish time");
+    drop(guard);
+}
+
+/// A connection the database ended while it sat in the pool is found out before it is handed out
+/// again: reads and commits after every session of the store was ended go on, on new connections.
+/// (The pools hand out a connection used less than `TEST_IDLE_AFTER` ago untested, a round trip
+/// saved per statement; the test covers the ones idle longer.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_ended_while_idle_are_replaced_before_use() {
+    let Some(url) = url() else { return };
+    let (_, guard) = connect_fresh(&url).await;
+    let schema = guard.0.schema().expect("schema").to_owned();
+    let name = format!("{schema}_idle");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    let store = PostgresStore::connect_with_schema_and(
+        &format!("{url}{separator}application_name={name}"),
+        &schema,
+        PostgresOptions { commit_queue: 64, committers: 1 },
+    )
+    .await
+    .expect("connect");
+    let run = queued_run(&store).await;
+    store.commit(on_queued(&run, 1)).await.expect("a commit");
+    let next = store.get_run(&run).await.expect("read").expect("the run").next_sequence;
+    let mut probe = PgConnection::connect(&url).await.expect("connect");
+    let ended: Vec<bool> =
+        sqlx::query_scalar("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(&name)
+            .fetch_all(&mut probe)
+            .await
+            .expect("end the sessions");
+    assert!(ended.len() >= 2, "the store's reader and committer sessions were ended: {ended:?}");
+    tokio::time::sleep(PostgresStore::TEST_IDLE_AFTER + Duration::from_millis(200)).await;
+    for attempt in 0..3 {
+        let read = store.get_run(&run).await.unwrap_or_else(|e| panic!("read {attempt} after the sessions ended: {e}"));
+        assert_eq!(read.expect("the run").next_sequence, next);
+    }
+    store.commit(on_queued(&run, 1)).await.expect("a commit after the sessions ended");
+    assert_eq!(store.get_run(&run).await.expect("read").expect("the run").next_sequence, next + 1);
+    let started = queued_run(&store).await;
+    assert_ne!(started, run);
+    drop(guard);
+}
+
 /// Two instances on one database: their groups take the run rows in one order, so commits on the
 /// same runs from both never deadlock, and every one is written once, in contiguous sequences.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

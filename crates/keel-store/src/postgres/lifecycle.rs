@@ -10,16 +10,17 @@ use super::{all, conversation_from, db, run_from, PostgresStore};
 
 /// The runs `rule` covers that still hold events: (id, first held sequence, next sequence), the
 /// runs that ended first first. `$1` the cutoff, `$2` the agent or NULL, `$3` the agents excluded
-/// when `$2` is NULL, `$4` the lower bound or NULL.
+/// when `$2` is NULL, `$4` the lower bound or NULL. A run's `finished_at` is its `updated_at` once
+/// it is over (`completed`, `failed`, `cancelled`) and NULL before (a generated column: the index
+/// on it leaves a running run's commits free to be written as heap-only tuples, migration 0012).
 const COVERED: &str = "SELECT r.id, COALESCE(p.first_held_sequence, 1) AS first_held, r.next_sequence \
      FROM runs r LEFT JOIN run_prunes p ON p.run_id = r.id \
-     WHERE r.status IN ('completed', 'failed', 'cancelled') AND r.updated_at < $1 \
-       AND ($4::timestamptz IS NULL OR r.updated_at >= $4) \
+     WHERE r.finished_at < $1 AND ($4::timestamptz IS NULL OR r.finished_at >= $4) \
        AND (CASE WHEN $2::text IS NULL \
                  THEN r.agent_id IS NULL OR NOT (r.agent_id = ANY($3::text[])) \
                  ELSE r.agent_id = $2 END) \
        AND COALESCE(p.first_held_sequence, 1) < r.next_sequence \
-     ORDER BY r.updated_at, r.id";
+     ORDER BY r.finished_at, r.id";
 
 impl PostgresStore {
     pub(super) async fn prune(&self, rule: &PruneRule, max_events: u32, dry_run: bool) -> StoreResult<Pruned> {
