@@ -38,6 +38,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool, Postgres, Row, Transactio
 
 mod commit;
 mod group;
+mod kept;
 mod lifecycle;
 
 use self::commit::PgTx;
@@ -120,6 +121,8 @@ pub struct PostgresStore {
     /// The dedicated schema of [`PostgresStore::connect_with_schema`], if any.
     schema: Option<String>,
     committer: std::sync::Arc<group::Committer>,
+    /// The connections the hot statements use again untested ([`kept`]).
+    kept: std::sync::Arc<kept::Kept>,
 }
 
 impl PostgresStore {
@@ -145,7 +148,8 @@ impl PostgresStore {
 
     fn new(pool: PgPool, schema: Option<String>, options: &PostgresOptions) -> Self {
         let committer = group::Committer::start(pool.clone(), options.committers, options.commit_queue);
-        Self { pool, schema, committer: std::sync::Arc::new(committer) }
+        let kept = std::sync::Arc::new(kept::Kept::new(pool.clone()));
+        Self { pool, schema, committer: std::sync::Arc::new(committer), kept }
     }
 
     /// Connects to `postgres://…`, creates `schema` if it does not exist, makes it every
@@ -218,6 +222,7 @@ impl PostgresStore {
     /// ones in use. Later commits are errors.
     pub async fn close(&self) {
         self.committer.close().await;
+        self.kept.release();
         self.pool.close().await;
     }
 
@@ -731,21 +736,44 @@ fn all<T>(rows: &[PgRow], from: fn(&PgRow) -> StoreResult<T>) -> StoreResult<Vec
 
 /// One commit in a transaction of its own: the answer a commit refused inside a group gets, and the
 /// one the others of that group get when they are written again without it ([`group`]).
-async fn commit_alone(pool: &PgPool, commit: &Commit) -> StoreResult<Committed> {
+async fn commit_alone(kept: &kept::Kept, commit: &Commit) -> StoreResult<Committed> {
     // READ COMMITTED, the server's default: correctness comes from conditional statements.
-    let mut tx = pool.begin().await.map_err(db("begin a transaction"))?;
-    // On an error the transaction is dropped, which rolls it back.
-    let committed = pipeline::apply_commit(&mut PgTx(&mut tx), commit).await?;
-    tx.commit().await.map_err(db("commit"))?;
-    Ok(committed)
+    kept.run_judged(
+        async |conn| {
+            let mut tx = conn.begin().await.map_err(db("begin a transaction"))?;
+            match pipeline::apply_commit(&mut PgTx(&mut tx), commit).await {
+                Ok(committed) => {
+                    tx.commit().await.map_err(db("commit"))?;
+                    Ok(committed)
+                }
+                Err(refused) => {
+                    // at once: the run row stays locked until the rollback is sent
+                    tx.rollback().await.map_err(db("roll back"))?;
+                    Err(refused)
+                }
+            }
+        },
+        // the database's answer: written, or refused by a condition it checked
+        |out| !matches!(out, Err(StoreError::Backend(_))),
+        db("begin a transaction"),
+    )
+    .await
 }
 
 #[async_trait]
 impl RunStore for PostgresStore {
     async fn start_run(&self, new: NewRun) -> StoreResult<StartedRun> {
         if new.enqueue.is_none() {
-            let mut conn = self.pool.acquire().await.map_err(db("start a run"))?;
-            match commit::start_at_once(&mut conn, &new, RunId::new(), MessageId::new()).await? {
+            let at_once = self
+                .kept
+                .run_judged(
+                    async |conn| commit::start_at_once(conn, &new, RunId::new(), MessageId::new()).await,
+                    // the database answered: the statement's rows, or a refusal it reported
+                    |out| !matches!(out, Err(StoreError::Backend(_))),
+                    db("start a run"),
+                )
+                .await;
+            match at_once? {
                 commit::AtOnce::Started(started) => return Ok(*started),
                 commit::AtOnce::Blocked(active) => return Err(StoreError::RunActive(active)),
                 // something changed the conversation meanwhile: the locking way
@@ -778,9 +806,11 @@ impl RunStore for PostgresStore {
     }
 
     async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>> {
-        let row = sqlx::query("SELECT * FROM runs WHERE id = $1")
-            .bind(id.as_str())
-            .fetch_optional(&self.pool)
+        let row = self
+            .kept
+            .run(async |conn| {
+                sqlx::query("SELECT * FROM runs WHERE id = $1").bind(id.as_str()).fetch_optional(conn).await
+            })
             .await
             .map_err(db("get a run"))?;
         row.as_ref().map(run_from).transpose()
@@ -1096,10 +1126,9 @@ impl RunStore for PostgresStore {
     }
 
     async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView> {
-        let rows = sqlx::query(answer_view_sql())
-            .bind(run_id.as_str())
-            .bind(user_id)
-            .fetch_all(&self.pool)
+        let rows = self
+            .kept
+            .run(async |conn| sqlx::query(answer_view_sql()).bind(run_id.as_str()).bind(user_id).fetch_all(conn).await)
             .await
             .map_err(db("read a run for an answer"))?;
         let mut view = AnswerView::default();
@@ -1272,16 +1301,21 @@ impl ConversationStore for PostgresStore {
             version: 0,
             created_at: micros(now),
         };
-        sqlx::query(
-            "INSERT INTO conversations (id, user_id, title, version, created_at, agent_id) VALUES ($1, $2, $3, $4, $5, $6)",
-        )
-        .bind(conversation.id.as_str())
-        .bind(&conversation.user_id)
-        .bind(conversation.title.as_str())
-            .bind(conversation.version)
-        .bind(conversation.created_at)
-        .bind(&conversation.agent_id)
-        .execute(&self.pool)
+        self.kept
+            .run(async |conn| {
+                sqlx::query(
+                    "INSERT INTO conversations (id, user_id, title, version, created_at, agent_id) \
+                     VALUES ($1, $2, $3, $4, $5, $6)",
+                )
+                .bind(conversation.id.as_str())
+                .bind(&conversation.user_id)
+                .bind(conversation.title.as_str())
+                .bind(conversation.version)
+                .bind(conversation.created_at)
+                .bind(&conversation.agent_id)
+                .execute(conn)
+                .await
+            })
             .await
             .map_err(insert("conversation"))?;
         Ok(conversation)
@@ -1380,9 +1414,9 @@ impl ConversationStore for PostgresStore {
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
         // One statement (one snapshot, one round trip, one of the database's statement overheads
         // instead of four): see [`context_window_sql`].
-        let rows = sqlx::query(context_window_sql())
-            .bind(conversation_id.as_str())
-            .fetch_all(&self.pool)
+        let rows = self
+            .kept
+            .run(async |conn| sqlx::query(context_window_sql()).bind(conversation_id.as_str()).fetch_all(conn).await)
             .await
             .map_err(db("read the context window"))?;
         let mut window =
@@ -1428,9 +1462,11 @@ impl ConversationStore for PostgresStore {
 #[async_trait]
 impl IdentityStore for PostgresStore {
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
-        let row = sqlx::query("SELECT role FROM users WHERE id = $1")
-            .bind(user_id)
-            .fetch_optional(&self.pool)
+        let row = self
+            .kept
+            .run(async |conn| {
+                sqlx::query("SELECT role FROM users WHERE id = $1").bind(user_id).fetch_optional(conn).await
+            })
             .await
             .map_err(db("get a user's role"))?;
         row.map(|row| Cols::new(&row, "users").parse("role", UserRole::parse)).transpose()

@@ -703,12 +703,13 @@ async fn commits_are_written_while_every_reader_connection_is_busy() {
     let Some(url) = url() else { return };
     let (store, _guard) = one_committer(&url, 64).await;
     let runs = [queued_run(&store).await, queued_run(&store).await];
+    // every connection the pool can give (the store keeps some of its own for its hot reads)
     let size = store.pool().options().get_max_connections();
     let mut held = Vec::new();
-    for _ in 0..size {
-        held.push(store.pool().acquire().await.expect("a reader connection"));
+    while let Ok(conn) = tokio::time::timeout(Duration::from_millis(300), store.pool().acquire()).await {
+        held.push(conn.expect("a reader connection"));
     }
-    assert_eq!(store.pool().num_idle(), 0, "every reader connection is held");
+    assert_eq!((store.pool().size(), store.pool().num_idle()), (size, 0), "every reader connection is held");
     for run in &runs {
         let committed = tokio::time::timeout(Duration::from_secs(5), store.commit(on_queued(run, 2)))
             .await
@@ -840,6 +841,39 @@ async fn a_running_runs_commits_are_heap_only_updates() {
             .await
             .expect("finished_at");
     assert!(finished.is_some(), "an ended run has its finish time");
+    drop(guard);
+}
+
+/// Reads cut off midway (their callers stopped waiting, as a closed request does) leave nothing
+/// behind for the reads after them: whichever connection those get, they see the rows as they are.
+/// (The store uses a connection again untested only after a statement that ended with the
+/// database's answer.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_cut_off_midway_leave_the_next_reads_right() {
+    let Some(url) = url() else { return };
+    let (store, guard) = connect_fresh(&url).await;
+    let schema = store.schema().expect("schema").to_owned();
+    let run = queued_run(&store).await;
+    let conversation = store.get_run(&run).await.expect("read").expect("the run").conversation_id;
+    let next = store.get_run(&run).await.expect("read").expect("the run").next_sequence;
+    let mut probe = PgConnection::connect(&url).await.expect("connect");
+    let mut lock = probe.begin().await.expect("begin");
+    sqlx::query(&format!("LOCK TABLE {schema}.runs IN ACCESS EXCLUSIVE MODE"))
+        .execute(&mut *lock)
+        .await
+        .expect("lock runs");
+    for _ in 0..10 {
+        let read = tokio::time::timeout(Duration::from_millis(50), store.get_run(&run)).await;
+        assert!(read.is_err(), "a read of runs waits for the lock: {read:?}");
+    }
+    lock.rollback().await.expect("unlock");
+    store.commit(on_queued(&run, 3)).await.expect("a commit");
+    for _ in 0..20 {
+        let read = store.get_run(&run).await.expect("read").expect("the run");
+        assert_eq!((read.id.clone(), read.next_sequence), (run.clone(), next + 3));
+        let window = store.context_window(&conversation).await.expect("the context window");
+        assert_eq!(window.messages.len(), 1, "the run's message");
+    }
     drop(guard);
 }
 

@@ -42,9 +42,10 @@ use keel_core::store::{Commit, Committed, Fence, StoreError, StoreResult, ToolCa
 use serde_json::Value;
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
-use sqlx::{PgConnection, PgPool, Postgres, Row};
+use sqlx::{Connection, PgConnection, PgPool, Postgres, Row};
 use tokio::sync::{mpsc, oneshot, Mutex};
 
+use super::kept::Kept;
 use super::{db, json, micros, Cols};
 
 /// The most commits one group takes: one transaction, and the wait of its first caller, stay short.
@@ -85,6 +86,8 @@ pub struct Committer {
     queue: mpsc::Sender<Msg>,
     /// The committers' own connections.
     pool: PgPool,
+    /// The same, used again without sqlx's test on release ([`Kept`]).
+    kept: Arc<Kept>,
     committers: usize,
     capacity: usize,
     counters: Arc<Counters>,
@@ -127,13 +130,14 @@ impl Committer {
             .min_connections(0)
             .max_connections(u32::try_from(committers).unwrap_or(u32::MAX))
             .connect_lazy_with(connect);
+        let kept = Arc::new(Kept::new(pool.clone()));
         let (queue, receiver) = mpsc::channel(capacity.max(1));
         let receiver = Arc::new(Mutex::new(receiver));
         let counters = Arc::new(Counters::default());
         for _ in 0..committers {
-            tokio::spawn(run(pool.clone(), receiver.clone(), counters.clone()));
+            tokio::spawn(run(kept.clone(), receiver.clone(), counters.clone()));
         }
-        Self { queue, pool, committers, capacity, counters }
+        Self { queue, pool, kept, committers, capacity, counters }
     }
 
     /// Queues `commit` and waits for its answer. With the queue full, [`StoreError::Overloaded`] at
@@ -175,6 +179,7 @@ impl Committer {
         for acked in acks {
             let _ = acked.await;
         }
+        self.kept.release();
         self.pool.close().await;
     }
 }
@@ -185,7 +190,7 @@ fn closed() -> StoreError {
 
 /// One committer: takes the commits queued at that moment (at most [`MAX_GROUP`], of distinct runs),
 /// writes them as one group, answers them. Ends at its [`Msg::Close`], or when every handle is gone.
-async fn run(pool: PgPool, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>) {
+async fn run(pool: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>) {
     let mut carried: Option<Job> = None;
     loop {
         let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
@@ -240,7 +245,7 @@ enum GroupFailure {
     Commit(StoreError),
 }
 
-async fn write_group(pool: &PgPool, group: Vec<Job>, counters: &Counters) {
+async fn write_group(pool: &Kept, group: Vec<Job>, counters: &Counters) {
     counters.groups.fetch_add(1, Ordering::Relaxed);
     counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
     let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
@@ -335,25 +340,33 @@ struct RunRow {
     waiting_behind: bool,
 }
 
-async fn write(pool: &PgPool, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
-    let mut tx = pool.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
-    match apply(&mut tx, commits).await {
-        Ok((answers, writes)) => {
-            if writes {
-                tx.commit().await.map_err(|e| GroupFailure::Commit(db("commit")(e)))?;
-            } else {
-                // every commit refused by its fence: nothing to write
-                tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+async fn write(pool: &Kept, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
+    pool.run_judged(
+        async |conn| {
+            let mut tx = conn.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
+            match apply(&mut tx, commits).await {
+                Ok((answers, writes)) => {
+                    if writes {
+                        tx.commit().await.map_err(|e| GroupFailure::Commit(db("commit")(e)))?;
+                    } else {
+                        // every commit refused by its fence: nothing to write
+                        tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+                    }
+                    Ok(answers)
+                }
+                Err(failure) => {
+                    // at once, not when the connection is next used: the run rows stay locked
+                    // until then, and the commits are about to be written again one by one
+                    tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+                    Err(failure)
+                }
             }
-            Ok(answers)
-        }
-        Err(failure) => {
-            // at once, not when the connection is next used: the run rows stay locked until then,
-            // and the commits are about to be written again on other connections
-            tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
-            Err(failure)
-        }
-    }
+        },
+        // written, or rolled back at the database's word: the connection is in sync
+        |out| !matches!(out, Err(GroupFailure::Commit(_))),
+        |e| GroupFailure::Commit(db("begin a transaction")(e)),
+    )
+    .await
 }
 
 /// Locks and reads the group's run rows, checks each commit's fence, writes the commits that pass:
