@@ -647,14 +647,14 @@ fn pg_instance(r: &sqlx::postgres::PgRow) -> Result<Instance, sqlx::Error> {
 
 /// The fleet in Keel's Postgres database (in the store's schema), shared by every instance.
 #[derive(Debug, Clone)]
-pub struct PostgresFleet(sqlx::PgPool);
+pub struct PostgresFleet(PostgresStore);
 
 impl PostgresFleet {
     /// The answer recorded under `key`, if an effect was applied under it.
     async fn recorded(&self, key: &str) -> Result<Option<serde_json::Value>, FleetError> {
         sqlx::query_scalar("SELECT answer FROM opspilot_effects WHERE key = $1")
             .bind(key)
-            .fetch_optional(&self.0)
+            .fetch_optional(self.0.pool())
             .await
             .map_err(pg("read an applied effect"))
     }
@@ -668,7 +668,7 @@ impl PostgresFleet {
             sqlx::query(statement).execute(&mut *tx).await.map_err(pg("create the fleet's tables"))?;
         }
         tx.commit().await.map_err(pg("create the fleet's tables"))?;
-        Ok(Self(store.pool().clone()))
+        Ok(Self(store.clone()))
     }
 }
 
@@ -676,7 +676,7 @@ impl PostgresFleet {
 impl Fleet for PostgresFleet {
     async fn seed(&self, seed: FleetSeed, now: Timestamp) -> Result<(), FleetError> {
         let fail = pg("seed the fleet");
-        let mut tx = self.0.begin().await.map_err(&fail)?;
+        let mut tx = self.0.pool().begin().await.map_err(&fail)?;
         // Seeds are serialised with each other: a second seed replaces the first instead of
         // colliding with it. Plain reads go on.
         sqlx::query("LOCK TABLE opspilot_instances, opspilot_error_logs, opspilot_effects IN EXCLUSIVE MODE")
@@ -725,16 +725,18 @@ impl Fleet for PostgresFleet {
     async fn instances(&self, limit: u32) -> Result<Vec<Instance>, FleetError> {
         let rows = sqlx::query("SELECT * FROM opspilot_instances ORDER BY id LIMIT $1")
             .bind(i64::from(limit))
-            .fetch_all(&self.0)
+            .fetch_all(self.0.pool())
             .await
             .map_err(pg("list instances"))?;
         rows.iter().map(pg_instance).collect::<Result<_, _>>().map_err(pg("list instances"))
     }
 
     async fn instance(&self, id: &str) -> Result<Option<Instance>, FleetError> {
-        let row = sqlx::query("SELECT * FROM opspilot_instances WHERE id = $1")
-            .bind(id)
-            .fetch_optional(&self.0)
+        let row = self
+            .0
+            .run_kept(async |conn| {
+                sqlx::query("SELECT * FROM opspilot_instances WHERE id = $1").bind(id).fetch_optional(conn).await
+            })
             .await
             .map_err(pg("read an instance"))?;
         row.as_ref().map(pg_instance).transpose().map_err(pg("read an instance"))
@@ -745,7 +747,7 @@ impl Fleet for PostgresFleet {
             "SELECT service, env, COUNT(*) AS n, COUNT(*) FILTER (WHERE status = 'abnormal') AS abnormal \
              FROM opspilot_instances GROUP BY service, env ORDER BY service, env",
         )
-        .fetch_all(&self.0)
+        .fetch_all(self.0.pool())
         .await
         .map_err(pg("list services"))?;
         rows.iter()
@@ -777,7 +779,7 @@ impl Fleet for PostgresFleet {
             .bind(env)
             .bind(exclude)
             .bind(i64::from(count_up_to))
-            .fetch_one(&self.0)
+            .fetch_one(self.0.pool())
             .await
             .map_err(&fail)?;
         let rows = sqlx::query(&format!("SELECT * {WHERE} ORDER BY id LIMIT $4"))
@@ -785,7 +787,7 @@ impl Fleet for PostgresFleet {
             .bind(env)
             .bind(exclude)
             .bind(i64::from(limit))
-            .fetch_all(&self.0)
+            .fetch_all(self.0.pool())
             .await
             .map_err(&fail)?;
         Ok((rows.iter().map(pg_instance).collect::<Result<_, _>>().map_err(&fail)?, total))
@@ -799,7 +801,7 @@ impl Fleet for PostgresFleet {
                 .bind(service)
                 .bind(env)
                 .bind(since)
-                .fetch_all(&self.0)
+                .fetch_all(self.0.pool())
                 .await
                 .map_err(&fail)?;
         let top_instance: Option<(String, i64)> = sqlx::query_as(&format!(
@@ -808,7 +810,7 @@ impl Fleet for PostgresFleet {
         .bind(service)
         .bind(env)
         .bind(since)
-        .fetch_optional(&self.0)
+        .fetch_optional(self.0.pool())
         .await
         .map_err(&fail)?;
         let rows = sqlx::query(&format!("SELECT * {WHERE} ORDER BY at DESC, id DESC LIMIT $4"))
@@ -816,7 +818,7 @@ impl Fleet for PostgresFleet {
             .bind(env)
             .bind(since)
             .bind(i64::from(samples))
-            .fetch_all(&self.0)
+            .fetch_all(self.0.pool())
             .await
             .map_err(&fail)?;
         let samples = rows
@@ -843,7 +845,7 @@ impl Fleet for PostgresFleet {
         )
         .bind(service)
         .bind(env)
-        .fetch_all(&self.0)
+        .fetch_all(self.0.pool())
         .await
         .map_err(pg("read releases"))
     }
@@ -854,21 +856,26 @@ impl Fleet for PostgresFleet {
         // executions of one key at once, the second waits for the instance's row, finds it restarted
         // (no longer abnormal), writes nothing, and reads the first's record below: one effect per
         // key, even between instances, in one round trip.
-        let (prior, recorded): (Option<serde_json::Value>, Option<serde_json::Value>) = sqlx::query_as(
-            "WITH prior AS (SELECT answer FROM opspilot_effects WHERE key = $2), \
-             done AS (UPDATE opspilot_instances SET status = 'healthy', restart_count = restart_count + 1 \
-                      WHERE id = $1 AND status = 'abnormal' AND NOT EXISTS (SELECT 1 FROM prior) \
-                      RETURNING id, restart_count), \
-             recorded AS (INSERT INTO opspilot_effects (key, answer) \
-                          SELECT $2, jsonb_build_object('instanceId', id, 'restartCount', restart_count) FROM done \
-                          RETURNING answer) \
-             SELECT (SELECT answer FROM prior), (SELECT answer FROM recorded)",
-        )
-        .bind(instance_id)
-        .bind(key)
-        .fetch_one(&self.0)
-        .await
-        .map_err(&fail)?;
+        let (prior, recorded): (Option<serde_json::Value>, Option<serde_json::Value>) = self
+            .0
+            .run_kept(async |conn| {
+                sqlx::query_as(
+                    "WITH prior AS (SELECT answer FROM opspilot_effects WHERE key = $2), \
+                     done AS (UPDATE opspilot_instances SET status = 'healthy', restart_count = restart_count + 1 \
+                              WHERE id = $1 AND status = 'abnormal' AND NOT EXISTS (SELECT 1 FROM prior) \
+                              RETURNING id, restart_count), \
+                     recorded AS (INSERT INTO opspilot_effects (key, answer) \
+                                  SELECT $2, jsonb_build_object('instanceId', id, 'restartCount', restart_count) FROM done \
+                                  RETURNING answer) \
+                     SELECT (SELECT answer FROM prior), (SELECT answer FROM recorded)",
+                )
+                .bind(instance_id)
+                .bind(key)
+                .fetch_one(conn)
+                .await
+            })
+            .await
+            .map_err(&fail)?;
         let answer = match prior.or(recorded) {
             Some(answer) => answer,
             // Not restarted here: another execution of the key may have just recorded it.
@@ -895,7 +902,7 @@ impl Fleet for PostgresFleet {
         key: &str,
     ) -> Result<RolledBack, FleetError> {
         let fail = pg("roll back a release");
-        let mut tx = self.0.begin().await.map_err(&fail)?;
+        let mut tx = self.0.pool().begin().await.map_err(&fail)?;
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))").bind(key).execute(&mut *tx).await.map_err(&fail)?;
         if let Some(answer) = pg_recorded(&mut tx, key).await? {
             return serde_json::from_value(answer).map_err(|e| FleetError::Backend(e.to_string()));
