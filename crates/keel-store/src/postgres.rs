@@ -55,8 +55,8 @@ const EARLIER_CHECKSUMS: &[(i64, &str)] =
     &[(1, "a47af493a73e34b5997330377134d296c5d86319b51456f174cf3492b91a696ac578243185d724b5c095899b2fca52e6")];
 
 /// The connections of everything but the committers, which have [`PostgresOptions::committers`] more
-/// of their own.
-const MAX_CONNECTIONS: u32 = 12;
+/// of their own, and the hot statements, which have [`kept::KEEP`] more.
+const MAX_CONNECTIONS: u32 = 8;
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The statuses of a run that holds its conversation (`RunStatus::is_active`).
 const ACTIVE: &str = "('queued', 'running', 'interrupted')";
@@ -148,7 +148,7 @@ impl PostgresStore {
 
     fn new(pool: PgPool, schema: Option<String>, options: &PostgresOptions) -> Self {
         let committer = group::Committer::start(pool.clone(), options.committers, options.commit_queue);
-        let kept = std::sync::Arc::new(kept::Kept::new(pool.clone()));
+        let kept = std::sync::Arc::new(kept::Kept::new(kept::by_key(&pool, kept::KEEP)));
         Self { pool, schema, committer: std::sync::Arc::new(committer), kept }
     }
 
@@ -234,7 +234,7 @@ impl PostgresStore {
     /// ones in use. Later commits are errors.
     pub async fn close(&self) {
         self.committer.close().await;
-        self.kept.release();
+        self.kept.close().await;
         self.pool.close().await;
     }
 

@@ -918,6 +918,71 @@ async fn connections_ended_while_idle_are_replaced_before_use() {
     drop(guard);
 }
 
+/// The hot reads — a step's context, an answer's view, a run — find rows by their keys on a new
+/// database too (tables of a page, their statistics just gathered), where a plan kept for the
+/// connection's life could read `tool_calls`, `messages` or `runs` whole at every later read, however
+/// large they grow: they run on connections of their own that keep each statement's first plan
+/// and read indexes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hot_reads_find_rows_by_key_on_a_new_database() {
+    let Some(url) = url() else { return };
+    let (_, guard) = connect_fresh(&url).await;
+    let schema = guard.0.schema().expect("schema").to_owned();
+    let options = PostgresOptions { commit_queue: 64, committers: 1 };
+    let named = |name: &str| {
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}application_name={name}")
+    };
+    let mut probe = PgConnection::connect(&url).await.expect("connect");
+    // a run whose conversation holds a tool call and the message of its result
+    let setup_name = format!("{schema}_setup");
+    let setup =
+        PostgresStore::connect_with_schema_and(&named(&setup_name), &schema, options.clone()).await.expect("connect");
+    let run = queued_run(&setup).await;
+    let conversation = setup.get_run(&run).await.expect("read").expect("the run").conversation_id;
+    let call = new_call(&run, ToolCallState::Requested);
+    let mut commit = on_queued(&run, 1);
+    commit.tool_calls.push(ToolCallChange::Insert(call.clone()));
+    commit.messages.push(Message {
+        id: MessageId::new(),
+        conversation_id: conversation.clone(),
+        run_id: Some(run.clone()),
+        role: Role::Tool,
+        content: "done".into(),
+        tool_call_id: Some(call.id.clone()),
+        created_at: now(),
+    });
+    setup.commit(commit).await.expect("the call and its result");
+    close_and_count(setup, &mut probe, &setup_name).await;
+    let tables = ["tool_calls", "messages", "runs"];
+    // statistics of tables of a page, as autovacuum gathers them early on a new database: from
+    // then on a whole-table read is the cheaper plan, and a plan kept would stay one
+    for table in tables {
+        sqlx::query(&format!("ANALYZE {schema}.{table}")).execute(&mut probe).await.expect("analyze");
+    }
+    let mut before = Vec::new();
+    for table in tables {
+        before.push(seq_scans(&mut probe, &schema, table).await);
+    }
+    // the reads, by another store: more than the five a statement is planned afresh for
+    let name = format!("{schema}_reads");
+    let store = PostgresStore::connect_with_schema_and(&named(&name), &schema, options).await.expect("connect");
+    for _ in 0..12 {
+        let window = store.context_window(&conversation).await.expect("the context window");
+        assert_eq!(window.tool_calls.len(), 1, "the call its tool message answers");
+        let view = store.answer_view(&run, "alice").await.expect("the answer view");
+        assert_eq!(view.tool_calls.len(), 1);
+        assert!(store.get_run(&run).await.expect("read").is_some());
+    }
+    close_and_count(store, &mut probe, &name).await;
+    let mut after = Vec::new();
+    for table in tables {
+        after.push(seq_scans(&mut probe, &schema, table).await);
+    }
+    assert_eq!(after, before, "a hot read read {tables:?} whole");
+    drop(guard);
+}
+
 /// Two instances on one database: their groups take the run rows in one order, so commits on the
 /// same runs from both never deadlock, and every one is written once, in contiguous sequences.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -84,9 +84,7 @@ enum Msg {
 /// The committers' queue. Cloning the store shares it.
 pub struct Committer {
     queue: mpsc::Sender<Msg>,
-    /// The committers' own connections.
-    pool: PgPool,
-    /// The same, used again without sqlx's test on release ([`Kept`]).
+    /// The committers' own connections, used again without sqlx's test on release ([`Kept`]).
     kept: Arc<Kept>,
     committers: usize,
     capacity: usize,
@@ -121,15 +119,7 @@ impl Committer {
     /// readers, or a reader behind the groups.
     pub fn start(pool: PgPool, committers: usize, capacity: usize) -> Self {
         let committers = committers.max(1);
-        let connect = (*pool.connect_options())
-            .clone()
-            .options([("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")]);
-        let pool = pool
-            .options()
-            .clone()
-            .min_connections(0)
-            .max_connections(u32::try_from(committers).unwrap_or(u32::MAX))
-            .connect_lazy_with(connect);
+        let pool = super::kept::by_key(&pool, committers);
         let kept = Arc::new(Kept::new(pool.clone()));
         let (queue, receiver) = mpsc::channel(capacity.max(1));
         let receiver = Arc::new(Mutex::new(receiver));
@@ -137,7 +127,7 @@ impl Committer {
         for _ in 0..committers {
             tokio::spawn(run(kept.clone(), receiver.clone(), counters.clone()));
         }
-        Self { queue, pool, kept, committers, capacity, counters }
+        Self { queue, kept, committers, capacity, counters }
     }
 
     /// Queues `commit` and waits for its answer. With the queue full, [`StoreError::Overloaded`] at
@@ -179,8 +169,7 @@ impl Committer {
         for acked in acks {
             let _ = acked.await;
         }
-        self.kept.release();
-        self.pool.close().await;
+        self.kept.close().await;
     }
 }
 

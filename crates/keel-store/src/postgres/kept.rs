@@ -7,8 +7,8 @@
 //! counted on the HITL flow at concurrency 32, 18 sends to the database a run, 8 of them those
 //! tests (docs/benchmarks.md, "Eleventh session").
 //!
-//! **How.** [`Kept`] holds up to [`KEEP`] connections taken from the store's pool and hands them
-//! out again as they are, without a test, when the statement they ran ended with the database's
+//! **How.** [`Kept`] holds up to [`KEEP`] connections of a pool of its own and hands them out
+//! again as they are, without a test, when the statement they ran ended with the database's
 //! answer (rows, or an error the database reported): such a connection is idle and in sync. Any
 //! other end — an I/O error, a protocol error, a statement cut off because its caller stopped
 //! waiting, a transaction left open — gives the connection back to the pool instead, whose test
@@ -16,30 +16,60 @@
 //! [`PostgresStore::TEST_IDLE_AFTER`](super::PostgresStore::TEST_IDLE_AFTER) or longer is tested
 //! before it is used, as the pool's are, so one the database ended meanwhile is replaced.
 //!
-//! The kept connections count against the pool's size: up to [`KEEP`] of its connections are kept
-//! here, the rest serve every other statement.
+//! **Plans.** Every statement run here finds its rows by key, so the connections are opened as
+//! the committers' are ([`by_key`]): each statement's first plan is kept (`plan_cache_mode =
+//! force_generic_plan`), and it reads the keys' indexes (`enable_seqscan = off`). With the
+//! default settings a plan made while a table was a page — a new database — could read the whole
+//! table at every later execution: measured on the HITL flow, in one benchmark round of four, the
+//! context's read of the tool calls its messages answer read `tool_calls` whole 5,164 times in
+//! 3,000 runs (3.7 million rows), and the round ran 20% slower (docs/benchmarks.md, "Eleventh
+//! session").
 
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
+use tokio::sync::{Semaphore, SemaphorePermit};
 
 use super::PostgresStore;
 
-/// The most connections kept: about as many as a two-core server has hot statements in flight
-/// at once under load; the pool keeps the rest of its twelve.
+/// The most connections kept, and the size of their pool: more than a two-core server has hot
+/// statements in flight at once under load.
 pub(super) const KEEP: usize = 6;
+
+/// A pool of at most `size` connections like `pool`'s (its options, its hooks), opened as they
+/// are first needed, for statements that find their rows by key: each statement's first plan is
+/// kept, and reads indexes rather than whole tables (the committers' connections and
+/// [`Kept`]'s).
+pub(super) fn by_key(pool: &PgPool, size: usize) -> PgPool {
+    let connect = (*pool.connect_options())
+        .clone()
+        .options([("plan_cache_mode", "force_generic_plan"), ("enable_seqscan", "off")]);
+    pool.options()
+        .clone()
+        .min_connections(0)
+        .max_connections(u32::try_from(size).unwrap_or(u32::MAX))
+        .connect_lazy_with(connect)
+}
 
 #[derive(Debug)]
 pub(super) struct Kept {
     pool: PgPool,
     idle: Mutex<Vec<(PoolConnection<Postgres>, Instant)>>,
+    /// One per connection of `pool`: a statement holds one while it runs, so a caller that finds
+    /// no idle connection here always finds the pool with one to give (the kept ones, which the
+    /// pool counts as out, would otherwise leave it waiting for a connection nobody returns).
+    turns: Semaphore,
+    wait: Duration,
 }
 
 impl Kept {
+    /// Keeps connections of `pool`, which it must be the only user of.
     pub(super) fn new(pool: PgPool) -> Self {
-        Self { pool, idle: Mutex::new(Vec::with_capacity(KEEP)) }
+        let size = pool.options().get_max_connections() as usize;
+        let wait = pool.options().get_acquire_timeout();
+        Self { pool, idle: Mutex::new(Vec::with_capacity(KEEP)), turns: Semaphore::new(size.max(1)), wait }
     }
 
     /// Runs `f` on a kept connection, or on one from the pool when none is idle; keeps the
@@ -61,8 +91,13 @@ impl Kept {
         answered: impl FnOnce(&Result<T, E>) -> bool,
         failed: impl FnOnce(sqlx::Error) -> E,
     ) -> Result<T, E> {
+        let turn = match tokio::time::timeout(self.wait, self.turns.acquire()).await {
+            Ok(Ok(turn)) => turn,
+            Ok(Err(_)) => return Err(failed(sqlx::Error::PoolClosed)),
+            Err(_) => return Err(failed(sqlx::Error::PoolTimedOut)),
+        };
         let conn = self.take().await.map_err(failed)?;
-        let mut lease = Lease { kept: self, conn: Some(conn), answered: false };
+        let mut lease = Lease { kept: self, conn: Some(conn), answered: false, _turn: turn };
         let out = f(lease.conn.as_mut().expect("a connection")).await;
         lease.answered = answered(&out);
         out
@@ -79,10 +114,12 @@ impl Kept {
         }
     }
 
-    /// Gives every kept connection back to the pool (before the pool closes).
-    pub(super) fn release(&self) {
+    /// Closes the kept connections and their pool; waits for the ones in use.
+    pub(super) async fn close(&self) {
+        self.turns.close();
         let idle = std::mem::take(&mut *self.idle.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
         drop(idle);
+        self.pool.close().await;
     }
 }
 
@@ -92,6 +129,8 @@ struct Lease<'a> {
     conn: Option<PoolConnection<Postgres>>,
     /// The statement ended with the database's answer: the connection is idle and in sync.
     answered: bool,
+    /// Given back after the connection (fields drop in order).
+    _turn: SemaphorePermit<'a>,
 }
 
 impl Drop for Lease<'_> {
