@@ -215,7 +215,7 @@ impl PostgresStore {
 
     /// Runs `f` on one of the connections the store uses again without sqlx's test on release (a
     /// round trip saved per use, [`kept`]): for a program's own frequent statements on Keel's
-    /// database (the demo's fleet). `f` must not leave a transaction open. After a statement that
+    /// database (the demo keeps its tables there). `f` must not leave a transaction open. After a statement that
     /// ended otherwise than with the database's answer (an I/O error, a caller that stopped
     /// waiting), the connection goes back to the pool, which tests it.
     pub async fn run_kept<T>(
