@@ -214,10 +214,12 @@ impl PostgresStore {
     }
 
     /// Runs `f` on one of the connections the store uses again without sqlx's test on release (a
-    /// round trip saved per use, [`kept`]): for a program's own frequent statements on Keel's
-    /// database (the demo keeps its tables there). `f` must not leave a transaction open. After a statement that
-    /// ended otherwise than with the database's answer (an I/O error, a caller that stopped
-    /// waiting), the connection goes back to the pool, which tests it.
+    /// round trip saved per use, [`kept`]): for a program's own frequent statements that find
+    /// rows by key in Keel's database (the demo keeps its tables there). `f` must not leave a
+    /// transaction open. After a statement that ended otherwise than with the database's answer
+    /// (an I/O error, a caller that stopped waiting), the connection goes back to its pool, which
+    /// tests it. These connections keep each statement's first plan and read indexes rather than
+    /// whole tables ([`kept`]): a statement that must read a table whole belongs on [`Self::pool`].
     pub async fn run_kept<T>(
         &self,
         f: impl AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
