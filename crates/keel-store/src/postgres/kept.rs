@@ -4,8 +4,8 @@
 //! wait for the database's `ReadyForQuery`: a round trip, in a task of its own). The statements a
 //! run makes at every step — its context, an answer's view, the start of a message — would each
 //! cost the database a second wake-up and both processes a send and a receive for that test:
-//! counted on the HITL flow at concurrency 32, 18 sends to the database a run, 8 of them those
-//! tests (docs/benchmarks.md, "Eleventh session").
+//! counted on the HITL flow at concurrency 32, about 6 of the 20 sends a run to the database
+//! (docs/benchmarks.md, "Eleventh session").
 //!
 //! **How.** [`Kept`] holds up to [`KEEP`] connections of a pool of its own and hands them out
 //! again as they are, without a test, when the statement they ran ended with the database's
@@ -34,8 +34,8 @@ use tokio::sync::{Semaphore, SemaphorePermit};
 
 use super::PostgresStore;
 
-/// The most connections kept, and the size of their pool: more than a two-core server has hot
-/// statements in flight at once under load.
+/// The size of the hot statements' pool, and so the most of its connections kept idle (the
+/// committers keep theirs, one each).
 pub(super) const KEEP: usize = 6;
 
 /// A pool of at most `size` connections like `pool`'s (its options, its hooks), opened as they
