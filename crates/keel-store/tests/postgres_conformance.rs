@@ -733,6 +733,19 @@ async fn seq_scans(conn: &mut PgConnection, schema: &str, table: &str) -> i64 {
         .expect("table statistics")
 }
 
+/// A store on `schema` with one committer, whose sessions are named `name` (`application_name`):
+/// a test can find them in `pg_stat_activity`, end them, or wait for their statistics.
+async fn named_store(url: &str, schema: &str, name: &str) -> PostgresStore {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    PostgresStore::connect_with_schema_and(
+        &format!("{url}{separator}application_name={name}"),
+        schema,
+        PostgresOptions { commit_queue: 64, committers: 1 },
+    )
+    .await
+    .expect("connect")
+}
+
 /// Closes `store`, ends its sessions (named `name`) and waits until they are gone: a session sends
 /// its counts to the statistics as it ends, at the latest.
 async fn close_and_count(store: PostgresStore, conn: &mut PgConnection, name: &str) {
@@ -808,14 +821,7 @@ async fn a_running_runs_commits_are_heap_only_updates() {
     let (_, guard) = connect_fresh(&url).await;
     let schema = guard.0.schema().expect("schema").to_owned();
     let name = format!("{schema}_hot");
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let store = PostgresStore::connect_with_schema_and(
-        &format!("{url}{separator}application_name={name}"),
-        &schema,
-        PostgresOptions { commit_queue: 64, committers: 1 },
-    )
-    .await
-    .expect("connect");
+    let store = named_store(&url, &schema, &name).await;
     let run = queued_run(&store).await;
     for _ in 0..10 {
         store.commit(on_queued(&run, 2)).await.expect("a commit");
@@ -887,14 +893,7 @@ async fn connections_ended_while_idle_are_replaced_before_use() {
     let (_, guard) = connect_fresh(&url).await;
     let schema = guard.0.schema().expect("schema").to_owned();
     let name = format!("{schema}_idle");
-    let separator = if url.contains('?') { '&' } else { '?' };
-    let store = PostgresStore::connect_with_schema_and(
-        &format!("{url}{separator}application_name={name}"),
-        &schema,
-        PostgresOptions { commit_queue: 64, committers: 1 },
-    )
-    .await
-    .expect("connect");
+    let store = named_store(&url, &schema, &name).await;
     let run = queued_run(&store).await;
     store.commit(on_queued(&run, 1)).await.expect("a commit");
     let next = store.get_run(&run).await.expect("read").expect("the run").next_sequence;
@@ -928,16 +927,10 @@ async fn the_hot_reads_find_rows_by_key_on_a_new_database() {
     let Some(url) = url() else { return };
     let (_, guard) = connect_fresh(&url).await;
     let schema = guard.0.schema().expect("schema").to_owned();
-    let options = PostgresOptions { commit_queue: 64, committers: 1 };
-    let named = |name: &str| {
-        let separator = if url.contains('?') { '&' } else { '?' };
-        format!("{url}{separator}application_name={name}")
-    };
     let mut probe = PgConnection::connect(&url).await.expect("connect");
     // a run whose conversation holds a tool call and the message of its result
     let setup_name = format!("{schema}_setup");
-    let setup =
-        PostgresStore::connect_with_schema_and(&named(&setup_name), &schema, options.clone()).await.expect("connect");
+    let setup = named_store(&url, &schema, &setup_name).await;
     let run = queued_run(&setup).await;
     let conversation = setup.get_run(&run).await.expect("read").expect("the run").conversation_id;
     let call = new_call(&run, ToolCallState::Requested);
@@ -966,7 +959,7 @@ async fn the_hot_reads_find_rows_by_key_on_a_new_database() {
     }
     // the reads, by another store: more than the five a statement is planned afresh for
     let name = format!("{schema}_reads");
-    let store = PostgresStore::connect_with_schema_and(&named(&name), &schema, options).await.expect("connect");
+    let store = named_store(&url, &schema, &name).await;
     for _ in 0..12 {
         let window = store.context_window(&conversation).await.expect("the context window");
         assert_eq!(window.tool_calls.len(), 1, "the call its tool message answers");
