@@ -748,6 +748,13 @@ fn all<T>(rows: &[PgRow], from: fn(&PgRow) -> StoreResult<T>) -> StoreResult<Vec
     rows.iter().map(from).collect()
 }
 
+/// Whether a store operation on a kept connection ended with the database's answer — its rows, or
+/// a refusal it reported (a conflict, a duplicate, a missing row) — and so left the connection in
+/// sync ([`kept::Kept::run_judged`]); a `Backend` error may be the connection's own.
+fn answered<T>(out: &StoreResult<T>) -> bool {
+    !matches!(out, Err(StoreError::Backend(_)))
+}
+
 /// One commit in a transaction of its own: the answer a commit refused inside a group gets, and the
 /// one the others of that group get when they are written again without it ([`group`]).
 async fn commit_alone(kept: &kept::Kept, commit: &Commit) -> StoreResult<Committed> {
@@ -767,8 +774,7 @@ async fn commit_alone(kept: &kept::Kept, commit: &Commit) -> StoreResult<Committ
                 }
             }
         },
-        // the database's answer: written, or refused by a condition it checked
-        |out| !matches!(out, Err(StoreError::Backend(_))),
+        answered,
         db("begin a transaction"),
     )
     .await
@@ -782,8 +788,7 @@ impl RunStore for PostgresStore {
                 .kept
                 .run_judged(
                     async |conn| commit::start_at_once(conn, &new, RunId::new(), MessageId::new()).await,
-                    // the database answered: the statement's rows, or a refusal it reported
-                    |out| !matches!(out, Err(StoreError::Backend(_))),
+                    answered,
                     db("start a run"),
                 )
                 .await;

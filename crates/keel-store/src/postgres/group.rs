@@ -109,18 +109,14 @@ impl Committer {
     /// of groups, on the committers' own it takes it for a few dozen.
     ///
     /// Every statement a committer sends finds its rows by key (`unnest` of the rows' keys, `= ANY`
-    /// of the runs' ids), so its connections keep the first plan of each
-    /// (`plan_cache_mode = force_generic_plan`: a plan made without the values does as well, and a
-    /// custom one would be made again at every execution for nothing), and that plan reads the
-    /// keys' indexes (`enable_seqscan = off`). A plan made while a table is small — a new
-    /// database, statistics not gathered yet — would otherwise read all of `runs`, `tool_calls`
-    /// or `idempotency_keys` at every group, for as long as it is kept, however large they grow
-    /// (docs/benchmarks.md, "Tenth session"). Nor does a group wait for a connection behind the
-    /// readers, or a reader behind the groups.
+    /// of the runs' ids), so its connections are set up by [`super::kept::by_key`]: each
+    /// statement's first plan is kept, and reads the keys' indexes. A plan made while a table is
+    /// small would otherwise read all of `runs`, `tool_calls` or `idempotency_keys` at every group,
+    /// however large they grow (docs/benchmarks.md, "Tenth session"). Nor does a group wait for a
+    /// connection behind the readers, or a reader behind the groups.
     pub fn start(pool: PgPool, committers: usize, capacity: usize) -> Self {
         let committers = committers.max(1);
-        let pool = super::kept::by_key(&pool, committers);
-        let kept = Arc::new(Kept::new(pool.clone()));
+        let kept = Arc::new(Kept::new(super::kept::by_key(&pool, committers)));
         let (queue, receiver) = mpsc::channel(capacity.max(1));
         let receiver = Arc::new(Mutex::new(receiver));
         let counters = Arc::new(Counters::default());
@@ -179,7 +175,7 @@ fn closed() -> StoreError {
 
 /// One committer: takes the commits queued at that moment (at most [`MAX_GROUP`], of distinct runs),
 /// writes them as one group, answers them. Ends at its [`Msg::Close`], or when every handle is gone.
-async fn run(pool: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>) {
+async fn run(conns: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>) {
     let mut carried: Option<Job> = None;
     loop {
         let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
@@ -214,11 +210,11 @@ async fn run(pool: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counter
             }
         }
         if !group.is_empty() {
-            write_group(&pool, group, &counters).await;
+            write_group(&conns, group, &counters).await;
         }
         if let Some(ack) = close {
             if let Some(job) = carried.take() {
-                write_group(&pool, vec![job], &counters).await;
+                write_group(&conns, vec![job], &counters).await;
             }
             let _ = ack.send(());
             return;
@@ -234,7 +230,7 @@ enum GroupFailure {
     Commit(StoreError),
 }
 
-async fn write_group(pool: &Kept, group: Vec<Job>, counters: &Counters) {
+async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters) {
     counters.groups.fetch_add(1, Ordering::Relaxed);
     counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
     let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
@@ -243,8 +239,8 @@ async fn write_group(pool: &Kept, group: Vec<Job>, counters: &Counters) {
     // interrupts, facts, answer, or the look for waiting runs at a run's end) is a statement each
     // there, and one in all here: `BEGIN`, the lock, one statement, `COMMIT`.
     let written = match commits.as_slice() {
-        [commit] if fence_alone(commit) => Ok(vec![super::commit_alone(pool, commit).await]),
-        _ => write(pool, &commits).await,
+        [commit] if fence_alone(commit) => Ok(vec![super::commit_alone(conns, commit).await]),
+        _ => write(conns, &commits).await,
     };
     let answers = match written {
         Ok(answers) => answers,
@@ -259,7 +255,7 @@ async fn write_group(pool: &Kept, group: Vec<Job>, counters: &Counters) {
             counters.regrouped.fetch_add(1, Ordering::Relaxed);
             let mut answers = Vec::with_capacity(commits.len());
             for commit in &commits {
-                answers.push(super::commit_alone(pool, commit).await);
+                answers.push(super::commit_alone(conns, commit).await);
             }
             answers
         }
@@ -329,33 +325,34 @@ struct RunRow {
     waiting_behind: bool,
 }
 
-async fn write(pool: &Kept, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
-    pool.run_judged(
-        async |conn| {
-            let mut tx = conn.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
-            match apply(&mut tx, commits).await {
-                Ok((answers, writes)) => {
-                    if writes {
-                        tx.commit().await.map_err(|e| GroupFailure::Commit(db("commit")(e)))?;
-                    } else {
-                        // every commit refused by its fence: nothing to write
-                        tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+async fn write(conns: &Kept, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
+    conns
+        .run_judged(
+            async |conn| {
+                let mut tx = conn.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
+                match apply(&mut tx, commits).await {
+                    Ok((answers, writes)) => {
+                        if writes {
+                            tx.commit().await.map_err(|e| GroupFailure::Commit(db("commit")(e)))?;
+                        } else {
+                            // every commit refused by its fence: nothing to write
+                            tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+                        }
+                        Ok(answers)
                     }
-                    Ok(answers)
+                    Err(failure) => {
+                        // at once, not when the connection is next used: the run rows stay locked
+                        // until then, and the commits are about to be written again one by one
+                        tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
+                        Err(failure)
+                    }
                 }
-                Err(failure) => {
-                    // at once, not when the connection is next used: the run rows stay locked
-                    // until then, and the commits are about to be written again one by one
-                    tx.rollback().await.map_err(|e| GroupFailure::Commit(db("roll back")(e)))?;
-                    Err(failure)
-                }
-            }
-        },
-        // written, or rolled back at the database's word: the connection is in sync
-        |out| !matches!(out, Err(GroupFailure::Commit(_))),
-        |e| GroupFailure::Commit(db("begin a transaction")(e)),
-    )
-    .await
+            },
+            // written, or rolled back at the database's word: the connection is in sync
+            |out| !matches!(out, Err(GroupFailure::Commit(_))),
+            |e| GroupFailure::Commit(db("begin a transaction")(e)),
+        )
+        .await
 }
 
 /// Locks and reads the group's run rows, checks each commit's fence, writes the commits that pass:
