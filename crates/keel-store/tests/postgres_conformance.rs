@@ -521,6 +521,49 @@ async fn a_commit_refused_inside_a_group_fails_alone() {
     assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 4);
 }
 
+/// The events' reference to their run is not checked by the database (migration 0013: its check
+/// cost a locked lookup per event); the write path keeps it. A commit for a run that does not
+/// exist, alone or inside a group, is `NotFound` and writes no event, and the group's other
+/// commits are written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_of_a_run_that_does_not_exist_are_never_written() {
+    let Some(url) = url() else { return };
+    let (store, _guard) = one_committer(&url, 64).await;
+    let schema = store.schema().expect("schema").to_owned();
+    let mut conn = raw(&url, &schema).await;
+    let checked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_constraint c JOIN pg_class t ON t.oid = c.conrelid \
+         JOIN pg_namespace n ON n.oid = t.relnamespace \
+         WHERE n.nspname = $1 AND t.relname = 'run_events' AND c.contype = 'f'",
+    )
+    .bind(&schema)
+    .fetch_one(&mut conn)
+    .await
+    .expect("constraints");
+    assert_eq!(checked, 0, "run_events has no foreign key");
+
+    let alone = store.commit(on_queued(&RunId::new(), 3)).await;
+    assert!(matches!(alone, Err(StoreError::NotFound("run"))), "{alone:?}");
+    let runs = [queued_run(&store).await, queued_run(&store).await];
+    let results =
+        as_one_group(&url, &store, vec![on_queued(&runs[0], 2), on_queued(&RunId::new(), 4), on_queued(&runs[1], 1)])
+            .await;
+    assert_eq!(results[0].as_ref().expect("first").events.len(), 2);
+    assert!(matches!(results[1], Err(StoreError::NotFound("run"))), "{:?}", results[1]);
+    assert_eq!(results[2].as_ref().expect("last").events.len(), 1);
+
+    let orphans: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM run_events e WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.id = e.run_id)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("orphans");
+    assert_eq!(orphans, 0, "every event belongs to a run");
+    let written: i64 = sqlx::query_scalar("SELECT count(*) FROM run_events").fetch_one(&mut conn).await.expect("count");
+    // the group's three, and the one of the run that held the committer (runs start without any)
+    assert_eq!(written, 3 + 1, "nothing but the runs' own events");
+}
+
 /// A commit that moves one call twice (an answer's `allowed`, then the attempt's `executing`,
 /// joined into one transaction) is written inside a group like any other: each move in order, and
 /// no regroup.

@@ -138,7 +138,9 @@ impl Tx for PgTx<'_> {
     }
 
     /// One statement, one round trip: the run, then (from what it returned) its message and its
-    /// events. The foreign keys to the run are checked at the statement's end, when it is there.
+    /// events. The message's foreign key to the run is checked at the statement's end, when it is
+    /// there; the events name the run this statement returned (their table has no foreign key:
+    /// migration `0013_run_events_unchecked`).
     async fn insert_start(&mut self, rows: &NewRows<'_>) -> StoreResult<Option<Vec<Event>>> {
         static SQL: LazyLock<String> = LazyLock::new(|| {
             format!(
