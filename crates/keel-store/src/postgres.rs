@@ -757,10 +757,18 @@ fn answered<T>(out: &StoreResult<T>) -> bool {
 
 /// One commit in a transaction of its own: the answer a commit refused inside a group gets, and the
 /// one the others of that group get when they are written again without it ([`group`]).
+///
+/// A commit that is its fence's one statement ([`group::fence_alone`]: the conditional `UPDATE` of
+/// the run with its events in the same statement) is sent without `BEGIN` and `COMMIT`: a statement
+/// outside a transaction block is a transaction of its own, all of it or nothing, so one round trip
+/// does what three did. (When the fence matches nothing, the read that says why writes nothing.)
 async fn commit_alone(kept: &kept::Kept, commit: &Commit) -> StoreResult<Committed> {
     // READ COMMITTED, the server's default: correctness comes from conditional statements.
     kept.run_judged(
         async |conn| {
+            if group::fence_alone(commit) {
+                return pipeline::apply_commit(&mut PgTx(conn), commit).await;
+            }
             let mut tx = conn.begin().await.map_err(db("begin a transaction"))?;
             match pipeline::apply_commit(&mut PgTx(&mut tx), commit).await {
                 Ok(committed) => {

@@ -235,7 +235,7 @@ async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters) {
     counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
     let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
     // A commit alone that is its fence's one statement (its events, its status and checkpoint) is
-    // cheaper the lone way: `BEGIN`, that statement, `COMMIT`. Any more (its messages, calls,
+    // cheaper the lone way: that statement, one round trip. Any more (its messages, calls,
     // interrupts, facts, answer, or the look for waiting runs at a run's end) is a statement each
     // there, and one in all here: `BEGIN`, the lock, one statement, `COMMIT`.
     let written = match commits.as_slice() {
@@ -266,8 +266,9 @@ async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters) {
     }
 }
 
-/// The commit is written by its fence's statement alone on the lone path.
-fn fence_alone(c: &Commit) -> bool {
+/// The commit is written by its fence's statement alone on the lone path (which then needs no
+/// transaction around it: [`super::commit_alone`]).
+pub(super) fn fence_alone(c: &Commit) -> bool {
     c.text.is_empty()
         && c.messages.is_empty()
         && c.discard_messages.is_empty()
