@@ -51,6 +51,11 @@ enum Scenario {
         /// Measured runs per concurrency level (after `concurrency` warm-up runs).
         #[arg(long, default_value_t = 1000)]
         runs: usize,
+        /// Take the fleet's abnormal instances as they are, without re-seeding it first: the
+        /// caller re-seeded it before it started counting the server's CPU, which the seeding
+        /// (~10,000 rows) would otherwise be part of.
+        #[arg(long)]
+        keep_fleet: bool,
     },
     /// Many short demo-model runs (no approval), streamed to `done`: events/s.
     Stream {
@@ -183,7 +188,7 @@ async fn main() -> Result<()> {
             println!("== repetition {} of {}", rep + 1, cli.repeat);
         }
         let out = match &cli.scenario {
-            Scenario::Hitl { concurrency, runs } => hitl(&client, concurrency, *runs).await?,
+            Scenario::Hitl { concurrency, runs, keep_fleet } => hitl(&client, concurrency, *runs, !*keep_fleet).await?,
             Scenario::Stream { concurrency, runs, content, words } => {
                 let content = match words {
                     Some(n) => format!("benchmark: stream {n} words"),
@@ -288,9 +293,11 @@ impl Client {
     }
 
     /// The abnormal instances of the fleet (the server's `--demo-abnormal` sets how many), after
-    /// re-seeding it where the server allows it (`keel demo`; `keel serve` answers 404).
-    async fn abnormal_instances(&self) -> Result<Vec<String>> {
-        let _ = self.post("/v1/demo/reset").send().await?;
+    /// re-seeding it (`reset`) where the server allows it (`keel demo`; `keel serve` answers 404).
+    async fn abnormal_instances(&self, reset: bool) -> Result<Vec<String>> {
+        if reset {
+            let _ = self.post("/v1/demo/reset").send().await?;
+        }
         let fleet = Self::json(self.get("/v1/demo/instances")).await?;
         let mut ids: Vec<String> = fleet
             .as_array()
@@ -497,8 +504,8 @@ async fn hitl_run(client: &Client, instance: &str) -> Result<HitlSample> {
     Ok(HitlSample { run_id, ttfe, resume_ttfe, total: t0.elapsed(), events, last_seq: ev.seq })
 }
 
-async fn hitl(client: &Client, levels: &[usize], runs: usize) -> Result<Value> {
-    let instances = Arc::new(client.abnormal_instances().await?);
+async fn hitl(client: &Client, levels: &[usize], runs: usize, reset: bool) -> Result<Value> {
+    let instances = Arc::new(client.abnormal_instances(reset).await?);
     let next = Arc::new(AtomicUsize::new(0));
     let capacity = instances.len();
     let needed: usize = levels.iter().map(|c| runs + c).sum();
@@ -829,7 +836,7 @@ fn vm_rss_kib(pid: u32) -> Result<u64> {
 }
 
 async fn idle(client: &Client, streams: usize, pid: Option<u32>, settle: u64) -> Result<Value> {
-    let instances = client.abnormal_instances().await?;
+    let instances = client.abnormal_instances(true).await?;
     if streams > instances.len() {
         bail!("{streams} paused runs need as many abnormal instances; the fleet has {}", instances.len());
     }
