@@ -521,6 +521,46 @@ async fn a_commit_refused_inside_a_group_fails_alone() {
     assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 4);
 }
 
+/// With two committers, the second takes the queue only once the first has nothing left of its
+/// group but the `COMMIT`: the commits that come while the first writes wait, and go as the next
+/// group, one group, not a few small ones as they come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_group_waits_for_the_first_ones_statements() {
+    let Some(url) = url() else { return };
+    let schema = new_schema_name();
+    let options = PostgresOptions { commit_queue: 64, committers: 2 };
+    let store = PostgresStore::connect_with_schema_and(&url, &schema, options).await.expect("connect");
+    let _guard = SchemaGuard(store.clone());
+    let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
+    // a first committer held inside a group (a fact makes it one: a commit of events alone would
+    // go the lone way, one statement with its commit), at its lock of the run row, which another
+    // connection holds
+    let blocker = queued_run(&store).await;
+    let mut held = hold_run(&url, &store, &blocker).await;
+    let groups = store.commit_stats().groups;
+    let mut first = on_queued(&blocker, 1);
+    first.facts.push(Fact {
+        key: "k".into(),
+        value: "v".to_owned().into(),
+        source: FactSource::ToolResult,
+        updated_at: now(),
+    });
+    let blocked = commit_in_background(&store, first);
+    eventually("a committer is inside the blocked group", || store.commit_stats().groups == groups + 1).await;
+    // the other committer does not take what comes meanwhile: it all waits in the queue
+    let answers: Vec<Answer> = runs.iter().map(|run| commit_in_background(&store, on_queued(run, 2))).collect();
+    eventually("every commit is queued", || store.queued_commits() == runs.len()).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(store.queued_commits(), runs.len(), "still queued while the first group's statements wait");
+    assert_eq!(store.commit_stats().groups, groups + 1);
+    sqlx::query("COMMIT").execute(&mut held).await.expect("release the run");
+    blocked.await.expect("task").expect("the blocked commit");
+    for answer in answers {
+        assert_eq!(answer.await.expect("task").expect("committed").events.len(), 2);
+    }
+    assert_eq!(store.commit_stats().groups, groups + 2, "the commits that waited went as one group");
+}
+
 /// The events' reference to their run is not checked by the database (migration 0013: its check
 /// cost a locked lookup per event); the write path keeps it. A commit for a run that does not
 /// exist, alone or inside a group, is `NotFound` and writes no event, and the group's other

@@ -43,7 +43,7 @@ use serde_json::Value;
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use sqlx::{Connection, PgConnection, PgPool, Postgres, Row};
-use tokio::sync::{mpsc, oneshot, Mutex};
+use tokio::sync::{mpsc, oneshot, Mutex, MutexGuard};
 
 use super::kept::Kept;
 use super::{db, json, micros, Cols};
@@ -182,12 +182,13 @@ async fn run(conns: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counte
         let mut close = None;
         group.extend(carried.take());
         // With a commit carried over, no waiting for the queue: another committer may hold it
-        // while it waits for the next commit, and the carried one would wait as long.
-        let queue = match group.is_empty() {
+        // while it waits for the next commit, or while it writes its group, and the carried one
+        // would wait as long.
+        let mut queue = match group.is_empty() {
             true => Some(receiver.lock().await),
             false => receiver.try_lock().ok(),
         };
-        if let Some(mut queue) = queue {
+        if let Some(queue) = queue.as_mut() {
             if group.is_empty() {
                 match queue.recv().await {
                     Some(Msg::Commit(job)) => group.push(*job),
@@ -210,11 +211,12 @@ async fn run(conns: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counte
             }
         }
         if !group.is_empty() {
-            write_group(&conns, group, &counters).await;
+            write_group(&conns, group, &counters, &mut queue).await;
         }
+        drop(queue);
         if let Some(ack) = close {
             if let Some(job) = carried.take() {
-                write_group(&conns, vec![job], &counters).await;
+                write_group(&conns, vec![job], &counters, &mut None).await;
             }
             let _ = ack.send(());
             return;
@@ -230,7 +232,17 @@ enum GroupFailure {
     Commit(StoreError),
 }
 
-async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters) {
+/// The queue, held by the committer that took its group from it until that group's `COMMIT` is
+/// sent (or its one statement, on the lone path): see [`write_group`].
+type Turn<'q> = Option<MutexGuard<'q, mpsc::Receiver<Msg>>>;
+
+/// Writes `group` and answers its commits. `turn` is let go once nothing is left of the group but
+/// its `COMMIT`: another committer then takes the commits that came meanwhile as the next group,
+/// whose statements go while this one's `COMMIT` waits for the WAL to reach the disk. Let go any
+/// sooner, that committer would take the few commits that came during this one's draining, and
+/// groups would be smaller than they need to be, each with its four round trips and its flush
+/// (docs/benchmarks.md, "Twelfth session").
+async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters, turn: &mut Turn<'_>) {
     counters.groups.fetch_add(1, Ordering::Relaxed);
     counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
     let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
@@ -239,9 +251,13 @@ async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters) {
     // interrupts, facts, answer, or the look for waiting runs at a run's end) is a statement each
     // there, and one in all here: `BEGIN`, the lock, one statement, `COMMIT`.
     let written = match commits.as_slice() {
-        [commit] if fence_alone(commit) => Ok(vec![super::commit_alone(conns, commit).await]),
-        _ => write(conns, &commits).await,
+        [commit] if fence_alone(commit) => {
+            drop(turn.take());
+            Ok(vec![super::commit_alone(conns, commit).await])
+        }
+        _ => write(conns, &commits, turn).await,
     };
+    drop(turn.take());
     let answers = match written {
         Ok(answers) => answers,
         Err(GroupFailure::Commit(e)) => {
@@ -326,12 +342,18 @@ struct RunRow {
     waiting_behind: bool,
 }
 
-async fn write(conns: &Kept, commits: &[&Commit]) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
+async fn write(
+    conns: &Kept,
+    commits: &[&Commit],
+    turn: &mut Turn<'_>,
+) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
     conns
         .run_judged(
             async |conn| {
                 let mut tx = conn.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
-                match apply(&mut tx, commits).await {
+                let applied = apply(&mut tx, commits).await;
+                drop(turn.take());
+                match applied {
                     Ok((answers, writes)) => {
                         if writes {
                             tx.commit().await.map_err(|e| GroupFailure::Commit(db("commit")(e)))?;
