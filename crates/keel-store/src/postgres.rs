@@ -94,6 +94,10 @@ pub struct PostgresOptions {
     /// How many groups of commits may be in flight at once, each a transaction on a connection of
     /// its own. Default [`PostgresOptions::COMMITTERS`].
     pub committers: usize,
+    /// The longest a committer keeps the other committers from the queue while its group's
+    /// statements run (it lets them go on once only its `COMMIT` is left, or after this). Default
+    /// [`PostgresOptions::HOLD_QUEUE_AT_MOST`].
+    pub hold_queue_at_most: std::time::Duration,
 }
 
 impl PostgresOptions {
@@ -106,11 +110,19 @@ impl PostgresOptions {
     /// concurrency 32, one committer wrote 19% more runs a second than four, two 14% more; at
     /// concurrency 8, one wrote 5% fewer than four, two as many.
     pub const COMMITTERS: usize = 2;
+    /// A group's statements take a few milliseconds; one that waits for a run row another
+    /// transaction holds (another instance's group, an operator's session) stops the others no
+    /// longer than this.
+    pub const HOLD_QUEUE_AT_MOST: std::time::Duration = std::time::Duration::from_millis(20);
 }
 
 impl Default for PostgresOptions {
     fn default() -> Self {
-        Self { commit_queue: Self::COMMIT_QUEUE, committers: Self::COMMITTERS }
+        Self {
+            commit_queue: Self::COMMIT_QUEUE,
+            committers: Self::COMMITTERS,
+            hold_queue_at_most: Self::HOLD_QUEUE_AT_MOST,
+        }
     }
 }
 
@@ -147,7 +159,8 @@ impl PostgresStore {
     }
 
     fn new(pool: PgPool, schema: Option<String>, options: &PostgresOptions) -> Self {
-        let committer = group::Committer::start(pool.clone(), options.committers, options.commit_queue);
+        let committer =
+            group::Committer::start(pool.clone(), options.committers, options.commit_queue, options.hold_queue_at_most);
         let kept = std::sync::Arc::new(kept::Kept::new(kept::by_key(&pool, kept::KEEP)));
         Self { pool, schema, committer: std::sync::Arc::new(committer), kept }
     }

@@ -478,7 +478,7 @@ async fn as_one_group(
 
 async fn one_committer(url: &str, queue: usize) -> (PostgresStore, SchemaGuard) {
     let schema = new_schema_name();
-    let options = PostgresOptions { commit_queue: queue, committers: 1 };
+    let options = PostgresOptions { commit_queue: queue, committers: 1, ..PostgresOptions::default() };
     let store = PostgresStore::connect_with_schema_and(url, &schema, options).await.expect("connect");
     (store.clone(), SchemaGuard(store))
 }
@@ -528,7 +528,8 @@ async fn a_commit_refused_inside_a_group_fails_alone() {
 async fn the_next_group_waits_for_the_first_ones_statements() {
     let Some(url) = url() else { return };
     let schema = new_schema_name();
-    let options = PostgresOptions { commit_queue: 64, committers: 2 };
+    // (held at a lock longer than `hold_queue_at_most`, a committer lets the others go on: not here)
+    let options = PostgresOptions { committers: 2, hold_queue_at_most: Duration::from_secs(60), ..Default::default() };
     let store = PostgresStore::connect_with_schema_and(&url, &schema, options).await.expect("connect");
     let _guard = SchemaGuard(store.clone());
     let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
@@ -559,6 +560,37 @@ async fn the_next_group_waits_for_the_first_ones_statements() {
         assert_eq!(answer.await.expect("task").expect("committed").events.len(), 2);
     }
     assert_eq!(store.commit_stats().groups, groups + 2, "the commits that waited went as one group");
+}
+
+/// A group held up at its lock (its run row held by another transaction) lets the other committer
+/// take the queue after `hold_queue_at_most`: the commits of other runs are written meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_held_up_by_a_lock_does_not_hold_up_the_others() {
+    let Some(url) = url() else { return };
+    let schema = new_schema_name();
+    let options = PostgresOptions { committers: 2, ..Default::default() };
+    let store = PostgresStore::connect_with_schema_and(&url, &schema, options).await.expect("connect");
+    let _guard = SchemaGuard(store.clone());
+    let runs = [queued_run(&store).await, queued_run(&store).await];
+    let blocker = queued_run(&store).await;
+    let mut held = hold_run(&url, &store, &blocker).await;
+    let groups = store.commit_stats().groups;
+    let mut first = on_queued(&blocker, 1);
+    first.facts.push(Fact {
+        key: "k".into(),
+        value: "v".to_owned().into(),
+        source: FactSource::ToolResult,
+        updated_at: now(),
+    });
+    let blocked = commit_in_background(&store, first);
+    eventually("a committer is inside the blocked group", || store.commit_stats().groups == groups + 1).await;
+    for run in &runs {
+        let written = tokio::time::timeout(Duration::from_secs(10), store.commit(on_queued(run, 1))).await;
+        assert_eq!(written.expect("written while the other group waits").expect("committed").events.len(), 1);
+    }
+    assert!(!blocked.is_finished(), "the held group is still waiting for its row");
+    sqlx::query("COMMIT").execute(&mut held).await.expect("release the run");
+    blocked.await.expect("task").expect("the blocked commit");
 }
 
 /// The events' reference to their run is not checked by the database (migration 0013: its check
@@ -823,7 +855,7 @@ async fn named_store(url: &str, schema: &str, name: &str) -> PostgresStore {
     PostgresStore::connect_with_schema_and(
         &format!("{url}{separator}application_name={name}"),
         schema,
-        PostgresOptions { commit_queue: 64, committers: 1 },
+        PostgresOptions { commit_queue: 64, committers: 1, ..PostgresOptions::default() },
     )
     .await
     .expect("connect")
@@ -857,7 +889,7 @@ async fn the_committers_find_rows_by_key_on_a_new_database() {
     let Some(url) = url() else { return };
     let (_, guard) = connect_fresh(&url).await;
     let schema = guard.0.schema().expect("schema").to_owned();
-    let options = PostgresOptions { commit_queue: 64, committers: 1 };
+    let options = PostgresOptions { commit_queue: 64, committers: 1, ..PostgresOptions::default() };
     let named = |name: &str| {
         let separator = if url.contains('?') { '&' } else { '?' };
         format!("{url}{separator}application_name={name}")

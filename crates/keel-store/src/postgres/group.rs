@@ -32,6 +32,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use keel_core::domain::{lease_holder, InterruptStatus, RunStatus, ToolCall};
@@ -114,14 +115,14 @@ impl Committer {
     /// small would otherwise read all of `runs`, `tool_calls` or `idempotency_keys` at every group,
     /// however large they grow (docs/benchmarks.md, "Tenth session"). Nor does a group wait for a
     /// connection behind the readers, or a reader behind the groups.
-    pub fn start(pool: PgPool, committers: usize, capacity: usize) -> Self {
+    pub fn start(pool: PgPool, committers: usize, capacity: usize, hold: Duration) -> Self {
         let committers = committers.max(1);
         let kept = Arc::new(Kept::new(super::kept::by_key(&pool, committers)));
         let (queue, receiver) = mpsc::channel(capacity.max(1));
         let receiver = Arc::new(Mutex::new(receiver));
         let counters = Arc::new(Counters::default());
         for _ in 0..committers {
-            tokio::spawn(run(kept.clone(), receiver.clone(), counters.clone()));
+            tokio::spawn(run(kept.clone(), receiver.clone(), counters.clone(), hold));
         }
         Self { queue, kept, committers, capacity, counters }
     }
@@ -175,7 +176,7 @@ fn closed() -> StoreError {
 
 /// One committer: takes the commits queued at that moment (at most [`MAX_GROUP`], of distinct runs),
 /// writes them as one group, answers them. Ends at its [`Msg::Close`], or when every handle is gone.
-async fn run(conns: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>) {
+async fn run(conns: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counters: Arc<Counters>, hold: Duration) {
     let mut carried: Option<Job> = None;
     loop {
         let mut group: Vec<Job> = Vec::with_capacity(MAX_GROUP);
@@ -211,12 +212,12 @@ async fn run(conns: Arc<Kept>, receiver: Arc<Mutex<mpsc::Receiver<Msg>>>, counte
             }
         }
         if !group.is_empty() {
-            write_group(&conns, group, &counters, &mut queue).await;
+            write_group(&conns, group, &counters, &mut queue, hold).await;
         }
         drop(queue);
         if let Some(ack) = close {
             if let Some(job) = carried.take() {
-                write_group(&conns, vec![job], &counters, &mut None).await;
+                write_group(&conns, vec![job], &counters, &mut None, hold).await;
             }
             let _ = ack.send(());
             return;
@@ -233,7 +234,8 @@ enum GroupFailure {
 }
 
 /// The queue, held by the committer that took its group from it until that group's `COMMIT` is
-/// sent (or its one statement, on the lone path): see [`write_group`].
+/// sent (or its one statement, on the lone path), or for at most
+/// [`super::PostgresOptions::hold_queue_at_most`]: see [`write_group`].
 type Turn<'q> = Option<MutexGuard<'q, mpsc::Receiver<Msg>>>;
 
 /// Writes `group` and answers its commits. `turn` is let go once nothing is left of the group but
@@ -241,8 +243,9 @@ type Turn<'q> = Option<MutexGuard<'q, mpsc::Receiver<Msg>>>;
 /// whose statements go while this one's `COMMIT` waits for the WAL to reach the disk. Let go any
 /// sooner, that committer would take the few commits that came during this one's draining, and
 /// groups would be smaller than they need to be, each with its four round trips and its flush
-/// (docs/benchmarks.md, "Twelfth session").
-async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters, turn: &mut Turn<'_>) {
+/// (docs/benchmarks.md, "Twelfth session"). Held longer than `hold`, it is let go all the same, so
+/// a group that waits for a lock does not stop the others.
+async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters, turn: &mut Turn<'_>, hold: Duration) {
     counters.groups.fetch_add(1, Ordering::Relaxed);
     counters.commits.fetch_add(group.len() as u64, Ordering::Relaxed);
     let commits: Vec<&Commit> = group.iter().map(|j| &j.commit).collect();
@@ -255,7 +258,7 @@ async fn write_group(conns: &Kept, group: Vec<Job>, counters: &Counters, turn: &
             drop(turn.take());
             Ok(vec![super::commit_alone(conns, commit).await])
         }
-        _ => write(conns, &commits, turn).await,
+        _ => write(conns, &commits, turn, hold).await,
     };
     drop(turn.take());
     let answers = match written {
@@ -346,12 +349,24 @@ async fn write(
     conns: &Kept,
     commits: &[&Commit],
     turn: &mut Turn<'_>,
+    hold: Duration,
 ) -> Result<Vec<StoreResult<Committed>>, GroupFailure> {
     conns
         .run_judged(
             async |conn| {
                 let mut tx = conn.begin().await.map_err(|e| GroupFailure::Commit(db("begin a transaction")(e)))?;
-                let applied = apply(&mut tx, commits).await;
+                let applied = {
+                    let applying = apply(&mut tx, commits);
+                    tokio::pin!(applying);
+                    tokio::select! {
+                        applied = &mut applying => applied,
+                        // a group held up (a run row another transaction holds) holds up no other
+                        _ = tokio::time::sleep(hold) => {
+                            drop(turn.take());
+                            applying.await
+                        }
+                    }
+                };
                 drop(turn.take());
                 match applied {
                     Ok((answers, writes)) => {
