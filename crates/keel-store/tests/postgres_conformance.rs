@@ -521,23 +521,19 @@ async fn a_commit_refused_inside_a_group_fails_alone() {
     assert_eq!(store.list_events(&runs[2], 0, 100).await.expect("events").len(), 4);
 }
 
-/// With two committers, the second takes the queue only once the first has nothing left of its
-/// group but the `COMMIT`: the commits that come while the first writes wait, and go as the next
-/// group, one group, not a few small ones as they come.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_next_group_waits_for_the_first_ones_statements() {
-    let Some(url) = url() else { return };
-    let schema = new_schema_name();
-    // (held at a lock longer than `hold_queue_at_most`, a committer lets the others go on: not here)
-    let options = PostgresOptions { committers: 2, hold_queue_at_most: Duration::from_secs(60), ..Default::default() };
-    let store = PostgresStore::connect_with_schema_and(&url, &schema, options).await.expect("connect");
-    let _guard = SchemaGuard(store.clone());
-    let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
-    // a first committer held inside a group (a fact makes it one: a commit of events alone would
-    // go the lone way, one statement with its commit), at its lock of the run row, which another
-    // connection holds
+/// A store of two committers, one of them held inside a group at its lock of a run row another
+/// connection holds (a fact makes the commit a group: a commit of events alone goes the lone way,
+/// one statement with its commit). Returns the store, the holding connection (its `COMMIT` lets
+/// the group go on) and the group's answer.
+async fn two_committers_one_held(
+    url: &str,
+    hold_queue_at_most: Duration,
+) -> (PostgresStore, SchemaGuard, PgConnection, Answer) {
+    let options = PostgresOptions { committers: 2, hold_queue_at_most, ..Default::default() };
+    let store = PostgresStore::connect_with_schema_and(url, &new_schema_name(), options).await.expect("connect");
+    let guard = SchemaGuard(store.clone());
     let blocker = queued_run(&store).await;
-    let mut held = hold_run(&url, &store, &blocker).await;
+    let held = hold_run(url, &store, &blocker).await;
     let groups = store.commit_stats().groups;
     let mut first = on_queued(&blocker, 1);
     first.facts.push(Fact {
@@ -548,18 +544,31 @@ async fn the_next_group_waits_for_the_first_ones_statements() {
     });
     let blocked = commit_in_background(&store, first);
     eventually("a committer is inside the blocked group", || store.commit_stats().groups == groups + 1).await;
+    (store, guard, held, blocked)
+}
+
+/// With two committers, the second takes the queue only once the first has nothing left of its
+/// group but the `COMMIT`: the commits that come while the first writes wait, and go as the next
+/// group, one group, not a few small ones as they come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_group_waits_for_the_first_ones_statements() {
+    let Some(url) = url() else { return };
+    // (held at a lock longer than `hold_queue_at_most`, a committer lets the others go on: not here)
+    let (store, _guard, mut held, blocked) = two_committers_one_held(&url, Duration::from_secs(60)).await;
+    let groups = store.commit_stats().groups;
+    let runs = [queued_run(&store).await, queued_run(&store).await, queued_run(&store).await];
     // the other committer does not take what comes meanwhile: it all waits in the queue
     let answers: Vec<Answer> = runs.iter().map(|run| commit_in_background(&store, on_queued(run, 2))).collect();
     eventually("every commit is queued", || store.queued_commits() == runs.len()).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(store.queued_commits(), runs.len(), "still queued while the first group's statements wait");
-    assert_eq!(store.commit_stats().groups, groups + 1);
+    assert_eq!(store.commit_stats().groups, groups);
     sqlx::query("COMMIT").execute(&mut held).await.expect("release the run");
     blocked.await.expect("task").expect("the blocked commit");
     for answer in answers {
         assert_eq!(answer.await.expect("task").expect("committed").events.len(), 2);
     }
-    assert_eq!(store.commit_stats().groups, groups + 2, "the commits that waited went as one group");
+    assert_eq!(store.commit_stats().groups, groups + 1, "the commits that waited went as one group");
 }
 
 /// A group held up at its lock (its run row held by another transaction) lets the other committer
@@ -567,23 +576,8 @@ async fn the_next_group_waits_for_the_first_ones_statements() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_held_up_by_a_lock_does_not_hold_up_the_others() {
     let Some(url) = url() else { return };
-    let schema = new_schema_name();
-    let options = PostgresOptions { committers: 2, ..Default::default() };
-    let store = PostgresStore::connect_with_schema_and(&url, &schema, options).await.expect("connect");
-    let _guard = SchemaGuard(store.clone());
+    let (store, _guard, mut held, blocked) = two_committers_one_held(&url, PostgresOptions::HOLD_QUEUE_AT_MOST).await;
     let runs = [queued_run(&store).await, queued_run(&store).await];
-    let blocker = queued_run(&store).await;
-    let mut held = hold_run(&url, &store, &blocker).await;
-    let groups = store.commit_stats().groups;
-    let mut first = on_queued(&blocker, 1);
-    first.facts.push(Fact {
-        key: "k".into(),
-        value: "v".to_owned().into(),
-        source: FactSource::ToolResult,
-        updated_at: now(),
-    });
-    let blocked = commit_in_background(&store, first);
-    eventually("a committer is inside the blocked group", || store.commit_stats().groups == groups + 1).await;
     for run in &runs {
         let written = tokio::time::timeout(Duration::from_secs(10), store.commit(on_queued(run, 1))).await;
         assert_eq!(written.expect("written while the other group waits").expect("committed").events.len(), 1);
