@@ -560,7 +560,6 @@ async fn the_next_group_waits_for_the_first_ones_statements() {
     // the other committer does not take what comes meanwhile: it all waits in the queue
     let answers: Vec<Answer> = runs.iter().map(|run| commit_in_background(&store, on_queued(run, 2))).collect();
     eventually("every commit is queued", || store.queued_commits() == runs.len()).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(store.queued_commits(), runs.len(), "still queued while the first group's statements wait");
     assert_eq!(store.commit_stats().groups, groups);
     sqlx::query("COMMIT").execute(&mut held).await.expect("release the run");
