@@ -62,6 +62,26 @@ pub enum Fence {
 pub struct RunChange {
     pub to: RunStatus,
     pub reason: Option<String>,
+    /// Two moves written as one ([`Commit::then`]): the run passes through `via` on its way to
+    /// `to`, so the store checks that its status may move to `via` (and `via` to `to`). A
+    /// worker's first commit, which starts a queued run, joined with a later one that pauses or
+    /// ends it.
+    pub via: Option<RunStatus>,
+}
+
+impl RunChange {
+    /// The status the run must be able to move to from where it is: `via`, or else `to`.
+    pub fn first_move(&self) -> RunStatus {
+        self.via.unwrap_or(self.to)
+    }
+
+    /// Whether the move is allowed from `status`: through `via`, when there is one.
+    pub fn allowed_from(&self, status: RunStatus) -> bool {
+        match self.via {
+            Some(via) => status.can_transition_to(via) && via.can_transition_to(self.to),
+            None => status.can_transition_to(self.to),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -246,9 +266,20 @@ impl Commit {
     }
 
     /// Whether `next` can be written in one transaction with this commit ([`Commit::then`]): the
-    /// same run, and at most one of them moves its status (the fence checks one move).
+    /// same run, and at most one of them moves its status — or this one starts the run (a move to
+    /// `running`) and `next` moves it on from there, which the joined commit writes as one move
+    /// through `running` ([`RunChange::via`]).
     pub fn joins(&self, next: &Commit) -> bool {
-        self.run_id == next.run_id && (self.run.is_none() || next.run.is_none())
+        self.run_id == next.run_id
+            && match (&self.run, &next.run) {
+                (None, _) | (_, None) => true,
+                (Some(first), Some(second)) => {
+                    first.via.is_none()
+                        && first.to == RunStatus::Running
+                        && second.via.is_none()
+                        && RunStatus::Running.can_transition_to(second.to)
+                }
+            }
     }
 
     /// This commit and `next` as one, as if `next` were made right after this one: `next`'s events,
@@ -263,7 +294,10 @@ impl Commit {
             _ => {}
         }
         self.now = next.now;
-        self.run = next.run.or(self.run);
+        self.run = match (self.run, next.run) {
+            (Some(first), Some(second)) => Some(RunChange { via: Some(first.to), ..second }),
+            (first, second) => second.or(first),
+        };
         self.checkpoint = next.checkpoint.or(self.checkpoint);
         self.text.extend(next.text);
         self.messages.extend(next.messages);
@@ -802,7 +836,7 @@ mod tests {
         let acquire = Fence::Acquire { owner: "w".into(), from: vec![RunStatus::Queued], lease_until: at(10) };
         let mut first =
             Commit::new(run.clone(), acquire, at(1)).event(EventKind::NodeStarted { node: "context".into() });
-        first.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        first.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
         first.checkpoint = Some(Checkpoint::start(1));
         let mut second = Commit::new(run.clone(), Fence::Lease { owner: "w".into(), lease_until: at(20) }, at(2))
             .event(EventKind::NodeStarted { node: "model".into() });
@@ -829,14 +863,42 @@ mod tests {
     }
 
     #[test]
+    fn a_start_joined_with_a_pause_moves_through_running() {
+        let lease = || Fence::Lease { owner: "w".into(), lease_until: at(10) };
+        let run = RunId::new();
+        let mut start = Commit::new(run.clone(), lease(), at(1));
+        start.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
+        let mut pause = Commit::new(run.clone(), lease(), at(2));
+        pause.run = Some(RunChange { to: RunStatus::Interrupted, reason: None, via: None });
+        assert!(start.joins(&pause));
+        let joined = start.then(pause);
+        let change = joined.run.expect("a status move");
+        assert_eq!((change.via, change.to), (Some(RunStatus::Running), RunStatus::Interrupted));
+        assert_eq!(change.first_move(), RunStatus::Running);
+        assert!(change.allowed_from(RunStatus::Queued));
+        // the run may not enter `running` from where it is: the move is refused
+        assert!(!change.allowed_from(RunStatus::Completed));
+        assert!(!change.allowed_from(RunStatus::Running));
+    }
+
+    #[test]
     fn two_status_moves_or_two_runs_do_not_join() {
         let lease = || Fence::Lease { owner: "w".into(), lease_until: at(10) };
         let run = RunId::new();
-        let mut a = Commit::new(run.clone(), lease(), at(1));
-        a.run = Some(RunChange { to: RunStatus::Running, reason: None });
-        let mut b = Commit::new(run.clone(), lease(), at(2));
-        b.run = Some(RunChange { to: RunStatus::Completed, reason: None });
-        assert!(!a.joins(&b));
-        assert!(!Commit::new(run, lease(), at(1)).joins(&Commit::new(RunId::new(), lease(), at(2))));
+        let moving = |to| {
+            let mut c = Commit::new(run.clone(), lease(), at(1));
+            c.run = Some(RunChange { to, reason: None, via: None });
+            c
+        };
+        // only a start (a move to running) is joined with the move after it
+        assert!(!moving(RunStatus::Interrupted).joins(&moving(RunStatus::Running)));
+        assert!(!moving(RunStatus::Cancelled).joins(&moving(RunStatus::Completed)));
+        // and only with a move running may make
+        assert!(!moving(RunStatus::Running).joins(&moving(RunStatus::Running)));
+        assert!(!moving(RunStatus::Running).joins(&moving(RunStatus::Queued)));
+        // two joined moves are not joined with a third
+        let twice = moving(RunStatus::Running).then(moving(RunStatus::Interrupted));
+        assert!(!twice.joins(&moving(RunStatus::Running)));
+        assert!(!Commit::new(run.clone(), lease(), at(1)).joins(&Commit::new(RunId::new(), lease(), at(2))));
     }
 }

@@ -789,3 +789,99 @@ async fn a_large_fleet_is_listed_in_part_and_counted_up_to_a_bound() {
     assert_eq!((result["abnormalTotal"].as_i64(), result["abnormalTotalIsAtLeast"].as_bool()), (Some(31), Some(false)));
     assert!(text(&ev).contains("31 instances of payment-api in prod are abnormal; the first 10: "), "{}", text(&ev));
 }
+
+/// A HITL run's commits, as they are announced: the worker's first commit, its model call's start
+/// (the demo model answers at once) and the tools step that pauses are one; the approval with the
+/// attempt it allows one; the tool's result one, written as soon as the tool has answered; the
+/// tools step's end, the next model call and the run's end one.
+#[tokio::test]
+async fn a_hitl_run_with_a_fast_model_is_five_commits() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "restart pay-prod-2").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let after = h.decide(&run, &interrupt, json!("approve")).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    let commits = h.bus.commits(&run);
+    let expected: [&[&str]; 5] = [
+        &["run_started", "graph_topology"],
+        &[
+            "node_started",
+            "node_finished",
+            "node_started",
+            "text_delta",
+            "node_finished",
+            "node_started",
+            "node_finished",
+            "node_started",
+            "interrupt",
+        ],
+        &["resumed", "node_finished", "node_started", "tool_started"],
+        &["tool_finished", "facts_updated"],
+        &[
+            "node_finished",
+            "node_started",
+            "node_finished",
+            "node_started",
+            "text_delta",
+            "node_finished",
+            "node_started",
+            "node_finished",
+            "done",
+        ],
+    ];
+    assert_eq!(commits, expected.map(<[&str]>::to_vec).to_vec());
+    assert_contiguous(&h.all_events(&run).await);
+}
+
+/// The demo model, except that each call waits until `gate` has a permit (which it hands back).
+struct GatedModel {
+    gate: Arc<tokio::sync::Semaphore>,
+    inner: DemoModel,
+}
+
+#[async_trait::async_trait]
+impl keel_core::model::Model for GatedModel {
+    fn name(&self) -> &str {
+        "gated"
+    }
+    async fn stream(
+        &self,
+        request: keel_core::model::ModelRequest,
+    ) -> Result<keel_core::model::ModelStream, keel_core::model::ModelError> {
+        drop(self.gate.acquire().await.map_err(|e| keel_core::model::ModelError::Fatal(e.to_string()))?);
+        self.inner.stream(request).await
+    }
+}
+
+/// A model call's start waits for the call's first text only briefly (`delta_flush_interval`): a
+/// model that takes its time to answer has the run shown running, in its model step, meanwhile.
+#[tokio::test]
+async fn a_slow_models_call_is_announced_before_it_answers() {
+    let dir = TempDir::new().unwrap();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let model = Arc::new(GatedModel { gate: gate.clone(), inner: DemoModel::new(Duration::ZERO) });
+    let h = Harness::new(dir.path(), Options { model, ..Options::default() }).await;
+    let conv = h.conversation().await;
+    let send = keel_core::engine::SendMessage { content: "restart pay-prod-2".into(), cancel_on_disconnect: false };
+    let run = h.engine.send_message("demo", &conv, send).await.unwrap().run.id;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while h.bus.commits(&run).len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the model call's start was never written");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(h.bus.commits(&run)[1], ["node_started", "node_finished", "node_started"]);
+    let stored = h.store.get_run(&run).await.unwrap().unwrap();
+    assert_eq!(stored.status, RunStatus::Running);
+    assert!(stored.checkpoint.streaming_message_id.is_some(), "the call's message is recorded before its text");
+    assert_eq!(gate.available_permits(), 0, "the model has not answered");
+
+    gate.add_permits(1);
+    let events = h.settle(&run, 0).await;
+    assert_eq!(last_type(&events), "interrupt");
+    let commits = h.bus.commits(&run);
+    assert_eq!(commits.len(), 3, "{commits:?}");
+    assert_eq!(commits[2][..2], ["text_delta", "node_finished"]);
+}

@@ -130,7 +130,7 @@ async fn waiting_runs_survive_a_crash_and_start_after_the_restart() {
     let third = send(&h, &conv, QUEUED[2], MultitaskStrategy::Enqueue).await.run.id;
     let fourth = send(&h, &conv, QUEUED[0], MultitaskStrategy::Enqueue).await.run.id;
     let mut end = Commit::new(paused.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, h.clock_now());
-    end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("cancelled_by_user".into()) });
+    end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("cancelled_by_user".into()), via: None });
     end.events.push(EventKind::Cancelled { reason: "cancelled_by_user".into() });
     h.store.commit(end).await.unwrap();
     assert_eq!(status(&h, &third).await, RunStatus::Waiting, "nobody started it");
@@ -248,7 +248,11 @@ async fn a_rollback_cut_by_a_crash_is_finished_after_it() {
             let flagged = store.request_cancel(&run, now, true).await.unwrap();
             assert!(flagged.cancel_requested);
             let mut end = Commit::new(run.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, now);
-            end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupted_by_new_message".into()) });
+            end.run = Some(RunChange {
+                to: RunStatus::Cancelled,
+                reason: Some("interrupted_by_new_message".into()),
+                via: None,
+            });
             end.events.push(EventKind::Cancelled { reason: "interrupted_by_new_message".into() });
             store.commit(end).await.unwrap();
             assert_eq!(store.rollbacks_due(10).await.unwrap(), vec![run]);

@@ -41,11 +41,11 @@ async fn finished(store: &SqliteStore, agent: &str, ended: DateTime<Utc>) -> Run
         Fence::Acquire { owner: "w".into(), from: vec![RunStatus::Queued], lease_until },
         at(2),
     );
-    c.run = Some(RunChange { to: RunStatus::Running, reason: None });
+    c.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
     c.events.push(EventKind::NodeStarted { node: "call_model".into() });
     store.commit(c).await.unwrap();
     let mut c = Commit::new(run.id.clone(), Fence::Lease { owner: "w".into(), lease_until }, ended);
-    c.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+    c.run = Some(RunChange { to: RunStatus::Completed, reason: None, via: None });
     store.commit(c).await.unwrap();
     run.id
 }

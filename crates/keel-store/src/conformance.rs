@@ -53,6 +53,7 @@ macro_rules! conformance_tests {
             acquire_wins_exactly_once_under_contention,
             concurrent_acquires_record_their_worker,
             run_changes_follow_the_state_machine,
+            a_start_and_a_pause_in_one_commit_move_through_running,
             expired_interrupt_cannot_be_resolved,
             interrupt_is_resolved_once,
             an_answer_view_is_the_run_its_interrupts_calls_and_the_role,
@@ -147,7 +148,7 @@ fn acquire(owner: &str, from: RunStatus, lease_until: Timestamp) -> Fence {
 }
 
 fn to(status: RunStatus) -> Option<RunChange> {
-    Some(RunChange { to: status, reason: None })
+    Some(RunChange { to: status, reason: None, via: None })
 }
 
 async fn conversation(store: &SharedStore, user: &str) -> Conversation {
@@ -392,7 +393,7 @@ pub async fn start_run_writes_message_run_and_first_events(store: SharedStore) {
 
     // a second turn, once the first is over, sees the conversation one version later
     let mut c = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, at(6));
-    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("user".into()) });
+    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("user".into()), via: None });
     commit_ok(&store, c).await;
     let second = start(&store, &conversation, at(7)).await;
     assert_eq!(second.run.checkpoint.conversation_version, 2);
@@ -764,6 +765,81 @@ pub async fn concurrent_acquires_record_their_worker(store: SharedStore) {
     }
 }
 
+/// Two moves written as one (a worker's start joined with its pause or its end, `RunChange::via`):
+/// the run may enter `via` from where it is, so a queued run leased to the worker pauses or ends
+/// in one commit; a run already running, or over, refuses the commit and keeps what it had. Several
+/// at once, so PostgreSQL's committers check them in a group as well as alone.
+pub async fn a_start_and_a_pause_in_one_commit_move_through_running(store: SharedStore) {
+    let through = |to: RunStatus| Some(RunChange { to, reason: None, via: Some(RunStatus::Running) });
+    let mut leased = Vec::new();
+    for _ in 0..3 {
+        let conversation = conversation(&store, "alice").await;
+        let started = store
+            .start_run(NewRun {
+                conversation_id: conversation.id.clone(),
+                agent_id: "ops".into(),
+                user_id: conversation.user_id.clone(),
+                content: "Cancel order ord-2".into(),
+                cancel_on_disconnect: false,
+                now: at(1),
+                events: first_events(&conversation.id),
+                enqueue: None,
+                lease: Some(NewLease { owner: "w1".into(), until: at(60) }),
+            })
+            .await
+            .expect("start a leased run");
+        assert_eq!(started.run.status, RunStatus::Queued);
+        leased.push(started.run);
+    }
+    let (_, running_run) = running(&store, "w1").await;
+    let commit = |run: &Run, to: RunStatus| {
+        let mut c = Commit::new(run.id.clone(), lease("w1", at(60)), at(5));
+        c.run = through(to);
+        c.events = vec![node("context"), node("model"), node("tools")];
+        c
+    };
+    let commits = [
+        commit(&leased[0], RunStatus::Interrupted),
+        commit(&leased[1], RunStatus::Completed),
+        commit(&leased[2], RunStatus::Interrupted),
+        // running already: it may not enter `running` again
+        commit(&running_run, RunStatus::Interrupted),
+    ];
+    let start = Arc::new(tokio::sync::Barrier::new(commits.len()));
+    let tasks: Vec<_> = commits
+        .into_iter()
+        .map(|c| {
+            let (store, start) = (store.clone(), start.clone());
+            tokio::spawn(async move {
+                start.wait().await;
+                store.commit(c).await
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for task in tasks {
+        outcomes.push(task.await.expect("task"));
+    }
+    let mut outcomes = outcomes.into_iter();
+    for (run, to) in leased.iter().zip([RunStatus::Interrupted, RunStatus::Completed, RunStatus::Interrupted]) {
+        let committed = outcomes.next().expect("an outcome").expect("a queued run moves through running");
+        assert_eq!(committed.events.len(), 3);
+        let now = get_run(&store, &run.id).await;
+        assert_eq!(
+            (now.status, now.lease_owner, now.lease_expires_at),
+            (to, None, None),
+            "released when paused or over"
+        );
+        assert_eq!(store.list_events(&run.id, 0, 100).await.expect("events").len(), 5);
+    }
+    assert_conflict(outcomes.next().expect("an outcome"));
+    assert_eq!(get_run(&store, &running_run.id).await, running_run);
+    assert_eq!(store.list_events(&running_run.id, 0, 100).await.expect("events").len(), 3);
+
+    // a finished run refuses it too
+    assert_conflict(store.commit(commit(&leased[1], RunStatus::Completed)).await);
+}
+
 pub async fn run_changes_follow_the_state_machine(store: SharedStore) {
     // a refused move rolls back the lease its fence took
     let (_, queued_run) = queued(&store).await;
@@ -798,7 +874,7 @@ pub async fn run_changes_follow_the_state_machine(store: SharedStore) {
 
     // finishing lets go of it too, and records the reason
     let mut c = Commit::new(run.id.clone(), lease("w2", at(90)), at(8));
-    c.run = Some(RunChange { to: RunStatus::Failed, reason: Some("model unavailable".into()) });
+    c.run = Some(RunChange { to: RunStatus::Failed, reason: Some("model unavailable".into()), via: None });
     commit_ok(&store, c).await;
     let failed = get_run(&store, &run.id).await;
     assert_eq!((failed.status, failed.reason.as_deref()), (RunStatus::Failed, Some("model unavailable")));
@@ -830,7 +906,7 @@ pub async fn expired_interrupt_cannot_be_resolved(store: SharedStore) {
 
     // expiry itself goes through: interrupt expired, run cancelled
     let mut c = Commit::new(run.id.clone(), Fence::Unowned { from: vec![RunStatus::Interrupted] }, at(301));
-    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt expired".into()) });
+    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt expired".into()), via: None });
     c.interrupt_changes.push(InterruptChange {
         id: pending.id.clone(),
         to: InterruptStatus::Expired,
@@ -1977,7 +2053,7 @@ pub async fn runs_are_listed_per_user_newest_first(store: SharedStore) {
     let bob_run = start(&store, &bobs, at(40)).await.run;
     // the run of t20 is cancelled
     let mut c = Commit::new(alices[2].id.clone(), Fence::Unowned { from: vec![RunStatus::Queued] }, at(50));
-    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("user".into()) });
+    c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("user".into()), via: None });
     commit_ok(&store, c).await;
 
     let ids = |runs: Vec<Run>| runs.into_iter().map(|r| r.id).collect::<Vec<_>>();

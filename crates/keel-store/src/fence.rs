@@ -15,9 +15,10 @@ pub(crate) fn check(c: &Commit, status: RunStatus, lease_owner: Option<&str>) ->
         return Err(not_fenced(c, status.as_str()));
     }
     match &c.run {
-        Some(change) if !status.can_transition_to(change.to) => {
-            Err(StoreError::Conflict(format!("run {}: {status} -> {} is not allowed", c.run_id, change.to)))
-        }
+        Some(change) if !change.allowed_from(status) => Err(StoreError::Conflict(match change.via {
+            Some(via) => format!("run {}: {status} -> {via} -> {} is not allowed", c.run_id, change.to),
+            None => format!("run {}: {status} -> {} is not allowed", c.run_id, change.to),
+        })),
         _ => Ok(()),
     }
 }

@@ -26,8 +26,8 @@ use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
 use keel_core::mask::Masked;
 use keel_core::store::{
-    Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewLease, NewRun, RolledBack, StartedRun, StoreError,
-    StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
+    Commit, Committed, Fence, IdempotencyBegin, InterruptChange, NewLease, NewRun, RolledBack, RunChange, StartedRun,
+    StoreError, StoreResult, TextAppend, ToolCallChange, ToolCallUpdate,
 };
 use serde::Serialize;
 use serde_json::Value;
@@ -766,7 +766,10 @@ async fn fence<T: Tx>(tx: &mut T, c: &Commit, now: Timestamp) -> StoreResult<Fen
         debug_assert_eq!(args.len(), fence_params(&c.fence), "the events' arrays follow the fence's parameters");
         args.extend([Arg::Texts(&types), Arg::Texts(&data)]);
     }
-    let sql = fence_sql(T::DIALECT, &c.fence, change.map(|ch| ch.to), events_written);
+    // The statement checks the first move (through `via`, for two joined ones; the second was
+    // checked when they were joined); the status written is `to` ($4).
+    debug_assert!(change.is_none_or(|ch| ch.via.is_none_or(|via| via.can_transition_to(ch.to))));
+    let sql = fence_sql(T::DIALECT, &c.fence, change.map(RunChange::first_move), events_written);
     let refused = |e: DbError| {
         if e.unique {
             // only a move back to an active status can collide with another active run

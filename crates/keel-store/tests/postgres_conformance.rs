@@ -715,7 +715,7 @@ async fn a_grouped_commit_moves_the_lease_only_with_the_status() {
         let run = queued_run(&store).await;
         let from = vec![RunStatus::Queued];
         let mut take = Commit::new(run.clone(), Fence::Acquire { owner: "w1".into(), from, lease_until }, start);
-        take.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        take.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
         store.commit(take).await.expect("take the run");
         runs.push(run);
     }
@@ -723,7 +723,7 @@ async fn a_grouped_commit_moves_the_lease_only_with_the_status() {
     let lease = || Fence::Lease { owner: "w1".into(), lease_until: later };
     let same = Commit::new(runs[0].clone(), lease(), start).event(EventKind::NodeStarted { node: "a".into() });
     let mut done = Commit::new(runs[1].clone(), lease(), start).event(EventKind::NodeStarted { node: "b".into() });
-    done.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+    done.run = Some(RunChange { to: RunStatus::Completed, reason: None, via: None });
     for result in as_one_group(&url, &store, vec![same, done]).await {
         result.expect("commit");
     }
@@ -747,7 +747,7 @@ async fn a_grouped_end_says_whether_runs_wait_behind_it() {
     assert_eq!(waiting.run.status, RunStatus::Waiting);
     let end = |run: &RunId| {
         let mut c = on_queued(run, 1);
-        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: None });
+        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: None, via: None });
         c
     };
     // a run that does not end says nothing waits, whatever waits behind it
@@ -935,7 +935,7 @@ async fn a_running_runs_commits_are_heap_only_updates() {
         store.commit(on_queued(&run, 2)).await.expect("a commit");
     }
     let mut end = on_queued(&run, 1);
-    end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("test".into()) });
+    end.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("test".into()), via: None });
     store.commit(end).await.expect("the run's end");
     let mut probe = PgConnection::connect(&url).await.expect("connect");
     close_and_count(store, &mut probe, &name).await;

@@ -47,13 +47,13 @@ async fn pruning_gives_the_space_back() {
             Fence::Acquire { owner: "w".into(), from: vec![RunStatus::Queued], lease_until: at(100) },
             at(2),
         );
-        c.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        c.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
         for _ in 0..200 {
             c.events.push(EventKind::TextDelta { message_id: run.user_message_id.clone(), delta: text.clone() });
         }
         store.commit(c).await.unwrap();
         let mut c = Commit::new(run.id.clone(), Fence::Lease { owner: "w".into(), lease_until: at(100) }, at(10));
-        c.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+        c.run = Some(RunChange { to: RunStatus::Completed, reason: None, via: None });
         store.commit(c).await.unwrap();
     }
     let before = pragma(&store, "page_count").await;

@@ -87,7 +87,7 @@ async fn walk(store: Arc<dyn Store>, ops: Vec<Op>) {
         let mut c = Commit::new(run_id.clone(), any(), now).event(EventKind::NodeStarted { node: "x".into() });
         let valid = match &op {
             Op::Run(to) => {
-                c.run = Some(RunChange { to: *to, reason: None });
+                c.run = Some(RunChange { to: *to, reason: None, via: None });
                 run.can_transition_to(*to)
             }
             Op::Call { from, to } => {

@@ -163,7 +163,7 @@ impl Engine {
             note: None,
             resolved_by: Some(user_id.to_owned()),
         });
-        commit.run = Some(RunChange { to: RunStatus::Running, reason: None });
+        commit.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
         let human_wait_ms = (now - interrupt.created_at).num_milliseconds().max(0) as u64;
         commit.events.push(EventKind::Resumed {
             interrupt_id: interrupt.id.clone(),

@@ -494,7 +494,7 @@ impl Inner {
         for call in calls.iter().filter(|c| interrupt.call_ids.contains(&c.id) && c.state == ToolCallState::Suspended) {
             fail_unanswered(&mut commit, &run, call, "the client did not answer before the request expired", now);
         }
-        commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt_expired".into()) });
+        commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some("interrupt_expired".into()), via: None });
         commit.events.push(EventKind::Cancelled { reason: "interrupt_expired".into() });
         match self.store.commit(commit).await {
             Ok(c) => {
@@ -543,7 +543,7 @@ impl Inner {
                 fail_unanswered(&mut commit, &run, call, "the run was cancelled before the client answered", now);
             }
         }
-        commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()) });
+        commit.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.to_owned()), via: None });
         commit.events.push(EventKind::Cancelled { reason: reason.to_owned() });
         match self.store.commit(commit).await {
             Ok(c) => self.committed_by(&run, &c),

@@ -598,7 +598,7 @@ impl Worker {
             expires_at,
         });
         c.new_interrupts.push(interrupt.clone());
-        c.run = Some(RunChange { to: RunStatus::Interrupted, reason: None });
+        c.run = Some(RunChange { to: RunStatus::Interrupted, reason: None, via: None });
         let mut cp = self.run.checkpoint.clone();
         cp.next_step = NextStep::AwaitInterrupt;
         cp.pending_call_ids = interrupt.call_ids.iter().cloned().chain(later.iter().map(|c| c.id.clone())).collect();

@@ -155,12 +155,15 @@ impl Worker {
     /// Keeps `commit` to be written with the worker's next commit, in one transaction, and makes
     /// the worker's view of the run what it will be once written.
     ///
-    /// Only for a commit whose next one follows with no wait on anything outside — no model call,
-    /// no tool call, no sleep — in between, only reads that do not depend on it: the worker's first
-    /// commit (a read of the context comes next), a model call's end (the tools step's first
-    /// commit, or the run's end, comes next), and the tools step's end (a read of the context,
-    /// then the model call's start). Until then nothing of it is announced, and a crash loses only
-    /// work the next worker does again from the same checkpoint: it costs no more than the reads in
+    /// Only for a commit whose next one follows with no wait on anything outside — no tool call,
+    /// no sleep — in between, only reads that do not depend on it: the worker's first commit (a
+    /// read of the context comes next), a model call's end (the tools step's first commit, or the
+    /// run's end, comes next), and the tools step's end (a read of the context, then the model
+    /// call's start). The one wait allowed is a model call's first moments: its start is held
+    /// until the call's first text or its end, and at most `delta_flush_interval`
+    /// ([`Worker::stream_model`]) — a model call reads only, so a crash before the commit costs
+    /// the call, made again. Until then nothing of it is announced, and a crash loses only work the
+    /// next worker does again from the same checkpoint: it costs no more than the reads in
     /// between, and saves a transaction, and its WAL pages and flush, per step. A commit held
     /// already is joined with this one (or, if both move the run's status, written first).
     pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
@@ -246,7 +249,7 @@ impl Worker {
         // Records the trace id for the workers that continue the run (the first one sets it).
         first.checkpoint = Some(self.run.checkpoint.clone());
         if self.run.status == RunStatus::Queued {
-            first.run = Some(RunChange { to: RunStatus::Running, reason: None });
+            first.run = Some(RunChange { to: RunStatus::Running, reason: None, via: None });
         }
         // A model call cut off by a crash: its text is dropped and the call is made again.
         if let Some(cut) = self.run.checkpoint.streaming_message_id.clone() {
@@ -326,7 +329,7 @@ impl Worker {
             .cloned()
             .unwrap_or_else(|| "cancelled_by_user".to_owned());
         let mut c = self.new_commit();
-        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.clone()) });
+        c.run = Some(RunChange { to: RunStatus::Cancelled, reason: Some(reason.clone()), via: None });
         let mut cp = self.run.checkpoint.clone();
         cp.streaming_message_id = None;
         c.checkpoint = Some(cp);
@@ -346,7 +349,7 @@ impl Worker {
         };
         tracing::error!(run_id = %self.run.id, error = %error, "run failed");
         let mut c = self.new_commit();
-        c.run = Some(RunChange { to: RunStatus::Failed, reason: Some(code.to_lowercase()) });
+        c.run = Some(RunChange { to: RunStatus::Failed, reason: Some(code.to_lowercase()), via: None });
         c.events.push(EventKind::Error { code: code.into(), message });
         if let Err(e) = self.commit(c).await {
             // The lease will expire and another worker will retry from the checkpoint.
@@ -441,10 +444,16 @@ impl Worker {
             let mut cp = self.run.checkpoint.clone();
             cp.streaming_message_id = Some(message_id.clone());
             c.checkpoint = Some(cp);
-            if self.commit(c).await?.cancel_requested {
+            if self.run.cancel_requested {
                 // cancelled before the call: the loop ends the run without making it
                 return Ok(true);
             }
+            // Held into the call's first moments: written with the call's first text, or with its
+            // end if that comes first, or alone once `delta_flush_interval` has passed
+            // (`stream_model`). A fast call (a model's tool call, a short answer) then costs one
+            // commit instead of two; a crash before it is written costs the call, made again from
+            // the same checkpoint.
+            self.hold(c).await?;
             let model_started = Instant::now();
             let call_span = tracing::info_span!(
                 "model_call",
@@ -578,15 +587,35 @@ impl Worker {
     ) -> Result<StreamEnd, WorkerError> {
         let asked = Instant::now();
         let mut first_token = true;
-        let mut stream = match self.agent.model.stream(request.clone()).await {
+        let flush_max = self.inner.config.delta_flush_max.max(1);
+        let flush_interval = self.inner.config.delta_flush_interval;
+        // A commit held from before the call (its start) waits at most as long as text does,
+        // counted from the call's start: a model's answer can take a while to begin.
+        let mut deadline: Option<tokio::time::Instant> =
+            self.held.is_some().then(|| tokio::time::Instant::now() + flush_interval);
+        let model = self.agent.model.clone();
+        let call = model.stream(request.clone());
+        let call = match deadline {
+            Some(at) => {
+                let mut call = std::pin::pin!(call);
+                tokio::select! {
+                    biased;
+                    stream = &mut call => stream,
+                    _ = tokio::time::sleep_until(at) => {
+                        self.flush_held().await?;
+                        deadline = None;
+                        call.await
+                    }
+                }
+            }
+            None => call.await,
+        };
+        let mut stream = match call {
             Ok(s) => s,
             Err(e) => return Ok(StreamEnd::Failed(e)),
         };
-        let flush_max = self.inner.config.delta_flush_max.max(1);
-        let flush_interval = self.inner.config.delta_flush_interval;
         let mut buffer: Vec<String> = Vec::new();
         let mut unsaved = UnsavedText::default();
-        let mut deadline: Option<tokio::time::Instant> = None;
         let mut text_len = 0usize;
         let mut tool_calls = Vec::new();
         loop {
@@ -664,6 +693,10 @@ impl Worker {
         last: bool,
     ) -> Result<bool, StoreError> {
         if buffer.is_empty() && (!last || unsaved.text.is_empty()) {
+            // No text to write, but the commit held from before the call, if any, waits no longer.
+            if let Some(held) = self.held.take() {
+                return Ok(self.commit_now(held).await?.cancel_requested);
+            }
             return Ok(self.run.cancel_requested);
         }
         let mut c = self.new_commit();
@@ -688,7 +721,7 @@ impl Worker {
         c.events.push(EventKind::NodeStarted { node: nodes::FINALIZE.into() });
         c.events.push(EventKind::NodeFinished { node: nodes::FINALIZE.into(), duration_ms: 0 });
         c.events.push(EventKind::Done { message_id: self.run.checkpoint.answer_message_id.clone() });
-        c.run = Some(RunChange { to: RunStatus::Completed, reason: None });
+        c.run = Some(RunChange { to: RunStatus::Completed, reason: None, via: None });
         self.commit(c).await?;
         Ok(false)
     }

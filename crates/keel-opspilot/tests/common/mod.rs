@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use keel_core::agent::{Agent, Agents};
-use keel_core::bus::LocalBus;
+use keel_core::bus::{Bus, LocalBus};
 use keel_core::clock::ManualClock;
 use keel_core::engine::{Decision, Engine, EngineConfig, EngineParts, ResumeAccepted, ResumeRequest, SendMessage};
 use keel_core::event::render_text;
@@ -27,6 +27,38 @@ pub struct Harness {
     pub fleet: Arc<dyn Fleet>,
     pub engine: Engine,
     pub clock: Arc<ManualClock>,
+    pub bus: Arc<RecordingBus>,
+}
+
+/// The local bus, and what was published on it: the engine publishes each commit's events once
+/// they are written, in one call, so each call is one commit.
+#[derive(Default)]
+pub struct RecordingBus {
+    inner: LocalBus,
+    published: Mutex<Vec<Vec<Event>>>,
+}
+
+impl RecordingBus {
+    /// The event types of each commit of `run`, in order.
+    pub fn commits(&self, run: &RunId) -> Vec<Vec<&'static str>> {
+        let published = self.published.lock().unwrap();
+        published
+            .iter()
+            .filter(|events| events.first().is_some_and(|e| &e.run_id == run))
+            .map(|events| events.iter().map(Event::type_name).collect())
+            .collect()
+    }
+}
+
+impl Bus for RecordingBus {
+    fn publish(&self, events: &[Event]) {
+        self.published.lock().unwrap().push(events.to_vec());
+        self.inner.publish(events);
+    }
+
+    fn subscribe(&self, run_id: &RunId) -> tokio::sync::broadcast::Receiver<Arc<Event>> {
+        self.inner.subscribe(run_id)
+    }
 }
 
 /// Builds an agent's tools over the fleet and Keel's records (OpsPilot's, or wrapped ones).
@@ -105,17 +137,13 @@ impl Harness {
             .unwrap()
             .tools(tools(fleet.clone(), store.clone()))
             .context(context);
+        let bus = Arc::new(RecordingBus::default());
         let engine = Engine::new(
-            EngineParts {
-                store: store.clone(),
-                agents: Agents::single(agent),
-                bus: Arc::new(LocalBus::default()),
-                clock: clock.clone(),
-            },
+            EngineParts { store: store.clone(), agents: Agents::single(agent), bus: bus.clone(), clock: clock.clone() },
             config,
         );
         engine.start().await.unwrap();
-        Self { store, fleet, engine, clock }
+        Self { store, fleet, engine, clock, bus }
     }
 
     pub fn clock_now(&self) -> chrono::DateTime<chrono::Utc> {
