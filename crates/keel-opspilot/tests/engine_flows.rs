@@ -885,3 +885,54 @@ async fn a_slow_models_call_is_announced_before_it_answers() {
     assert_eq!(commits.len(), 3, "{commits:?}");
     assert_eq!(commits[2][..2], ["text_delta", "node_finished"]);
 }
+
+/// The seeds' flow: a read-only lookup's attempt is written with its result (the lookup answers at
+/// once), so the run pauses after three commits, where each attempt had one of its own.
+#[tokio::test]
+async fn a_read_only_calls_attempt_is_written_with_its_result() {
+    let dir = TempDir::new().unwrap();
+    let h = Harness::new(dir.path(), Options::default()).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, _) = interrupt_of(&ev);
+    let commits = h.bus.commits(&run);
+    let expected: [&[&str]; 3] = [
+        &["run_started", "graph_topology"],
+        // the worker's start, the model call, the lookup allowed, attempted and answered
+        &[
+            "node_started",
+            "node_finished",
+            "node_started",
+            "text_delta",
+            "node_finished",
+            "node_started",
+            "tool_started",
+            "tool_finished",
+            "facts_updated",
+        ],
+        // the lookup's step ends, the model asks for the restart, which waits for a human
+        &[
+            "node_finished",
+            "node_started",
+            "node_finished",
+            "node_started",
+            "text_delta",
+            "node_finished",
+            "node_started",
+            "node_finished",
+            "node_started",
+            "interrupt",
+        ],
+    ];
+    assert_eq!(commits, expected.map(<[&str]>::to_vec).to_vec());
+    let lookup = h.store.list_tool_calls(&run).await.unwrap().remove(0);
+    assert_eq!(
+        (lookup.name.as_str(), lookup.state, lookup.attempts),
+        ("find_abnormal_instances", ToolCallState::Succeeded, 1)
+    );
+    let after = h.decide(&run, &interrupt, json!("approve")).await;
+    assert_eq!(last_type(&after), "done");
+    assert_eq!(h.restart_count("pay-prod-2").await, 1);
+    assert_eq!(h.bus.commits(&run).len(), 6);
+    assert_contiguous(&h.all_events(&run).await);
+}

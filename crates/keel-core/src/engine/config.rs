@@ -12,6 +12,8 @@ pub struct EngineConfig {
     /// Model calls per run before it fails with `MAX_ITERATIONS`.
     pub max_iterations: u32,
     /// Text deltas are committed in groups: at most this long after the first buffered one …
+    /// (and a commit held before a model call, or before read-only tool calls, waits at most this
+    /// long for the call's first text or the calls' results, to be written with them).
     pub delta_flush_interval: Duration,
     /// … or this many, whichever comes first.
     pub delta_flush_max: usize,

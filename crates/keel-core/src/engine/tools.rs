@@ -79,7 +79,9 @@ impl Worker {
                         Policy::Allow => {
                             let mut c = self.new_commit();
                             c.tool_calls.push(ToolCallChange::transition(&call.id, call.state, ToolCallState::Allowed));
-                            self.commit(c).await?;
+                            // Written with the call's claim (or the step's pause, for a call the
+                            // client makes): only reads come in between.
+                            self.hold(c).await?;
                             let call = ToolCall { state: ToolCallState::Allowed, ..call };
                             if tool.client_side().is_some() {
                                 to_ask.push((call, Ask::ClientTool));
@@ -228,7 +230,13 @@ impl Worker {
         }
         let mut backoff = self.inner.config.tool_retry_backoff;
         while !round.is_empty() {
-            // Claim this round's attempts.
+            // Claim this round's attempts. A round of calls that change nothing (run together)
+            // claims them in one commit, held until their results are written with it, or at most
+            // `delta_flush_interval` while they run: an attempt of a read-only call that a crash
+            // leaves unrecorded is made again, and harms nothing. A call with a side effect is
+            // claimed before it is made, always.
+            let read_only = round.iter().all(|(_, tool)| !tool.spec().side_effect);
+            let mut claims: Option<Commit> = None;
             let mut claimed = Vec::new();
             for (call, tool) in round.drain(..) {
                 let now = self.now();
@@ -246,11 +254,24 @@ impl Worker {
                         args_summary: args_summary(&call.args),
                     });
                 }
-                self.commit(c).await?;
+                if read_only {
+                    claims = Some(match claims.take() {
+                        Some(claims) => claims.then(c),
+                        None => c,
+                    });
+                } else {
+                    self.commit(c).await?;
+                }
                 claimed.push((ToolCall { state: ToolCallState::Executing, attempts, ..call }, tool));
             }
+            let mut deadline = None;
+            if let Some(claims) = claims {
+                self.hold(claims).await?;
+                deadline = Some(tokio::time::Instant::now() + self.inner.config.delta_flush_interval);
+            }
             let contexts: Vec<ToolContext> = claimed.iter().map(|(call, _)| self.tool_context(call, role)).collect();
-            let metrics = &self.inner.config.metrics;
+            let metrics = self.inner.config.metrics.clone();
+            let metrics = &metrics;
             let calls = futures::future::join_all(claimed.iter().zip(contexts.iter()).map(|((call, tool), ctx)| {
                 // Ids and the tool's name only: arguments and results may hold anything.
                 let span = tracing::info_span!(
@@ -280,9 +301,20 @@ impl Worker {
             }));
             // A cancel of the run stops its calls in flight: their futures are dropped, which a tool
             // may pass on (an MCP tool sends `notifications/cancelled`).
-            let outcomes = tokio::select! {
-                outcomes = calls => Some(outcomes),
-                _ = self.cancel_signal.notified() => None,
+            let outcomes = {
+                let mut calls = std::pin::pin!(calls);
+                loop {
+                    let far = tokio::time::Instant::now() + Duration::from_secs(3600);
+                    tokio::select! {
+                        outcomes = &mut calls => break Some(outcomes),
+                        _ = self.cancel_signal.notified() => break None,
+                        // the held claims wait no longer: the calls are taking a while
+                        _ = tokio::time::sleep_until(deadline.unwrap_or(far)) => {
+                            deadline = None;
+                            self.flush_held().await?;
+                        }
+                    }
+                }
             };
             let Some(outcomes) = outcomes else {
                 for (call, _) in &claimed {
@@ -332,6 +364,7 @@ impl Worker {
                     // Left `executing`: whoever continues the run retries them (they are idempotent).
                     return Ok(unknown);
                 }
+                self.flush_held().await?;
                 tokio::time::sleep(backoff).await;
                 backoff = backoff.saturating_mul(2);
             }

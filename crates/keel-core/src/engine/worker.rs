@@ -159,10 +159,11 @@ impl Worker {
     /// no sleep — in between, only reads that do not depend on it: the worker's first commit (a
     /// read of the context comes next), a model call's end (the tools step's first commit, or the
     /// run's end, comes next), and the tools step's end (a read of the context, then the model
-    /// call's start). The one wait allowed is a model call's first moments: its start is held
+    /// call's start). The waits allowed are a model call's first moments — its start is held
     /// until the call's first text or its end, and at most `delta_flush_interval`
-    /// ([`Worker::stream_model`]) — a model call reads only, so a crash before the commit costs
-    /// the call, made again. Until then nothing of it is announced, and a crash loses only work the
+    /// ([`Worker::stream_model`]) — and a read-only tool call's: the attempt's claim is held until
+    /// the call's result, and at most as long (`run_calls`). Neither acts on anything, so a crash
+    /// before the commit costs the call, made again. Until then nothing of it is announced, and a crash loses only work the
     /// next worker does again from the same checkpoint: it costs no more than the reads in
     /// between, and saves a transaction, and its WAL pages and flush, per step. A commit held
     /// already is joined with this one (or, if both move the run's status, written first).
