@@ -790,6 +790,19 @@ async fn a_large_fleet_is_listed_in_part_and_counted_up_to_a_bound() {
     assert!(text(&ev).contains("31 instances of payment-api in prod are abnormal; the first 10: "), "{}", text(&ev));
 }
 
+/// The events of a model call that answers at once, as a commit carries them: the context step,
+/// the model step and its text.
+const MODEL_CALL: [&str; 5] = ["node_started", "node_finished", "node_started", "text_delta", "node_finished"];
+/// A tools step that asks a human: the step, the approval's start, the interrupt.
+const PAUSE: [&str; 4] = ["node_started", "node_finished", "node_started", "interrupt"];
+/// The run's end: the finalize step, `done`.
+const END: [&str; 3] = ["node_started", "node_finished", "done"];
+
+/// One commit's event types, made of the pieces above (and single events).
+fn commit_of(parts: &[&[&'static str]]) -> Vec<&'static str> {
+    parts.concat()
+}
+
 /// A HITL run's commits, as they are announced: the worker's first commit, its model call's start
 /// (the demo model answers at once) and the tools step that pauses are one; the approval with the
 /// attempt it allows one; the tool's result one, written as soon as the tool has answered; the
@@ -804,35 +817,14 @@ async fn a_hitl_run_with_a_fast_model_is_five_commits() {
     let after = h.decide(&run, &interrupt, json!("approve")).await;
     assert_eq!(last_type(&after), "done");
     assert_eq!(h.restart_count("pay-prod-2").await, 1);
-    let commits = h.bus.commits(&run);
-    let expected: [&[&str]; 5] = [
-        &["run_started", "graph_topology"],
-        &[
-            "node_started",
-            "node_finished",
-            "node_started",
-            "text_delta",
-            "node_finished",
-            "node_started",
-            "node_finished",
-            "node_started",
-            "interrupt",
-        ],
-        &["resumed", "node_finished", "node_started", "tool_started"],
-        &["tool_finished", "facts_updated"],
-        &[
-            "node_finished",
-            "node_started",
-            "node_finished",
-            "node_started",
-            "text_delta",
-            "node_finished",
-            "node_started",
-            "node_finished",
-            "done",
-        ],
+    let expected = [
+        commit_of(&[&["run_started", "graph_topology"]]),
+        commit_of(&[&MODEL_CALL, &PAUSE]),
+        commit_of(&[&["resumed", "node_finished", "node_started", "tool_started"]]),
+        commit_of(&[&["tool_finished", "facts_updated"]]),
+        commit_of(&[&["node_finished"], &MODEL_CALL, &END]),
     ];
-    assert_eq!(commits, expected.map(<[&str]>::to_vec).to_vec());
+    assert_eq!(h.bus.commits(&run), expected);
     assert_contiguous(&h.all_events(&run).await);
 }
 
@@ -895,36 +887,14 @@ async fn a_read_only_calls_attempt_is_written_with_its_result() {
     let conv = h.conversation().await;
     let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
     let (interrupt, _) = interrupt_of(&ev);
-    let commits = h.bus.commits(&run);
-    let expected: [&[&str]; 3] = [
-        &["run_started", "graph_topology"],
+    let expected = [
+        commit_of(&[&["run_started", "graph_topology"]]),
         // the worker's start, the model call, the lookup allowed, attempted and answered
-        &[
-            "node_started",
-            "node_finished",
-            "node_started",
-            "text_delta",
-            "node_finished",
-            "node_started",
-            "tool_started",
-            "tool_finished",
-            "facts_updated",
-        ],
+        commit_of(&[&MODEL_CALL, &["node_started", "tool_started", "tool_finished", "facts_updated"]]),
         // the lookup's step ends, the model asks for the restart, which waits for a human
-        &[
-            "node_finished",
-            "node_started",
-            "node_finished",
-            "node_started",
-            "text_delta",
-            "node_finished",
-            "node_started",
-            "node_finished",
-            "node_started",
-            "interrupt",
-        ],
+        commit_of(&[&["node_finished"], &MODEL_CALL, &PAUSE]),
     ];
-    assert_eq!(commits, expected.map(<[&str]>::to_vec).to_vec());
+    assert_eq!(h.bus.commits(&run), expected);
     let lookup = h.store.list_tool_calls(&run).await.unwrap().remove(0);
     assert_eq!(
         (lookup.name.as_str(), lookup.state, lookup.attempts),
