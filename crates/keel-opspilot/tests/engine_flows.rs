@@ -906,3 +906,65 @@ async fn a_read_only_calls_attempt_is_written_with_its_result() {
     assert_eq!(h.bus.commits(&run).len(), 6);
     assert_contiguous(&h.all_events(&run).await);
 }
+
+/// A read-only tool, recording the stored state of its call each time it is called.
+struct Observed {
+    inner: Arc<dyn keel_core::tool::Tool>,
+    spec: keel_core::tool::ToolSpec,
+    calls: Arc<dyn keel_core::store::RunStore>,
+    seen: Arc<std::sync::Mutex<Vec<Option<ToolCallState>>>>,
+}
+
+#[async_trait::async_trait]
+impl keel_core::tool::Tool for Observed {
+    fn spec(&self) -> &keel_core::tool::ToolSpec {
+        &self.spec
+    }
+    async fn execute(
+        &self,
+        ctx: &keel_core::tool::ToolContext,
+        args: &serde_json::Value,
+    ) -> Result<keel_core::tool::ToolOutput, keel_core::tool::ToolError> {
+        let calls = self.calls.list_tool_calls(&ctx.run_id).await.unwrap();
+        self.seen.lock().unwrap().push(calls.iter().find(|c| c.id == ctx.call_id).map(|c| c.state));
+        self.inner.execute(ctx, args).await
+    }
+}
+
+/// A read-only call someone must approve is made only once the approval (and the attempt it
+/// allows) is written: a read-only round's attempts are otherwise held until their results, but
+/// not while a human's answer is not written yet — of two answers only the written one stands.
+#[tokio::test]
+async fn an_approved_read_only_call_is_made_once_its_approval_is_written() {
+    let dir = TempDir::new().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let recorded = seen.clone();
+    let tools: Tools = Arc::new(move |fleet, calls| {
+        let base = keel_opspilot::registry(fleet, calls.clone());
+        let mut registry = keel_core::tool::ToolRegistry::new();
+        for spec in base.specs().iter() {
+            let tool = base.get(&spec.name).unwrap().clone();
+            if spec.name == "find_abnormal_instances" {
+                assert!(!spec.side_effect);
+                let mut spec = spec.clone();
+                for policy in spec.policies.values_mut() {
+                    *policy = keel_core::tool::Policy::Ask;
+                }
+                let observed = Observed { inner: tool, spec, calls: calls.clone(), seen: recorded.clone() };
+                registry.register(Arc::new(observed)).unwrap();
+            } else {
+                registry.register(tool).unwrap();
+            }
+        }
+        registry
+    });
+    let h = Harness::new(dir.path(), Options { tools, ..Options::default() }).await;
+    let conv = h.conversation().await;
+    let (run, ev) = h.say(&conv, "Restart the abnormal instance of payment-api").await;
+    let (interrupt, payload) = interrupt_of(&ev);
+    assert_eq!(payload["actions"][0]["tool"], "find_abnormal_instances", "{payload}");
+    assert!(seen.lock().unwrap().is_empty());
+    let after = h.decide(&run, &interrupt, json!("approve")).await;
+    assert_eq!(last_type(&after), "interrupt", "the restart is asked next");
+    assert_eq!(*seen.lock().unwrap(), [Some(ToolCallState::Executing)], "claimed and written before it was made");
+}

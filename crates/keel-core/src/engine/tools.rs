@@ -234,8 +234,10 @@ impl Worker {
             // claims them in one commit, held until their results are written with it, or at most
             // `delta_flush_interval` while they run: an attempt of a read-only call that a crash
             // leaves unrecorded is made again, and harms nothing. A call with a side effect is
-            // claimed before it is made, always.
-            let read_only = round.iter().all(|(_, tool)| !tool.spec().side_effect);
+            // claimed before it is made, always; and so is any call while a human's answer that
+            // allows it is not written yet: of two answers only the one written stands, and a call
+            // someone asked to approve (a read of private data, say) is not made on the other.
+            let read_only = self.claim_answer.is_none() && round.iter().all(|(_, tool)| !tool.spec().side_effect);
             let mut claims: Option<Commit> = None;
             let mut claimed = Vec::new();
             for (call, tool) in round.drain(..) {
