@@ -163,10 +163,10 @@ impl Worker {
     /// until the call's first text or its end, and at most `delta_flush_interval`
     /// ([`Worker::stream_model`]) — and a read-only tool call's: the attempt's claim is held until
     /// the call's result, and at most as long (`run_calls`). Neither acts on anything, so a crash
-    /// before the commit costs the call, made again. Until then nothing of it is announced, and a crash loses only work the
-    /// next worker does again from the same checkpoint: it costs no more than the reads in
-    /// between, and saves a transaction, and its WAL pages and flush, per step. A commit held
-    /// already is joined with this one (or, if both move the run's status, written first).
+    /// before the commit costs the call, made again. Until then nothing of it is announced, and a
+    /// crash loses only work the next worker does again from the same checkpoint: it costs no more
+    /// than the reads in between, and saves a transaction, and its WAL pages and flush, per step.
+    /// A commit held already is joined with this one ([`Commit::joins`]), or written first.
     pub(super) async fn hold(&mut self, commit: Commit) -> Result<(), StoreError> {
         let commit = self.behind_held(commit).await?;
         adopt(&mut self.run, &commit);
