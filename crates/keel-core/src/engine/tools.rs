@@ -266,10 +266,10 @@ impl Worker {
                 }
                 claimed.push((ToolCall { state: ToolCallState::Executing, attempts, ..call }, tool));
             }
-            let mut deadline = None;
+            let mut held_until = None;
             if let Some(claims) = claims {
                 self.hold(claims).await?;
-                deadline = Some(tokio::time::Instant::now() + self.inner.config.delta_flush_interval);
+                held_until = Some(tokio::time::Instant::now() + self.inner.config.delta_flush_interval);
             }
             let contexts: Vec<ToolContext> = claimed.iter().map(|(call, _)| self.tool_context(call, role)).collect();
             let metrics = self.inner.config.metrics.clone();
@@ -303,21 +303,14 @@ impl Worker {
             }));
             // A cancel of the run stops its calls in flight: their futures are dropped, which a tool
             // may pass on (an MCP tool sends `notifications/cancelled`).
-            let outcomes = {
-                let mut calls = std::pin::pin!(calls);
-                loop {
-                    let far = tokio::time::Instant::now() + Duration::from_secs(3600);
-                    tokio::select! {
-                        outcomes = &mut calls => break Some(outcomes),
-                        _ = self.cancel_signal.notified() => break None,
-                        // the held claims wait no longer: the calls are taking a while
-                        _ = tokio::time::sleep_until(deadline.unwrap_or(far)) => {
-                            deadline = None;
-                            self.flush_held().await?;
-                        }
-                    }
+            let cancel = self.cancel_signal.clone();
+            let calls = async move {
+                tokio::select! {
+                    outcomes = calls => Some(outcomes),
+                    _ = cancel.notified() => None,
                 }
             };
+            let outcomes = self.await_holding(calls, held_until).await?;
             let Some(outcomes) = outcomes else {
                 for (call, _) in &claimed {
                     let reason = "the run was cancelled while this call ran: it was stopped, and may or may not \

@@ -182,6 +182,27 @@ impl Worker {
         }
     }
 
+    /// Waits for `wait` (a model call's start, read-only tool calls) with the held commit, if any,
+    /// kept back for at most `until`, then written on its own while `wait` goes on.
+    pub(super) async fn await_holding<T>(
+        &mut self,
+        wait: impl std::future::Future<Output = T>,
+        until: Option<tokio::time::Instant>,
+    ) -> Result<T, StoreError> {
+        let Some(until) = until.filter(|_| self.held.is_some()) else {
+            return Ok(wait.await);
+        };
+        let mut wait = std::pin::pin!(wait);
+        tokio::select! {
+            biased;
+            done = &mut wait => Ok(done),
+            _ = tokio::time::sleep_until(until) => {
+                self.flush_held().await?;
+                Ok(wait.await)
+            }
+        }
+    }
+
     /// Commits (with the held commit, if any, in front: one transaction when they can be joined),
     /// publishes, and keeps the worker's view of the run current.
     pub(super) async fn commit(&mut self, commit: Commit) -> Result<Committed, StoreError> {
@@ -592,25 +613,10 @@ impl Worker {
         let flush_interval = self.inner.config.delta_flush_interval;
         // A commit held from before the call (its start) waits at most as long as text does,
         // counted from the call's start: a model's answer can take a while to begin.
-        let mut deadline: Option<tokio::time::Instant> =
-            self.held.is_some().then(|| tokio::time::Instant::now() + flush_interval);
+        let held_until = self.held.is_some().then(|| tokio::time::Instant::now() + flush_interval);
         let model = self.agent.model.clone();
-        let call = model.stream(request.clone());
-        let call = match deadline {
-            Some(at) => {
-                let mut call = std::pin::pin!(call);
-                tokio::select! {
-                    biased;
-                    stream = &mut call => stream,
-                    _ = tokio::time::sleep_until(at) => {
-                        self.flush_held().await?;
-                        deadline = None;
-                        call.await
-                    }
-                }
-            }
-            None => call.await,
-        };
+        let call = self.await_holding(model.stream(request.clone()), held_until).await?;
+        let mut deadline = held_until.filter(|_| self.held.is_some());
         let mut stream = match call {
             Ok(s) => s,
             Err(e) => return Ok(StreamEnd::Failed(e)),
