@@ -90,11 +90,12 @@ async fn an_idempotent_call_cut_off_by_a_crash_is_retried() {
     let run = started.run.id;
     // A read-only call's attempt is written with its result, or, while the call takes its time,
     // on its own once `delta_flush_interval` has passed: the call that hangs is shown started.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while h.store.list_tool_calls(&run).await.unwrap().first().map(|c| c.state) != Some(ToolCallState::Executing) {
-        assert!(tokio::time::Instant::now() < deadline, "the hanging call's attempt was never written");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    h.bus
+        .until("the hanging call's attempt is written", &run, |commits| {
+            commits.iter().any(|c| c.contains(&"tool_started"))
+        })
+        .await;
+    assert_eq!(h.store.list_tool_calls(&run).await.unwrap()[0].state, ToolCallState::Executing);
     let commits = h.bus.commits(&run);
     assert!(commits.last().unwrap().ends_with(&["node_started", "tool_started"]), "{commits:?}");
     drop(h);

@@ -859,11 +859,7 @@ async fn a_slow_models_call_is_announced_before_it_answers() {
     let conv = h.conversation().await;
     let send = keel_core::engine::SendMessage { content: "restart pay-prod-2".into(), cancel_on_disconnect: false };
     let run = h.engine.send_message("demo", &conv, send).await.unwrap().run.id;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while h.bus.commits(&run).len() < 2 {
-        assert!(tokio::time::Instant::now() < deadline, "the model call's start was never written");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    h.bus.until("the model call's start is written", &run, |commits| commits.len() >= 2).await;
     assert_eq!(h.bus.commits(&run)[1], ["node_started", "node_finished", "node_started"]);
     let stored = h.store.get_run(&run).await.unwrap().unwrap();
     assert_eq!(stored.status, RunStatus::Running);

@@ -36,9 +36,18 @@ pub struct Harness {
 pub struct RecordingBus {
     inner: LocalBus,
     published: Mutex<Vec<Vec<Event>>>,
+    /// How many publishes there were: what [`RecordingBus::until`] waits on.
+    count: tokio::sync::watch::Sender<usize>,
 }
 
 impl RecordingBus {
+    /// Waits (up to 20 s, else panics with `what`) until the commits of `run` satisfy `check`.
+    pub async fn until(&self, what: &str, run: &RunId, check: impl Fn(&[Vec<&'static str>]) -> bool) {
+        let mut published = self.count.subscribe();
+        let waited = tokio::time::timeout(Duration::from_secs(20), published.wait_for(|_| check(&self.commits(run))));
+        assert!(matches!(waited.await, Ok(Ok(_))), "timed out waiting until {what}");
+    }
+
     /// The event types of each commit of `run`, in order.
     pub fn commits(&self, run: &RunId) -> Vec<Vec<&'static str>> {
         let published = self.published.lock().unwrap();
@@ -53,6 +62,7 @@ impl RecordingBus {
 impl Bus for RecordingBus {
     fn publish(&self, events: &[Event]) {
         self.published.lock().unwrap().push(events.to_vec());
+        self.count.send_modify(|n| *n += 1);
         self.inner.publish(events);
     }
 
