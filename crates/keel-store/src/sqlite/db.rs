@@ -11,7 +11,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread;
@@ -33,9 +33,19 @@ const STATEMENT_CACHE: usize = 256;
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(100);
 /// With nothing new to copy, one tick in this many checkpoints all the same (once a second).
 const IDLE_CHECKPOINT_EVERY: u32 = 10;
-/// A WAL longer than this many frames (4 KiB pages) after a passive checkpoint, which readers can
-/// hold back, gets a checkpoint that waits for them and restarts the WAL, so it stays bounded.
+/// A WAL longer than this many frames (4 KiB pages, ~100 MiB) is restarted: the writer finishes
+/// the checkpointer's copy between two of its transactions, and the next one writes the WAL from
+/// its start again ([`restart_wal`]). A WAL file left longer (while a reader held it back) is cut
+/// back to this length when it restarts.
 const WAL_RESTART_FRAMES: i64 = 25_000;
+/// The checkpointer's passes back to back before it asks the writer to restart the WAL: until at
+/// most [`CATCH_UP_LEFT`] frames are left to copy, or this many.
+const CATCH_UP_PASSES: usize = 4;
+const CATCH_UP_LEFT: i64 = 256;
+/// A WAL frame: its header and a page.
+const WAL_FRAME_BYTES: i64 = 24 + 4096;
+/// How long the writer waits for the readers' snapshots of the WAL to end when it restarts it.
+const RESTART_WAIT: Duration = Duration::from_millis(20);
 /// How long closing retries the last checkpoint while readers or a checkpoint hold it back.
 const FINAL_CHECKPOINT_WAIT: Duration = Duration::from_secs(10);
 
@@ -249,6 +259,17 @@ impl Database {
     /// Opens the database, migrates it, and starts the writer thread. At most `write_queue`
     /// writes wait for it; more are refused with [`StoreError::Overloaded`].
     pub fn open(location: Location, write_queue: usize) -> StoreResult<Self> {
+        Self::open_with(location, write_queue, CHECKPOINT_EVERY, WAL_RESTART_FRAMES)
+    }
+
+    /// [`Database::open`] with a checkpoint every `checkpoint_every`, and the WAL restarted past
+    /// `wal_restart_frames` frames.
+    fn open_with(
+        location: Location,
+        write_queue: usize,
+        checkpoint_every: Duration,
+        wal_restart_frames: i64,
+    ) -> StoreResult<Self> {
         if let Location::File(path) = &location {
             create_parent_dir(path)?;
         }
@@ -263,12 +284,18 @@ impl Database {
         // migrations ran above, with them on.
         conn.execute_batch("PRAGMA ignore_check_constraints = ON").map_err(db("open the database"))?;
         let commits = Arc::new(AtomicU64::new(0));
+        let restart = Arc::new(AtomicBool::new(false));
         let checkpointer = match &location {
             Location::File(_) => {
                 // the writer never checkpoints while open: that work, and its fsync, is the
                 // checkpointer's
-                conn.execute_batch("PRAGMA wal_autocheckpoint = 0").map_err(db("open the database"))?;
-                Some(Checkpointer::start(&location, commits.clone())?)
+                conn.execute_batch(&format!(
+                    "PRAGMA wal_autocheckpoint = 0; PRAGMA journal_size_limit = {};",
+                    wal_restart_frames * WAL_FRAME_BYTES
+                ))
+                .map_err(db("open the database"))?;
+                let restart = (restart.clone(), wal_restart_frames);
+                Some(Checkpointer::start(&location, checkpoint_every, commits.clone(), restart)?)
             }
             Location::Memory => None,
         };
@@ -276,7 +303,13 @@ impl Database {
         let (jobs, queue) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
         let (done, writer_done) = watch::channel(false);
-        let writer = Writer { conn: conn.clone(), queued: queued.clone(), file: location != Location::Memory, commits };
+        let writer = Writer {
+            conn: conn.clone(),
+            queued: queued.clone(),
+            file: location != Location::Memory,
+            commits,
+            restart: restart.clone(),
+        };
         thread::Builder::new()
             .name("keel-sqlite-writer".into())
             .spawn(move || {
@@ -371,7 +404,13 @@ struct Checkpointer {
 }
 
 impl Checkpointer {
-    fn start(location: &Location, commits: Arc<AtomicU64>) -> StoreResult<Self> {
+    /// `restart`: the flag that asks the writer to restart the WAL, and past how many frames.
+    fn start(
+        location: &Location,
+        every: Duration,
+        commits: Arc<AtomicU64>,
+        (restart, restart_frames): (Arc<AtomicBool>, i64),
+    ) -> StoreResult<Self> {
         let conn = open_connection(location, false)?;
         let (stop, stopped) = mpsc::channel::<()>();
         let thread = thread::Builder::new()
@@ -380,14 +419,14 @@ impl Checkpointer {
                 // the writer's commit count when the WAL was last copied whole (none yet)
                 let mut copied: Option<u64> = None;
                 let mut skipped = 0;
-                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(CHECKPOINT_EVERY) {
+                while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(every) {
                     let now = commits.load(Ordering::Acquire);
                     if copied == Some(now) && skipped + 1 < IDLE_CHECKPOINT_EVERY {
                         skipped += 1;
                         continue;
                     }
                     skipped = 0;
-                    copied = match checkpoint(&conn) {
+                    copied = match checkpoint(&conn, &restart, restart_frames) {
                         Ok(true) => Some(now),
                         Ok(false) => None,
                         Err(e) => {
@@ -408,15 +447,38 @@ impl Checkpointer {
     }
 }
 
-/// One checkpoint; `true` if it copied the whole WAL.
-fn checkpoint(conn: &Connection) -> rusqlite::Result<bool> {
-    let frames = |sql: &str| {
-        conn.prepare_cached(sql)?.query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))
+/// One checkpoint; `true` if it copied the whole WAL. With more than `restart_frames` frames in
+/// the WAL, passes follow back to back until little is left to copy, and the writer is asked to
+/// restart the WAL (`restart`).
+fn checkpoint(conn: &Connection, restart: &AtomicBool, restart_frames: i64) -> rusqlite::Result<bool> {
+    let passive = || {
+        conn.prepare_cached("PRAGMA wal_checkpoint(PASSIVE)")?
+            .query_row([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?)))
     };
-    let (_, log, done) = frames("PRAGMA wal_checkpoint(PASSIVE)")?;
-    if log > WAL_RESTART_FRAMES && done < log {
-        let (busy, log, done) = frames("PRAGMA wal_checkpoint(RESTART)")?;
-        return Ok(busy == 0 && done >= log);
+    let (busy, mut log, mut done) = passive()?;
+    if busy != 0 {
+        return Ok(false);
+    }
+    if log > restart_frames {
+        // What the writer wrote during that pass is copied by the next ones, each shorter, so
+        // the writer has little left to copy when it restarts the WAL.
+        let mut advanced = true;
+        for _ in 0..CATCH_UP_PASSES {
+            if log - done <= CATCH_UP_LEFT || !advanced {
+                break;
+            }
+            let (busy, l, d) = passive()?;
+            if busy != 0 {
+                return Ok(false);
+            }
+            advanced = d > done;
+            (log, done) = (l, d);
+        }
+        // A pass that copied nothing while frames were left was held back by a reader still on
+        // older frames (a long read): the writer would only wait for it. The next tick asks again.
+        if advanced || log - done <= CATCH_UP_LEFT {
+            restart.store(true, Ordering::Release);
+        }
     }
     Ok(done >= log)
 }
@@ -459,6 +521,8 @@ type WithConn<'a> = dyn FnMut(&mut dyn FnMut(&Conn<'_, '_>) -> Option<String>) -
 
 /// The writer thread's side of the database.
 struct Writer {
+    /// Set by the checkpointer when the WAL is long enough to restart ([`Writer::restart_wal`]).
+    restart: Arc<AtomicBool>,
     conn: Arc<Mutex<Connection>>,
     queued: Arc<AtomicUsize>,
     /// A file (not memory): it has a WAL to checkpoint at the end.
@@ -523,6 +587,12 @@ impl Writer {
                     // (a group whose writes were all refused counts too: one checkpoint more)
                     self.commits.fetch_add(1, Ordering::Release);
                 }
+                if self.file && self.restart.swap(false, Ordering::AcqRel) {
+                    with_conn(&mut |conn: &Conn<'_, '_>| {
+                        restart_wal(conn);
+                        None
+                    });
+                }
                 for job in group.drain(..) {
                     job.answer(failure.clone());
                 }
@@ -563,6 +633,27 @@ impl Writer {
                 tracing::warn!(error = %e, "closing the database connection failed");
             }
         }
+    }
+}
+
+/// Finishes the checkpoint the checkpointer started, between two of the writer's transactions, so
+/// that the next one writes the WAL from its start again.
+///
+/// **Why the writer.** SQLite writes from the WAL's start again only when a write transaction
+/// begins with every frame of the WAL copied into the database file and no reader on a frame. A
+/// checkpointer beside a writer that never pauses never sees that moment: the writer adds frames
+/// while it copies, and its `RESTART` checkpoint needs the writer's lock, which a busy writer
+/// takes again at once, so it waited `BUSY_TIMEOUT` (no checkpoint meanwhile) and gave up. The
+/// WAL grew by every page written: 409 MB after 3,096 HITL runs (docs/benchmarks.md, "Fourteenth
+/// session"), and each of those frames was a page the file system had to add to the file. Here
+/// the writer is between transactions, so what is left to copy is what it wrote since the
+/// checkpointer's last pass, and the readers are waited for at most [`RESTART_WAIT`].
+fn restart_wal(conn: &Conn<'_, '_>) {
+    let _ = conn.busy_timeout(RESTART_WAIT);
+    let outcome = conn.query_row("PRAGMA wal_checkpoint(RESTART)", [], |r| r.get::<_, i64>(0));
+    let _ = conn.busy_timeout(BUSY_TIMEOUT);
+    if let Err(e) = outcome {
+        tracing::warn!(error = %e, "restarting the WAL failed; the checkpointer asks again");
     }
 }
 
@@ -930,6 +1021,85 @@ mod tests {
         let (slow_reader, was_released) = slow.await.unwrap().unwrap();
         assert!(was_released, "the slow read was released by this task, so the runtime was not blocked");
         assert_ne!(slow_reader, caller);
+        database.close().await;
+    }
+
+    /// Writes that never pause, with reads beside them, keep the WAL bounded: once the checkpointer
+    /// has copied most of it, the writer restarts it between two transactions. (Before, a writer
+    /// that never paused kept the checkpointer from restarting it, and the WAL grew by every page
+    /// written: past 128 MiB here.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_wal_stays_bounded_while_writes_never_pause() {
+        const WRITERS: i64 = 32;
+        const ROWS: i64 = 1_000;
+        let dir = tempfile::TempDir::new().unwrap();
+        // checkpointed every 5 ms (what is written between two checkpoints comes on top of the
+        // bound), restarted past 256 frames (~1 MiB)
+        let location = Location::File(dir.path().join("t.db"));
+        let database = Database::open_with(location, 4_096, Duration::from_millis(5), 256).unwrap();
+        database
+            .write(|c| c.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, b BLOB NOT NULL)").map_err(db("create")))
+            .await
+            .unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        // the WAL file's length, sampled while the writes run
+        let longest = thread::spawn({
+            let (stop, wal) = (stop.clone(), dir.path().join("t.db-wal"));
+            move || {
+                let mut longest = 0;
+                while !stop.load(Ordering::Acquire) {
+                    longest = std::fs::metadata(&wal).map_or(longest, |m| longest.max(m.len()));
+                    thread::sleep(Duration::from_millis(1));
+                }
+                longest
+            }
+        });
+        // reads beside the writes, as a server makes them
+        let reads = tokio::spawn({
+            let (database, stop) = (database.clone(), stop.clone());
+            async move {
+                let mut reads = 0;
+                while !stop.load(Ordering::Acquire) {
+                    database
+                        .read(|c| {
+                            c.query_row("SELECT max(n) FROM t", [], |r| r.get::<_, Option<i64>>(0)).map_err(db("read"))
+                        })
+                        .await
+                        .unwrap();
+                    reads += 1;
+                }
+                reads
+            }
+        });
+        // a page a row: 32,000 pages (125 MiB) written, at least one WAL frame each
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|w| {
+                let database = database.clone();
+                tokio::spawn(async move {
+                    for i in 0..ROWS {
+                        let n = w * ROWS + i;
+                        database
+                            .write(move |c| {
+                                c.execute("INSERT INTO t (n, b) VALUES (?1, zeroblob(4000))", [n]).map_err(db("insert"))
+                            })
+                            .await
+                            .unwrap();
+                    }
+                })
+            })
+            .collect();
+        for writer in writers {
+            writer.await.unwrap();
+        }
+        stop.store(true, Ordering::Release);
+        let (reads, longest) = (reads.await.unwrap(), longest.join().unwrap());
+        assert!(reads > 0);
+        assert!(longest > 0, "the WAL was sampled");
+        // (without the restart: ~640 MiB)
+        assert!(longest < 40 << 20, "the WAL grew to {} MiB", longest >> 20);
+        let count =
+            database.read(|c| c.query_row("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0)).map_err(db("count")));
+        assert_eq!(count.await.unwrap(), WRITERS * ROWS, "every write is kept");
         database.close().await;
     }
 
