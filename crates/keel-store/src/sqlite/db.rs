@@ -1103,6 +1103,76 @@ mod tests {
         database.close().await;
     }
 
+    /// A long read holds the WAL's copy back, and with it the restart, without holding up the
+    /// writes; once it ends, the WAL is restarted and cut back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_long_read_holds_the_restart_back_but_not_the_writes() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let location = Location::File(dir.path().join("t.db"));
+        let database = Database::open_with(location, 4_096, Duration::from_millis(5), 256).unwrap();
+        database
+            .write(|c| c.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, b BLOB NOT NULL)").map_err(db("create")))
+            .await
+            .unwrap();
+        let wal = dir.path().join("t.db-wal");
+        let write_pages = |from: i64, rows: i64| {
+            let database = database.clone();
+            async move {
+                for n in from..from + rows {
+                    database
+                        .write(move |c| {
+                            c.execute("INSERT INTO t (n, b) VALUES (?1, zeroblob(4000))", [n]).map_err(db("insert"))
+                        })
+                        .await
+                        .unwrap();
+                }
+            }
+        };
+        // a read that keeps its snapshot until released
+        let (release, released) = mpsc::channel::<()>();
+        let (inside, is_inside) = oneshot::channel::<()>();
+        let long = tokio::spawn({
+            let database = database.clone();
+            async move {
+                database
+                    .read(move |c| {
+                        c.execute_batch("BEGIN").map_err(db("begin"))?;
+                        let before: i64 =
+                            c.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).map_err(db("count"))?;
+                        let _ = inside.send(());
+                        // the deadline only keeps a broken build from hanging the test
+                        let _ = released.recv_timeout(Duration::from_secs(60));
+                        let after: i64 =
+                            c.query_row("SELECT count(*) FROM t", [], |r| r.get(0)).map_err(db("count"))?;
+                        c.execute_batch("COMMIT").map_err(db("commit"))?;
+                        Ok((before, after))
+                    })
+                    .await
+            }
+        });
+        is_inside.await.unwrap();
+        // 2,000 pages written while it reads: the WAL cannot restart, and the writes go on
+        tokio::time::timeout(Duration::from_secs(60), write_pages(0, 2_000)).await.expect("the writes went on");
+        let held = std::fs::metadata(&wal).unwrap().len();
+        assert!(held > 2_000 * 4_096, "the WAL kept the frames the read may need: {held} bytes");
+        release.send(()).unwrap();
+        let (before, after) = long.await.unwrap().unwrap();
+        assert_eq!((before, after), (0, 0), "the read kept its snapshot");
+        // once the read is over, writes restart the WAL, which is cut back to ~1 MiB
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut next = 2_000;
+        loop {
+            write_pages(next, 50).await;
+            next += 50;
+            let length = std::fs::metadata(&wal).unwrap().len();
+            if length < 4 << 20 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the WAL was not restarted after the read: {length} bytes");
+        }
+        database.close().await;
+    }
+
     /// A read that panics fails alone; the reading threads go on serving.
     #[tokio::test]
     async fn a_read_that_panics_fails_alone() {
