@@ -42,6 +42,7 @@ mod client;
 mod config;
 mod decision;
 mod error;
+mod recent;
 mod resume;
 mod supervisor;
 mod tools;
@@ -209,11 +210,11 @@ struct Inner {
     /// (`poll_interval`); none where the bus delivers every event.
     idle: Option<Arc<crate::stream::IdleWatch>>,
     /// Conversations' owners and agents, as made or read here ([`Engine::conversation_agent`]).
-    owners: Mutex<HashMap<ConversationId, (String, Option<String>)>>,
+    owners: Mutex<recent::Recent<ConversationId, (String, Option<String>)>>,
 }
 
-/// The most conversations whose owner and agent an engine keeps; past it, it forgets them all and
-/// reads them again as they come (at ~100 bytes each, a few megabytes at most).
+/// The most conversations whose owner and agent an engine keeps; past it, it forgets those not used
+/// lately and reads them again as they come (at ~100 bytes each, a few megabytes at most).
 const OWNERS_KEPT: usize = 16_384;
 
 /// The engine. Dropping it aborts its workers at once, as a crash would; [`Engine::shutdown`] lets
@@ -258,7 +259,7 @@ impl Engine {
                 shutting_down: AtomicBool::new(false),
                 capacity: supervisor::Capacity::new(max_concurrent_runs),
                 idle,
-                owners: Mutex::new(HashMap::new()),
+                owners: Mutex::new(recent::Recent::new(OWNERS_KEPT)),
             }),
             background: Mutex::new(Vec::new()),
         }
@@ -419,7 +420,7 @@ impl Engine {
     /// when it is made, and Keel deletes no conversation, so once made or read here they are known
     /// without a read (a conversation made by another instance costs one, the first time).
     async fn conversation_agent(&self, user_id: &str, id: &ConversationId) -> EngineResult<Option<String>> {
-        let known = self.inner.owners.lock().unwrap_or_else(|e| e.into_inner()).get(id).cloned();
+        let known = self.inner.owners.lock().unwrap_or_else(|e| e.into_inner()).get(id);
         let (owner, agent_id) = match known {
             Some(known) => known,
             None => {
@@ -436,9 +437,6 @@ impl Engine {
 
     fn remember_owner(&self, conversation: &Conversation) {
         let mut owners = self.inner.owners.lock().unwrap_or_else(|e| e.into_inner());
-        if owners.len() >= OWNERS_KEPT {
-            owners.clear();
-        }
         owners.insert(conversation.id.clone(), (conversation.user_id.clone(), conversation.agent_id.clone()));
     }
 
