@@ -10,7 +10,10 @@
 //! by every local subscriber of it. The task `XREAD BLOCK`s on the run's stream and forwards the
 //! events other instances published (its own instance's were delivered locally already) into the
 //! run's broadcast channel. It ends once the channel has no receiver left, which it checks after
-//! every read (a read blocks for at most [`RedisBusConfig::block`]).
+//! every read (a read blocks for at most [`RedisBusConfig::block`]), and leaves its connection,
+//! idle, for the next reader task (at most [`IDLE_CONNECTIONS`] are kept): a HITL run's two
+//! streams each start a reader, and a new connection per reader cost the server ~13% of its CPU
+//! per run (docs/benchmarks.md, "Fourteenth session").
 //!
 //! The task reads from a stream id taken from the clock at `subscribe` time, a little in the past
 //! ([`RedisBusConfig::replay_window`]), rather than from `$`: with `$` an event another instance
@@ -106,6 +109,10 @@ struct Shared {
     /// Runs with local subscribers. An entry exists exactly while its reader task runs.
     channels: Mutex<HashMap<RunId, broadcast::Sender<Arc<Event>>>>,
     readers: AtomicUsize,
+    /// Reader connections whose task ended, each idle (its last `XREAD` answered), for the next
+    /// reader task: a connection is a TCP connect and a handshake of several round trips, and a
+    /// run's streams start a reader each (two in a HITL run).
+    idle_connections: Mutex<Vec<MultiplexedConnection>>,
     published: AtomicU64,
     dropped: AtomicU64,
     drop_warning: RateLimit,
@@ -117,6 +124,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 /// Publish calls the writer folds into one pipeline.
 const MAX_BATCHES_PER_PIPELINE: usize = 256;
+/// Idle reader connections kept for the next reader tasks at most.
+const IDLE_CONNECTIONS: usize = 64;
 /// Entries one `XREAD` returns at most.
 const READ_COUNT: usize = 512;
 /// A warning of one kind is logged at most this often.
@@ -171,6 +180,7 @@ impl RedisBus {
             instance: uuid::Uuid::now_v7().simple().to_string(),
             channels: Mutex::new(HashMap::new()),
             readers: AtomicUsize::new(0),
+            idle_connections: Mutex::new(Vec::new()),
             published: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             drop_warning: RateLimit::default(),
@@ -271,6 +281,10 @@ impl Shared {
 
     fn channels(&self) -> MutexGuard<'_, HashMap<RunId, broadcast::Sender<Arc<Event>>>> {
         self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn idle_connections(&self) -> MutexGuard<'_, Vec<MultiplexedConnection>> {
+        self.idle_connections.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn drop_events(&self, count: usize, reason: &dyn std::fmt::Display) {
@@ -376,10 +390,19 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
     let connection_config =
         connection_config(&shared.config).set_response_timeout(shared.config.response_timeout + shared.config.block);
     let mut conn: Option<MultiplexedConnection> = None;
+    // the connection was another task's and has not answered this one yet
+    let mut kept = false;
     let mut backoff = MIN_BACKOFF;
     let mut retry_at: Option<Instant> = None;
     loop {
         if guard.release_if_unused() {
+            // idle: its last `XREAD` was answered
+            if let Some(c) = conn {
+                let mut idle = shared.idle_connections();
+                if idle.len() < IDLE_CONNECTIONS {
+                    idle.push(c);
+                }
+            }
             return;
         }
         if let Some(at) = retry_at {
@@ -390,6 +413,10 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
                 continue;
             }
             retry_at = None;
+        }
+        if conn.is_none() {
+            conn = shared.idle_connections().pop();
+            kept = conn.is_some();
         }
         let c = match conn.as_mut() {
             Some(c) => c,
@@ -415,6 +442,7 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
             .await;
         match read {
             Ok(reply) => {
+                kept = false;
                 backoff = MIN_BACKOFF;
                 for entry in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
                     last_id = entry.id.clone();
@@ -439,6 +467,8 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
                     }
                 }
             }
+            // a kept connection Redis closed while it was idle: a new one at once
+            Err(_) if std::mem::take(&mut kept) => conn = None,
             Err(e) => {
                 conn = None;
                 read_failed(&shared, &guard.run_id, &e, backoff);

@@ -291,6 +291,42 @@ async fn survives_losing_redis() {
     assert_eq!(tail, (sequence + 1..=sequence + 20).collect::<Vec<_>>());
 }
 
+/// A run's reader task that ends leaves its connection for the next one (a run's streams start a
+/// reader each, and a connection is a connect and a handshake); one Redis closed while it waited
+/// is replaced, and the next reader still gets every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_readers_connection_serves_the_next_reader() {
+    let Some(url) = redis_url("a_readers_connection_serves_the_next_reader") else { return };
+    let proxy = Proxy::start(&url).await;
+    let prefix = unique_prefix();
+    // `a` publishes straight to Redis; `b` reads through the proxy, which counts its connections
+    let a = connect(&url, test_config(&prefix)).await;
+    let config = RedisBusConfig { block: Duration::from_millis(100), ..test_config(&prefix) };
+    let b = connect(&proxy.url, config).await;
+    let read_by_b = |run: RunId, through: i64| {
+        let (a, b) = (a.clone(), b.clone());
+        async move {
+            let mut rx = b.subscribe(&run);
+            a.publish(&events(&run, 1, through));
+            receive_through(&mut rx, &run, through).await;
+            drop(rx);
+            let reading = live(&b);
+            wait_until("the reader task to end", || reading() == 0).await;
+        }
+    };
+    read_by_b(RunId::new(), 3).await;
+    let after_first = proxy.accepted.load(Ordering::SeqCst);
+    read_by_b(RunId::new(), 3).await;
+    read_by_b(RunId::new(), 3).await;
+    assert_eq!(proxy.accepted.load(Ordering::SeqCst), after_first, "the next readers used the first one's connection");
+
+    // the idle connection cut: the next reader connects again, and gets every event
+    proxy.go_down();
+    proxy.come_back();
+    read_by_b(RunId::new(), 5).await;
+    assert!(proxy.accepted.load(Ordering::SeqCst) > after_first, "a new connection replaced the cut one");
+}
+
 async fn closed_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     listener.local_addr().unwrap().port()
@@ -303,6 +339,8 @@ struct Proxy {
     url: String,
     down: Arc<AtomicBool>,
     cut: watch::Sender<u64>,
+    /// Connections it forwarded.
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Proxy {
@@ -322,12 +360,14 @@ impl Proxy {
         let url = format!("redis://{userinfo}{}{path}", listener.local_addr().unwrap());
         let down = Arc::new(AtomicBool::new(false));
         let (cut, _) = watch::channel(0u64);
-        let (accept_down, accept_cut) = (down.clone(), cut.clone());
+        let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (accept_down, accept_cut, counted) = (down.clone(), cut.clone(), accepted.clone());
         tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
                 if accept_down.load(Ordering::SeqCst) {
                     continue; // dropped: refused
                 }
+                counted.fetch_add(1, Ordering::SeqCst);
                 let mut cut = accept_cut.subscribe();
                 tokio::spawn(async move {
                     let Ok(mut outbound) = TcpStream::connect(upstream).await else { return };
@@ -338,7 +378,7 @@ impl Proxy {
                 });
             }
         });
-        Self { url, down, cut }
+        Self { url, down, cut, accepted }
     }
 
     fn go_down(&self) {
