@@ -1024,6 +1024,23 @@ mod tests {
         database.close().await;
     }
 
+    /// A database checkpointed every 5 ms (what is written between two checkpoints comes on top of
+    /// the bound) and whose WAL is restarted past 256 frames (~1 MiB), with a table `t` of a page a
+    /// row ([`insert_page`]).
+    async fn open_restarting_early(dir: &tempfile::TempDir) -> Database {
+        let location = Location::File(dir.path().join("t.db"));
+        let database = Database::open_with(location, 4_096, Duration::from_millis(5), 256).unwrap();
+        database
+            .write(|c| c.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, b BLOB NOT NULL)").map_err(db("create")))
+            .await
+            .unwrap();
+        database
+    }
+
+    fn insert_page(c: &Connection, n: i64) -> StoreResult<usize> {
+        c.execute("INSERT INTO t (n, b) VALUES (?1, zeroblob(4000))", [n]).map_err(db("insert"))
+    }
+
     /// Writes that never pause, with reads beside them, keep the WAL bounded: once the checkpointer
     /// has copied most of it, the writer restarts it between two transactions. (Before, a writer
     /// that never paused kept the checkpointer from restarting it, and the WAL grew by every page
@@ -1033,14 +1050,7 @@ mod tests {
         const WRITERS: i64 = 32;
         const ROWS: i64 = 1_000;
         let dir = tempfile::TempDir::new().unwrap();
-        // checkpointed every 5 ms (what is written between two checkpoints comes on top of the
-        // bound), restarted past 256 frames (~1 MiB)
-        let location = Location::File(dir.path().join("t.db"));
-        let database = Database::open_with(location, 4_096, Duration::from_millis(5), 256).unwrap();
-        database
-            .write(|c| c.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, b BLOB NOT NULL)").map_err(db("create")))
-            .await
-            .unwrap();
+        let database = open_restarting_early(&dir).await;
         let stop = Arc::new(AtomicBool::new(false));
         // the WAL file's length, sampled while the writes run
         let longest = thread::spawn({
@@ -1078,12 +1088,7 @@ mod tests {
                 tokio::spawn(async move {
                     for i in 0..ROWS {
                         let n = w * ROWS + i;
-                        database
-                            .write(move |c| {
-                                c.execute("INSERT INTO t (n, b) VALUES (?1, zeroblob(4000))", [n]).map_err(db("insert"))
-                            })
-                            .await
-                            .unwrap();
+                        database.write(move |c| insert_page(c, n)).await.unwrap();
                     }
                 })
             })
@@ -1108,23 +1113,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_long_read_holds_the_restart_back_but_not_the_writes() {
         let dir = tempfile::TempDir::new().unwrap();
-        let location = Location::File(dir.path().join("t.db"));
-        let database = Database::open_with(location, 4_096, Duration::from_millis(5), 256).unwrap();
-        database
-            .write(|c| c.execute_batch("CREATE TABLE t (n INTEGER PRIMARY KEY, b BLOB NOT NULL)").map_err(db("create")))
-            .await
-            .unwrap();
+        let database = open_restarting_early(&dir).await;
         let wal = dir.path().join("t.db-wal");
         let write_pages = |from: i64, rows: i64| {
             let database = database.clone();
             async move {
                 for n in from..from + rows {
-                    database
-                        .write(move |c| {
-                            c.execute("INSERT INTO t (n, b) VALUES (?1, zeroblob(4000))", [n]).map_err(db("insert"))
-                        })
-                        .await
-                        .unwrap();
+                    database.write(move |c| insert_page(c, n)).await.unwrap();
                 }
             }
         };
