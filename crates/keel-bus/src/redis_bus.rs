@@ -467,10 +467,12 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
                     }
                 }
             }
-            // a kept connection Redis closed while it was idle: a new one at once
-            Err(_) if std::mem::take(&mut kept) => conn = None,
             Err(e) => {
                 conn = None;
+                // a kept connection Redis closed while it was idle: a new one at once
+                if std::mem::take(&mut kept) {
+                    continue;
+                }
                 read_failed(&shared, &guard.run_id, &e, backoff);
                 retry_at = Some(Instant::now() + backoff);
                 backoff = (backoff * 2).min(MAX_BACKOFF);

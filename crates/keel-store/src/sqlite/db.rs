@@ -521,7 +521,7 @@ type WithConn<'a> = dyn FnMut(&mut dyn FnMut(&Conn<'_, '_>) -> Option<String>) -
 
 /// The writer thread's side of the database.
 struct Writer {
-    /// Set by the checkpointer when the WAL is long enough to restart ([`Writer::restart_wal`]).
+    /// Set by the checkpointer when the WAL is long enough to restart ([`restart_wal`]).
     restart: Arc<AtomicBool>,
     conn: Arc<Mutex<Connection>>,
     queued: Arc<AtomicUsize>,
@@ -587,14 +587,15 @@ impl Writer {
                     // (a group whose writes were all refused counts too: one checkpoint more)
                     self.commits.fetch_add(1, Ordering::Release);
                 }
+                for job in group.drain(..) {
+                    job.answer(failure.clone());
+                }
+                // after the answers: the group's callers do not wait for the copy
                 if self.file && self.restart.swap(false, Ordering::AcqRel) {
                     with_conn(&mut |conn: &Conn<'_, '_>| {
                         restart_wal(conn);
                         None
                     });
-                }
-                for job in group.drain(..) {
-                    job.answer(failure.clone());
                 }
             }
             if close.is_some() {
@@ -644,8 +645,8 @@ impl Writer {
 /// checkpointer beside a writer that never pauses never sees that moment: the writer adds frames
 /// while it copies, and its `RESTART` checkpoint needs the writer's lock, which a busy writer
 /// takes again at once, so it waited `BUSY_TIMEOUT` (no checkpoint meanwhile) and gave up. The
-/// WAL grew by every page written: 409 MB after 3,096 HITL runs (docs/benchmarks.md, "Fourteenth
-/// session"), and each of those frames was a page the file system had to add to the file. Here
+/// WAL grew by every page written: 251–390 MiB after 3,096 HITL runs (docs/benchmarks.md,
+/// "Fourteenth session"), and each of those frames was a page the file system had to add to the file. Here
 /// the writer is between transactions, so what is left to copy is what it wrote since the
 /// checkpointer's last pass, and the readers are waited for at most [`RESTART_WAIT`].
 fn restart_wal(conn: &Conn<'_, '_>) {
@@ -1052,18 +1053,9 @@ mod tests {
         let dir = tempfile::TempDir::new().unwrap();
         let database = open_restarting_early(&dir).await;
         let stop = Arc::new(AtomicBool::new(false));
-        // the WAL file's length, sampled while the writes run
-        let longest = thread::spawn({
-            let (stop, wal) = (stop.clone(), dir.path().join("t.db-wal"));
-            move || {
-                let mut longest = 0;
-                while !stop.load(Ordering::Acquire) {
-                    longest = std::fs::metadata(&wal).map_or(longest, |m| longest.max(m.len()));
-                    thread::sleep(Duration::from_millis(1));
-                }
-                longest
-            }
-        });
+        // the WAL file's length, as each write finds it
+        let longest = Arc::new(AtomicU64::new(0));
+        let wal = Arc::new(dir.path().join("t.db-wal"));
         // reads beside the writes, as a server makes them
         let reads = tokio::spawn({
             let (database, stop) = (database.clone(), stop.clone());
@@ -1084,11 +1076,19 @@ mod tests {
         // a page a row: 32,000 pages (125 MiB) written, at least one WAL frame each
         let writers: Vec<_> = (0..WRITERS)
             .map(|w| {
-                let database = database.clone();
+                let (database, longest, wal) = (database.clone(), longest.clone(), wal.clone());
                 tokio::spawn(async move {
                     for i in 0..ROWS {
                         let n = w * ROWS + i;
-                        database.write(move |c| insert_page(c, n)).await.unwrap();
+                        let (longest, wal) = (longest.clone(), wal.clone());
+                        database
+                            .write(move |c| {
+                                let length = std::fs::metadata(&*wal).map_or(0, |m| m.len());
+                                longest.fetch_max(length, Ordering::Relaxed);
+                                insert_page(c, n)
+                            })
+                            .await
+                            .unwrap();
                     }
                 })
             })
@@ -1097,7 +1097,7 @@ mod tests {
             writer.await.unwrap();
         }
         stop.store(true, Ordering::Release);
-        let (reads, longest) = (reads.await.unwrap(), longest.join().unwrap());
+        let (reads, longest) = (reads.await.unwrap(), longest.load(Ordering::Relaxed));
         assert!(reads > 0);
         assert!(longest > 0, "the WAL was sampled");
         // (without the restart: ~640 MiB)
