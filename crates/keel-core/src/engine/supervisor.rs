@@ -344,7 +344,8 @@ impl Inner {
             worker.held = Some(claim.commit);
             worker.claim_answer = Some(claim.answer);
         }
-        let outcome = match worker.drive().await {
+        // Boxed: the worker's future stays small (see `Worker::drive`).
+        let outcome = match Box::pin(worker.drive()).await {
             Ok(Stop::Settled) => "settled",
             Ok(Stop::NotOurs) => "not_ours",
             Ok(Stop::Shutdown) => {
@@ -357,7 +358,7 @@ impl Inner {
                 if let WorkerError::Store(_) = e {
                     inner.config.metrics.store_error("worker");
                 }
-                worker.fail(e).await;
+                Box::pin(worker.fail(e)).await;
                 "failed"
             }
         };

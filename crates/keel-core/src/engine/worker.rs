@@ -226,7 +226,14 @@ impl Worker {
     /// Commits, waiting out an overloaded store: a write it refused as `Overloaded` was not
     /// written at all, so the same commit is sent again after a pause (doubling, up to
     /// [`OVERLOAD_PATIENCE`] in all) instead of failing the run.
-    async fn commit_now(&mut self, commit: Commit) -> Result<Committed, StoreError> {
+    ///
+    /// Boxed: its state (the commit, the copy the store takes, the pause's timer) would otherwise
+    /// sit inside the future of every step that commits, and be copied with it (see `drive`).
+    fn commit_now(&mut self, commit: Commit) -> BoxFuture<'_, Result<Committed, StoreError>> {
+        Box::pin(self.write_commit(commit))
+    }
+
+    async fn write_commit(&mut self, commit: Commit) -> Result<Committed, StoreError> {
         let started = Instant::now();
         let mut pause = Duration::from_millis(10);
         let written = loop {
@@ -312,10 +319,15 @@ impl Worker {
             }
             let step = self.run.checkpoint.next_step;
             let primed_role = self.primed_role.take();
+            // Each step's future is boxed: it holds its calls' state, and unboxed it would be copied
+            // into this future at each step, and with this one wherever the worker's future moves
+            // (they were 16, 32 and 68 KB: copying them was ~3% of a run's instructions).
             let result = match step {
-                NextStep::CallModel => self.call_model().await,
-                NextStep::ExecuteTools => self.execute_tools(primed_role).instrument(node_span(nodes::TOOLS)).await,
-                NextStep::Finalize => self.finalize().instrument(node_span(nodes::FINALIZE)).await,
+                NextStep::CallModel => Box::pin(self.call_model()).await,
+                NextStep::ExecuteTools => {
+                    Box::pin(self.execute_tools(primed_role)).instrument(node_span(nodes::TOOLS)).await
+                }
+                NextStep::Finalize => Box::pin(self.finalize()).instrument(node_span(nodes::FINALIZE)).await,
                 // A paused run has no worker; one that got here was resumed elsewhere.
                 NextStep::AwaitInterrupt | NextStep::AwaitExternal => {
                     self.flush_held().await?;
@@ -390,10 +402,12 @@ impl Worker {
             )));
         }
         let started = Instant::now();
-        let Some((request, new_summary)) = self.assemble_context().instrument(node_span(nodes::CONTEXT)).await? else {
+        let Some((request, new_summary)) =
+            Box::pin(self.assemble_context()).instrument(node_span(nodes::CONTEXT)).await?
+        else {
             return Ok(true);
         };
-        self.stream_answer(request, new_summary, started).instrument(node_span(nodes::MODEL)).await
+        Box::pin(self.stream_answer(request, new_summary, started)).instrument(node_span(nodes::MODEL)).await
     }
 
     /// The model's input for this step; `None` if the run was cancelled meanwhile.
