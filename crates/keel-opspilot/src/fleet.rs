@@ -370,7 +370,7 @@ impl Fleet for SqliteFleet {
         let id = id.to_owned();
         Ok(self
             .0
-            .read_with(move |c| {
+            .read_brief_with(move |c| {
                 c.prepare_cached(concat!("SELECT ", instance_columns!(), " FROM opspilot_instances WHERE id = ?"))
                     .and_then(|mut st| st.query_row([&id], instance_row).optional())
                     .map_err(sql("read an instance"))

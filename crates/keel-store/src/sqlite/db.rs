@@ -8,6 +8,17 @@
 //! transaction: one hop there and one back per *group*, not per statement. Reads are one closure
 //! too, run on one of a few reading threads, off the async runtime's worker threads
 //! ([`super::readers`] says why and at what cost).
+//!
+//! **Brief reads on the writer's connection.** A reading connection's page cache is dropped
+//! whole at its first read after any write (SQLite cannot tell which pages a commit changed), so
+//! under load every read finds its pages again, through system calls, and takes its WAL lock with
+//! a few more. The writer's connection keeps its cache across its own commits. A read of a few
+//! rows by key — a run's context, an answer's view, a role — is therefore run by the writer thread
+//! between two of its transactions ([`Database::read_brief`]), unless the writer is busy: more
+//! than [`MAX_GROUP`] writes or [`MAX_BRIEF_READS`] such reads waiting send it to a reader.
+//! Measured on the HITL flow at concurrency 32: 8% less of the server's CPU a run
+//! (docs/benchmarks.md, "Fifteenth session"). A read that may be long stays on the readers: a
+//! slow one here would hold up every write.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -52,6 +63,10 @@ const FINAL_CHECKPOINT_WAIT: Duration = Duration::from_secs(10);
 /// The most write closures one group transaction takes. Bounded so that one group's transaction,
 /// and the wait of its first caller, stay short.
 const MAX_GROUP: usize = 64;
+
+/// The most brief reads waiting for the writer thread; past it, or past [`MAX_GROUP`] writes
+/// waiting, a brief read goes to a reading thread instead ([`Database::read_brief`]).
+const MAX_BRIEF_READS: usize = 64;
 
 /// How many writes may wait for the writer thread by default (besides the group it is running).
 /// A run's worker waits for each answer before it writes again, so the queue holds about one
@@ -219,11 +234,16 @@ where
 
 enum Job {
     Write(Box<dyn WriteJob>),
+    /// A brief read, run after the group the writer takes it with ([`Database::read_brief`]).
+    Read(ReadJob),
     /// Ends the writer thread after the jobs queued before it: waits for the reading threads and
     /// the checkpointer to end (their connections closed), checkpoints the whole WAL into the
     /// database file and closes the connection.
     Close(Closing),
 }
+
+/// A read, given the connection (or why there is none).
+type ReadJob = Box<dyn FnOnce(StoreResult<&Conn<'_, '_>>) + Send>;
 
 /// The database: the writer thread's queue and the readers. Cloning shares them.
 #[derive(Clone)]
@@ -250,6 +270,8 @@ struct Shared {
     /// Writes sent to the writer thread that it has not taken yet, and how many may be.
     queued: Arc<AtomicUsize>,
     capacity: usize,
+    /// Brief reads sent to the writer thread that it has not taken yet.
+    brief_reads: Arc<AtomicUsize>,
     checkpointer: Mutex<Option<Checkpointer>>,
     /// `true` once the writer thread has closed its connection.
     writer_done: watch::Receiver<bool>,
@@ -302,10 +324,12 @@ impl Database {
         let conn = Arc::new(Mutex::new(conn));
         let (jobs, queue) = mpsc::channel();
         let queued = Arc::new(AtomicUsize::new(0));
+        let brief_reads = Arc::new(AtomicUsize::new(0));
         let (done, writer_done) = watch::channel(false);
         let writer = Writer {
             conn: conn.clone(),
             queued: queued.clone(),
+            brief_reads: brief_reads.clone(),
             file: location != Location::Memory,
             commits,
             restart: restart.clone(),
@@ -323,6 +347,7 @@ impl Database {
             readers,
             queued,
             capacity: write_queue,
+            brief_reads,
             checkpointer: Mutex::new(checkpointer),
             writer_done,
         };
@@ -370,6 +395,39 @@ impl Database {
         F: FnOnce(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
     {
         self.shared.readers.read(work).await
+    }
+
+    /// Runs `work`, a read of a few rows by key, on the writer thread after the group it is
+    /// queued with, where the pages it reads are most likely in the writer's cache; or, when the
+    /// writer is busy (more than [`MAX_GROUP`] writes or [`MAX_BRIEF_READS`] such reads wait for
+    /// it), on a reading thread, as [`Database::read`] does. It sees every write answered before
+    /// it was called. What it writes (it should not) is rolled back, never written, and a panic
+    /// in `work` fails this read alone. A read that may take long must use
+    /// [`Database::read`]: here it would hold up every write queued behind it.
+    pub async fn read_brief<R, F>(&self, work: F) -> StoreResult<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
+    {
+        let shared = &self.shared;
+        if shared.queued.load(Ordering::Acquire) >= MAX_GROUP {
+            return shared.readers.read(work).await;
+        }
+        if shared.brief_reads.fetch_add(1, Ordering::AcqRel) >= MAX_BRIEF_READS {
+            shared.brief_reads.fetch_sub(1, Ordering::AcqRel);
+            return shared.readers.read(work).await;
+        }
+        let (reply, answer) = oneshot::channel();
+        let job: ReadJob = Box::new(move |conn| {
+            // a caller that stopped waiting has nobody to tell
+            let _ = reply.send(conn.and_then(work));
+        });
+        if self.jobs.send(Job::Read(job)).is_err() {
+            shared.brief_reads.fetch_sub(1, Ordering::AcqRel);
+            return Err(closed("read"));
+        }
+        // the reply is dropped unsent only if `work` panicked
+        answer.await.map_err(|_| StoreError::Backend("read: it panicked".into()))?
     }
 
     /// Closes the readers and, after the writes queued before this call, the writer: the
@@ -525,6 +583,7 @@ struct Writer {
     restart: Arc<AtomicBool>,
     conn: Arc<Mutex<Connection>>,
     queued: Arc<AtomicUsize>,
+    brief_reads: Arc<AtomicUsize>,
     /// A file (not memory): it has a WAL to checkpoint at the end.
     file: bool,
     /// Transactions committed, for the checkpointer.
@@ -554,6 +613,7 @@ impl Writer {
     /// `with_conn` gives each group the connection.
     fn serve(&self, queue: &mpsc::Receiver<Job>, with_conn: &mut WithConn<'_>) -> Option<Closing> {
         let mut group: Vec<Box<dyn WriteJob>> = Vec::with_capacity(MAX_GROUP);
+        let mut reads: Vec<ReadJob> = Vec::new();
         let mut close = None;
         while let Ok(first) = queue.recv() {
             let mut next = Some(first);
@@ -562,6 +622,10 @@ impl Writer {
                     Job::Write(w) => {
                         self.queued.fetch_sub(1, Ordering::AcqRel);
                         group.push(w);
+                    }
+                    Job::Read(read) => {
+                        self.brief_reads.fetch_sub(1, Ordering::AcqRel);
+                        reads.push(read);
                     }
                     Job::Close(closing) => {
                         close = Some(closing);
@@ -597,6 +661,12 @@ impl Writer {
                         None
                     });
                 }
+            }
+            if !reads.is_empty() {
+                with_conn(&mut |conn: &Conn<'_, '_>| {
+                    run_brief_reads(conn, &mut reads);
+                    None
+                });
             }
             if close.is_some() {
                 break;
@@ -698,6 +768,30 @@ fn try_run_group(conn: &Conn<'_, '_>, group: &mut [Box<dyn WriteJob>]) -> StoreR
             control(conn, "COMMIT", "commit")?;
         }
         return Ok(());
+    }
+}
+
+/// Runs the brief reads on the writer's connection, in one read transaction that is rolled back:
+/// what a read writes (none should) is never written, and the reads share one snapshot and one WAL
+/// lock. (`PRAGMA query_only` would refuse writes outright, but each change of it makes SQLite
+/// prepare every statement of the connection again: measured, 12% more of the server's CPU.) A
+/// read that panics drops its reply (its caller gets an error). A read that ends the transaction
+/// itself is logged, and the next ones get a transaction of their own.
+fn run_brief_reads(conn: &Conn<'_, '_>, reads: &mut Vec<ReadJob>) {
+    let mut begun = control(conn, "BEGIN", "begin the reads' transaction");
+    for read in reads.drain(..) {
+        if let Err(e) = &begun {
+            read(Err(StoreError::Backend(e.to_string())));
+            continue;
+        }
+        let _ = catch_unwind(AssertUnwindSafe(|| read(Ok(conn))));
+        if conn.is_autocommit() {
+            tracing::error!("a brief read ended the writer's read transaction; what it wrote may be written");
+            begun = control(conn, "BEGIN", "begin the reads' transaction");
+        }
+    }
+    if !conn.is_autocommit() {
+        let _ = control(conn, "ROLLBACK", "roll back");
     }
 }
 
@@ -1188,6 +1282,106 @@ mod tests {
         assert_eq!(n.unwrap(), 1);
         database.close().await;
         assert!(matches!(database.read(|_| Ok(())).await, Err(StoreError::Backend(_))), "closed");
+    }
+
+    /// The thread a read ran on, and the rows of `t` it saw.
+    fn where_and_count(c: &Conn<'_, '_>) -> StoreResult<(String, i64)> {
+        let count = c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0)).map_err(db("count"))?;
+        Ok((thread::current().name().unwrap_or_default().to_owned(), count))
+    }
+
+    /// Waits until `n` brief reads are queued for the writer thread.
+    async fn until_brief_reads_queued(database: &Database, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while database.shared.brief_reads.load(Ordering::Acquire) < n {
+            assert!(Instant::now() < deadline, "the brief reads are queued");
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// A brief read queued behind writes runs on the writer thread once their group is committed,
+    /// and sees them.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_brief_read_runs_on_the_writer_after_its_group_and_sees_its_writes() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let database = open_with_table(&dir, 64).await;
+        let (release, blocker) = block_the_writer(&database);
+        let written = database.submit(|c| insert(c, 1)).unwrap();
+        let reader = database.clone();
+        let read = tokio::spawn(async move { reader.read_brief(where_and_count).await });
+        until_brief_reads_queued(&database, 1).await;
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        assert_eq!(written.await.unwrap().unwrap(), 1);
+        let (thread, count) = read.await.unwrap().unwrap();
+        assert_eq!(thread, "keel-sqlite-writer");
+        assert_eq!(count, 1, "the write queued before it is committed and seen");
+        assert_eq!(database.shared.brief_reads.load(Ordering::Acquire), 0);
+        database.close().await;
+    }
+
+    /// What a brief read writes is rolled back, never written; one that panics fails alone; one
+    /// that leaves a transaction open does not hold the writer. The writes after them go on.
+    #[tokio::test]
+    async fn a_brief_read_writes_nothing_and_one_that_panics_fails_alone() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let database = open_with_table(&dir, 64).await;
+        database.read_brief(|c| insert(c, 7)).await.unwrap();
+        assert_eq!(rows(&database), [0_i64; 0], "the brief read's row is not written");
+        let panicked = database.read_brief(|_| -> StoreResult<()> { panic!("secret-payload-9") }).await;
+        match panicked {
+            Err(StoreError::Backend(why)) => assert!(!why.contains("secret"), "{why}"),
+            other => panic!("expected a backend error, got {other:?}"),
+        }
+        let opened =
+            database.read_brief(|c| c.execute_batch("SAVEPOINT s; SELECT COUNT(*) FROM t;").map_err(db("open"))).await;
+        assert!(opened.is_ok(), "{opened:?}");
+        assert_eq!(database.write(|c| insert(c, 1)).await.unwrap(), 1, "no transaction left open");
+        assert_eq!(rows(&database), [1]);
+        assert_eq!(database.read_brief(where_and_count).await.unwrap().1, 1);
+        database.close().await;
+        assert!(matches!(database.read_brief(|_| Ok(())).await, Err(StoreError::Backend(_))), "closed");
+    }
+
+    /// While the writer is busy — [`MAX_GROUP`] writes or [`MAX_BRIEF_READS`] brief reads
+    /// waiting for it — a brief read is served by a reading thread, without waiting for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_brief_read_goes_to_a_reader_while_the_writer_is_busy() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let database = open_with_table(&dir, 4 * MAX_GROUP).await;
+        let (release, blocker) = block_the_writer(&database);
+
+        // brief reads waiting: the next one goes to a reader
+        let waiting: Vec<_> = (0..MAX_BRIEF_READS)
+            .map(|_| {
+                let reader = database.clone();
+                tokio::spawn(async move { reader.read_brief(where_and_count).await })
+            })
+            .collect();
+        until_brief_reads_queued(&database, MAX_BRIEF_READS).await;
+        let (thread, _) = database.read_brief(where_and_count).await.unwrap();
+        assert!(thread.starts_with("keel-sqlite-reader"), "{thread}");
+
+        // writes waiting: the same
+        let writes: Vec<_> = (1..=MAX_GROUP as i64).map(|n| database.submit(move |c| insert(c, n)).unwrap()).collect();
+        let (thread, count) = database.read_brief(where_and_count).await.unwrap();
+        assert!(thread.starts_with("keel-sqlite-reader"), "{thread}");
+        assert_eq!(count, 0, "the writer is still held");
+
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        for write in writes {
+            write.await.unwrap().unwrap();
+        }
+        for read in waiting {
+            assert_eq!(read.await.unwrap().unwrap().0, "keel-sqlite-writer");
+        }
+        // the writer is free again: brief reads go to it
+        assert_eq!(
+            database.read_brief(where_and_count).await.unwrap(),
+            ("keel-sqlite-writer".to_owned(), MAX_GROUP as i64)
+        );
+        database.close().await;
     }
 
     #[test]

@@ -145,6 +145,19 @@ impl SqliteStore {
         self.db.read(move |c| work(c)).await
     }
 
+    /// Runs `work`, a read of a few rows by key, on the writer's connection between two of its
+    /// transactions, where its pages are likely cached, or on a reading connection when the writer
+    /// is busy (the writer thread's `read_brief`, in `sqlite/db.rs`). The connection is
+    /// read-only meanwhile. A read that may take long must use [`SqliteStore::read_with`]: here it
+    /// would hold up every write.
+    pub async fn read_brief_with<R, F>(&self, work: F) -> StoreResult<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&rusqlite::Connection) -> StoreResult<R> + Send + 'static,
+    {
+        self.db.read_brief(move |c| work(c)).await
+    }
+
     /// Closes the readers, and the writer once the writes queued before this call are done, then
     /// checkpoints the whole WAL into the database file: when this returns, the database file alone
     /// holds every write (a copy of it is a backup). Every later call on any clone of the store is an
@@ -256,7 +269,7 @@ impl RunStore for SqliteStore {
 
     async fn get_run(&self, id: &RunId) -> StoreResult<Option<Run>> {
         let id = id.to_owned();
-        self.db.read(move |c| read_run(c, &id)).await
+        self.db.read_brief(move |c| read_run(c, &id)).await
     }
 
     async fn last_sequences(&self, ids: &[RunId]) -> StoreResult<Vec<(RunId, i64)>> {
@@ -594,7 +607,7 @@ impl RunStore for SqliteStore {
     async fn get_interrupt(&self, id: &InterruptId) -> StoreResult<Option<Interrupt>> {
         let id = id.to_owned();
         self.db
-            .read(move |c| {
+            .read_brief(move |c| {
                 one(c, "get an interrupt", "SELECT * FROM interrupts WHERE id = ?", [id.as_str()], interrupt_from)
             })
             .await
@@ -603,7 +616,7 @@ impl RunStore for SqliteStore {
     async fn pending_interrupt(&self, run_id: &RunId) -> StoreResult<Option<Interrupt>> {
         let run_id = run_id.to_owned();
         self.db
-            .read(move |c| {
+            .read_brief(move |c| {
                 one(
                     c,
                     "get the pending interrupt",
@@ -643,7 +656,7 @@ impl RunStore for SqliteStore {
     async fn answer_view(&self, run_id: &RunId, user_id: &str) -> StoreResult<AnswerView> {
         let (run_id, user_id) = (run_id.to_owned(), user_id.to_owned());
         self.db
-            .read(move |c| {
+            .read_brief(move |c| {
                 let run = read_run(c, &run_id)?;
                 let facts = match &run {
                     Some(run) => read_facts(c, &run.conversation_id)?,
@@ -837,7 +850,7 @@ impl ConversationStore for SqliteStore {
     async fn get_conversation(&self, id: &ConversationId) -> StoreResult<Option<Conversation>> {
         let id = id.to_owned();
         self.db
-            .read(move |c| {
+            .read_brief(move |c| {
                 one(
                     c,
                     "get a conversation",
@@ -937,7 +950,7 @@ impl ConversationStore for SqliteStore {
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
         let conversation_id = conversation_id.to_owned();
         self.db
-            .read(move |c| {
+            .read_brief(move |c| {
                 let conversation = conversation_id.as_str();
                 let summary = one(
                     c,
@@ -1012,7 +1025,7 @@ impl ConversationStore for SqliteStore {
 impl IdentityStore for SqliteStore {
     async fn user_role(&self, user_id: &str) -> StoreResult<Option<UserRole>> {
         let user_id = user_id.to_owned();
-        self.db.read(move |c| read_role(c, &user_id)).await
+        self.db.read_brief(move |c| read_role(c, &user_id)).await
     }
 
     async fn set_user_role(&self, user_id: &str, role: UserRole) -> StoreResult<()> {
