@@ -638,7 +638,8 @@ impl Writer {
                     next = queue.try_recv().ok();
                 }
             }
-            if !group.is_empty() {
+            let wrote = !group.is_empty();
+            if wrote {
                 // A panic outside the writes themselves (they catch their own) fails the group, not
                 // the thread.
                 let failure = with_conn(&mut |conn: &Conn<'_, '_>| {
@@ -656,17 +657,18 @@ impl Writer {
                 for job in group.drain(..) {
                     job.answer(failure.clone());
                 }
-                // after the answers: the group's callers do not wait for the copy
-                if self.file && self.restart.swap(false, Ordering::AcqRel) {
-                    with_conn(&mut |conn: &Conn<'_, '_>| {
-                        restart_wal(conn);
-                        None
-                    });
-                }
             }
             if !reads.is_empty() {
                 with_conn(&mut |conn: &Conn<'_, '_>| {
                     run_brief_reads(conn, &mut reads);
+                    None
+                });
+            }
+            // after the answers and the reads: neither the group's callers nor the reads wait for
+            // the copy (up to 20 ms for a reader's snapshot, and the copy's fsyncs)
+            if wrote && self.file && self.restart.swap(false, Ordering::AcqRel) {
+                with_conn(&mut |conn: &Conn<'_, '_>| {
+                    restart_wal(conn);
                     None
                 });
             }
