@@ -34,7 +34,7 @@ use sha2::{Digest, Sha384};
 use tokio::sync::{oneshot, watch};
 
 use super::kept::{Conn, Kept};
-use super::readers::Readers;
+use super::readers::{read_job, ReadJob, Readers};
 
 const BUSY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Room for every statement shape, the multi-row event inserts included, so none is prepared again.
@@ -242,9 +242,6 @@ enum Job {
     Close(Closing),
 }
 
-/// A read, given the connection (or why there is none).
-type ReadJob = Box<dyn FnOnce(StoreResult<&Conn<'_, '_>>) + Send>;
-
 /// The database: the writer thread's queue and the readers. Cloning shares them.
 #[derive(Clone)]
 pub struct Database {
@@ -417,13 +414,7 @@ impl Database {
             shared.brief_reads.fetch_sub(1, Ordering::AcqRel);
             return shared.readers.read(work).await;
         }
-        let (reply, answer) = oneshot::channel();
-        let job: ReadJob = Box::new(move |conn| {
-            let read = catch_unwind(AssertUnwindSafe(|| conn.and_then(work)))
-                .unwrap_or_else(|_| Err(StoreError::Backend("read: it panicked".into())));
-            // a caller that stopped waiting has nobody to tell
-            let _ = reply.send(read);
-        });
+        let (job, answer) = read_job(work);
         if self.jobs.send(Job::Read(job)).is_err() {
             shared.brief_reads.fetch_sub(1, Ordering::AcqRel);
             return Err(closed("read"));

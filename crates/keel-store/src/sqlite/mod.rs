@@ -147,9 +147,9 @@ impl SqliteStore {
 
     /// Runs `work`, a read of a few rows by key, on the writer's connection between two of its
     /// transactions, where its pages are likely cached, or on a reading connection when the writer
-    /// is busy (the writer thread's `read_brief`, in `sqlite/db.rs`). The connection is
-    /// read-only meanwhile. A read that may take long must use [`SqliteStore::read_with`]: here it
-    /// would hold up every write.
+    /// is busy (the writer thread's `read_brief`, in `sqlite/db.rs`). What `work` writes (it
+    /// should not) is rolled back, never written. A read that may take long must use
+    /// [`SqliteStore::read_with`]: here it would hold up every write.
     pub async fn read_brief_with<R, F>(&self, work: F) -> StoreResult<R>
     where
         R: Send + 'static,

@@ -34,8 +34,26 @@ pub const READERS: usize = 4;
 /// for it. Reads are index lookups of microseconds to a few hundred.
 const SLOW_READ: Duration = Duration::from_millis(1);
 
-/// A read, given its thread's connection (or why there is none).
-type Job = Box<dyn FnOnce(StoreResult<&Conn<'_, '_>>) + Send>;
+/// A read, given its thread's connection (or why there is none). The writer thread runs them too
+/// (the brief reads, [`super::db::Database::read_brief`]).
+pub(super) type ReadJob = Box<dyn FnOnce(StoreResult<&Conn<'_, '_>>) + Send>;
+
+/// `work` as a read to queue, and where its answer comes: a panic in `work` answers with an error
+/// (its text left out), so a read whose answer never comes was never run (the database closed).
+pub(super) fn read_job<R, F>(work: F) -> (ReadJob, oneshot::Receiver<StoreResult<R>>)
+where
+    R: Send + 'static,
+    F: FnOnce(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
+{
+    let (reply, answer) = oneshot::channel();
+    let job: ReadJob = Box::new(move |conn| {
+        let read = catch_unwind(AssertUnwindSafe(|| conn.and_then(work)))
+            .unwrap_or_else(|_| Err(StoreError::Backend("read: it panicked".into())));
+        // a caller that stopped waiting has nobody to tell
+        let _ = reply.send(read);
+    });
+    (job, answer)
+}
 
 pub struct Readers {
     shared: Arc<Shared>,
@@ -53,7 +71,7 @@ struct Shared {
 
 #[derive(Default)]
 struct Queue {
-    jobs: VecDeque<Job>,
+    jobs: VecDeque<ReadJob>,
     /// Readers asleep, and how many of them were woken and have not taken a read yet.
     idle: usize,
     woken: usize,
@@ -102,17 +120,12 @@ impl Readers {
         R: Send + 'static,
         F: FnOnce(&Conn<'_, '_>) -> StoreResult<R> + Send + 'static,
     {
-        let (reply, answer) = oneshot::channel();
-        let job: Job = Box::new(move |conn| {
-            // a caller that stopped waiting has nobody to tell
-            let _ = reply.send(conn.and_then(work));
-        });
+        let (job, answer) = read_job(work);
         self.push(job)?;
-        // the reply is dropped unsent only if `work` panicked
-        answer.await.map_err(|_| StoreError::Backend("read: it panicked".into()))?
+        answer.await.map_err(|_| closed("read"))?
     }
 
-    fn push(&self, job: Job) -> StoreResult<()> {
+    fn push(&self, job: ReadJob) -> StoreResult<()> {
         let mut queue = lock(&self.shared.queue);
         if queue.closed {
             return Err(closed("read"));
@@ -154,7 +167,7 @@ impl Shared {
     fn serve(&self, i: usize) {
         if let Some(writer) = &self.writer {
             while let Some(job) = self.next(i) {
-                run(job, Ok(&Conn::new(&lock(writer), None)));
+                job(Ok(&Conn::new(&lock(writer), None)));
             }
             return;
         }
@@ -164,19 +177,19 @@ impl Shared {
             let Some(job) = self.next(i) else { return };
             match open_connection(&self.location, true) {
                 Ok(conn) => break (job, conn),
-                Err(e) => run(job, Err(e)),
+                Err(e) => job(Err(e)),
             }
         };
         let kept = Kept::default();
         let conn = Conn::new(&conn, Some(&kept));
-        run(first, Ok(&conn));
+        first(Ok(&conn));
         while let Some(job) = self.next(i) {
-            run(job, Ok(&conn));
+            job(Ok(&conn));
         }
     }
 
     /// The next read for reader `i`; `None` once closed and nothing is left.
-    fn next(&self, i: usize) -> Option<Job> {
+    fn next(&self, i: usize) -> Option<ReadJob> {
         let mut queue = lock(&self.queue);
         queue.started[i] = None;
         loop {
@@ -193,11 +206,6 @@ impl Shared {
             queue.woken = queue.woken.saturating_sub(1);
         }
     }
-}
-
-/// Runs one read; a panic in it drops its reply (its caller gets an error) and the thread goes on.
-fn run(job: Job, conn: StoreResult<&Conn<'_, '_>>) {
-    let _ = catch_unwind(AssertUnwindSafe(|| job(conn)));
 }
 
 #[cfg(test)]
