@@ -382,6 +382,11 @@ pub struct StartedRun {
     pub message: Message,
     pub run: Run,
     pub events: Vec<Event>,
+    /// The role of the run's user as the start read it, with the rows it wrote (`None`: not read,
+    /// as by a promotion). The engine's first step classifies its tool calls with it where no call
+    /// can run or be refused by it, as it does the role read with a step's context
+    /// ([`Store::context_window_and_role`]).
+    pub user_role: Option<Option<UserRole>>,
 }
 
 /// Which of the engine's periodic sweeps have work, from one read ([`RunStore::due_work`]). Each
@@ -742,6 +747,16 @@ pub trait Store: RunStore + ConversationStore + IdentityStore + BindingStore + '
     /// The database's clock. Instances sharing a database take lease and expiry times from it
     /// (through [`crate::clock::StoreClock`]), so a skewed instance clock can't steal live leases.
     async fn db_now(&self) -> StoreResult<Timestamp>;
+    /// [`ConversationStore::context_window`] and [`IdentityStore::user_role`] of `user_id`, read
+    /// together: a step that may have to classify tool calls reads the role with its context
+    /// (the backends do it in one statement or one read transaction; this default reads both).
+    async fn context_window_and_role(
+        &self,
+        conversation_id: &ConversationId,
+        user_id: &str,
+    ) -> StoreResult<(ContextWindow, Option<UserRole>)> {
+        Ok((self.context_window(conversation_id).await?, self.user_role(user_id).await?))
+    }
 }
 
 /// Every store trait, for code that calls a concrete backend's methods (`use

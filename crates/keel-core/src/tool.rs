@@ -494,6 +494,11 @@ impl ToolRegistry {
         self.specs.clone()
     }
 
+    /// No tool is registered.
+    pub fn is_empty(&self) -> bool {
+        self.tools.is_empty()
+    }
+
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.tools.iter().map(|e| e.tool.spec().name.as_str())
     }

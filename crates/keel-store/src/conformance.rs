@@ -76,6 +76,7 @@ macro_rules! conformance_tests {
             due_work_names_the_sweeps_that_have_work,
             conversation_tool_calls_span_runs,
             the_context_window_starts_after_the_summary,
+            a_first_runs_context_is_its_message,
             messages_through_a_run_are_the_conversation_as_it_stood,
             the_calls_a_window_answers_come_in_the_order_they_were_made,
             user_roles,
@@ -1814,6 +1815,36 @@ async fn two_turns(store: &SharedStore, facts: Vec<Fact>) -> TwoTurns {
 /// A call as the context window reads it: without its result (its tool message holds it).
 fn without_result(call: &ToolCall) -> ToolCall {
     ToolCall { result: None, ..call.clone() }
+}
+
+/// A conversation's first run (the start made its version 1) finds nothing in its context but the
+/// message it started with, exactly as the start answered it (the engine's first step uses that
+/// answer instead of a read); the context read with a role reads the same window, and the role.
+pub async fn a_first_runs_context_is_its_message(store: SharedStore) {
+    let first = conversation(&store, "alice").await;
+    // a time finer than the database keeps: the answer is the time as stored
+    let now = at(5) + chrono::Duration::nanoseconds(123_456_789);
+    let started = start(&store, &first, now).await;
+    assert_eq!(started.run.checkpoint.conversation_version, 1);
+    assert_eq!(started.user_role, Some(None), "the start read the user's role: none yet");
+    let expected = ContextWindow { messages: vec![started.message.clone()], ..Default::default() };
+    assert_eq!(store.context_window(&first.id).await.expect("window"), expected);
+    let read = store.context_window_and_role(&first.id, "alice").await.expect("window and role");
+    assert_eq!(read, (expected.clone(), None), "no role yet");
+    store.set_user_role("alice", UserRole::Viewer).await.expect("role");
+    let read = store.context_window_and_role(&first.id, "alice").await.expect("window and role");
+    assert_eq!(read, (expected.clone(), Some(UserRole::Viewer)));
+    let read = store.context_window_and_role(&first.id, "bob").await.expect("window and role");
+    assert_eq!(read, (expected, None), "another user's role: none");
+
+    // a start reads the role as it is then, whichever way it starts; a run that waits reads none
+    let other = conversation(&store, "alice").await;
+    assert_eq!(start(&store, &other, at(6)).await.user_role, Some(Some(UserRole::Viewer)));
+    let third = conversation(&store, "alice").await;
+    let at_once = enqueue(&store, &third, "nothing ahead", at(7)).await;
+    assert_eq!((at_once.run.status, at_once.user_role), (RunStatus::Queued, Some(Some(UserRole::Viewer))));
+    let waits = enqueue(&store, &third, "behind it", at(8)).await;
+    assert_eq!((waits.run.status, waits.user_role), (RunStatus::Waiting, None));
 }
 
 /// The context's read: every message while there is no summary; once there is one, only the

@@ -21,6 +21,7 @@ use std::task::{Context, Poll, Waker};
 
 use keel_core::domain::{
     lease_holder, Checkpoint, Fact, Interrupt, InterruptStatus, Message, Role, Run, RunStatus, Summary, Timestamp,
+    UserRole,
 };
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{ConversationId, MessageId, RunId};
@@ -548,7 +549,22 @@ pub(crate) async fn start_run<T: Tx>(
     let Some(events) = tx.insert_start(&rows).await? else {
         return Ok(None);
     };
-    Ok(Some(StartedRun { message, run, events }))
+    // what the run's first step classifies its calls with (a run that waits has no step yet)
+    let user_role = if waits { None } else { Some(user_role(tx, &new.user_id).await?) };
+    Ok(Some(StartedRun { message, run, events, user_role }))
+}
+
+static USER_ROLE: Sql = Sql::new("SELECT role FROM users WHERE id = $1");
+
+/// The role of `user_id` (`None`: the user has none stored).
+async fn user_role<T: Tx>(tx: &mut T, user_id: &str) -> StoreResult<Option<UserRole>> {
+    match row(tx, "get a user's role", &USER_ROLE, &[text(user_id)], &[Ty::Text]).await? {
+        None => Ok(None),
+        Some(found) => {
+            let role = only(found)?.text("role")?;
+            UserRole::parse(&role).map(Some).ok_or_else(|| StoreError::Backend("column users.role: not a role".into()))
+        }
+    }
 }
 
 static OLDEST_WAITING: Sql = Sql::new(

@@ -247,6 +247,40 @@ impl PostgresStore {
 
     /// Writes the commits queued before this call, then closes every connection; waits for the
     /// ones in use. Later commits are errors.
+    /// The context window, and the role of `user_id` when given, in one statement (one snapshot,
+    /// one round trip, one of the database's statement overheads instead of five): see
+    /// [`context_window_sql`].
+    async fn read_context(
+        &self,
+        conversation_id: &ConversationId,
+        user_id: Option<&str>,
+    ) -> StoreResult<(ContextWindow, Option<UserRole>)> {
+        let rows = self
+            .kept
+            .run(async |conn| {
+                let query = sqlx::query(context_window_sql(user_id.is_some())).bind(conversation_id.as_str());
+                match user_id {
+                    Some(user_id) => query.bind(user_id).fetch_all(conn).await,
+                    None => query.fetch_all(conn).await,
+                }
+            })
+            .await
+            .map_err(db("read the context window"))?;
+        let mut window =
+            ContextWindow { summary: None, messages: Vec::new(), tool_calls: Vec::new(), facts: Vec::new() };
+        let mut role = None;
+        for row in &rows {
+            match Cols::new(row, "context window").get::<i32>("k")? {
+                0 => window.summary = Some(summary_from(row)?),
+                1 => window.messages.push(message_from(row)?),
+                2 => window.tool_calls.push(tool_call_from(row)?),
+                3 => window.facts.push(fact_from(row)?),
+                _ => role = Some(Cols::new(row, "users").parse("role", UserRole::parse)?),
+            }
+        }
+        Ok((window, role))
+    }
+
     pub async fn close(&self) {
         self.committer.close().await;
         self.kept.close().await;
@@ -665,10 +699,12 @@ const TOOL_CALL_COLUMNS_BUT_RESULT: [Column; 10] = [
 /// The context window's one statement: the conversation's summary (`k` 0), the messages after the
 /// last one it covers, by the index on (conversation_id, seq) (`k` 1), the calls their tool results
 /// answer, by id (`k` 2), and the facts (`k` 3), in that order ([`union_sql`]; a step reads its
-/// context at every model call).
-fn context_window_sql() -> &'static str {
+/// context at every model call); with `role`, the role of the user `$2` too (`k` 4,
+/// [`Store::context_window_and_role`]).
+fn context_window_sql(role: bool) -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SQL.get_or_init(|| {
+    static WITH_ROLE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    (if role { &WITH_ROLE } else { &SQL }).get_or_init(|| {
         const AFTER: &str = "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
                              WHERE s.conversation_id = $1), 0)";
         let messages = format!("t.conversation_id = $1 AND t.seq > {AFTER}");
@@ -687,16 +723,16 @@ fn context_window_sql() -> &'static str {
             ("tool_call_id", "text"),
             ("created_at", "timestamptz"),
         ];
-        union_sql(
-            &[
-                (0, "summaries", summary, "t.conversation_id = $1"),
-                (1, "messages", message, &messages),
-                (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, &calls),
-                (3, "facts", FACT_COLUMNS, "t.conversation_id = $1"),
-            ],
-            &[("result", "jsonb")],
-            "k, seq, key",
-        )
+        let mut parts: Vec<(u8, &str, &[Column], &str)> = vec![
+            (0, "summaries", summary, "t.conversation_id = $1"),
+            (1, "messages", message, &messages),
+            (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, &calls),
+            (3, "facts", FACT_COLUMNS, "t.conversation_id = $1"),
+        ];
+        if role {
+            parts.push((4, "users", &[("role", "text")], "t.id = $2"));
+        }
+        union_sql(&parts, &[("result", "jsonb")], "k, seq, key")
     })
 }
 
@@ -919,7 +955,7 @@ impl RunStore for PostgresStore {
             .map_err(db("promote a waiting run"))?;
         let run = run_from(&row)?;
         tx.commit().await.map_err(db("promote a waiting run"))?;
-        Ok(Some(StartedRun { message: promoted.message, run, events: promoted.events }))
+        Ok(Some(StartedRun { message: promoted.message, run, events: promoted.events, user_role: None }))
     }
 
     async fn stranded_conversations(&self, limit: u32) -> StoreResult<Vec<ConversationId>> {
@@ -1452,24 +1488,7 @@ impl ConversationStore for PostgresStore {
     }
 
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
-        // One statement (one snapshot, one round trip, one of the database's statement overheads
-        // instead of four): see [`context_window_sql`].
-        let rows = self
-            .kept
-            .run(async |conn| sqlx::query(context_window_sql()).bind(conversation_id.as_str()).fetch_all(conn).await)
-            .await
-            .map_err(db("read the context window"))?;
-        let mut window =
-            ContextWindow { summary: None, messages: Vec::new(), tool_calls: Vec::new(), facts: Vec::new() };
-        for row in &rows {
-            match Cols::new(row, "context window").get::<i32>("k")? {
-                0 => window.summary = Some(summary_from(row)?),
-                1 => window.messages.push(message_from(row)?),
-                2 => window.tool_calls.push(tool_call_from(row)?),
-                _ => window.facts.push(fact_from(row)?),
-            }
-        }
-        Ok(window)
+        Ok(self.read_context(conversation_id, None).await?.0)
     }
 
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
@@ -1654,6 +1673,14 @@ impl BindingStore for PostgresStore {
 
 #[async_trait]
 impl Store for PostgresStore {
+    async fn context_window_and_role(
+        &self,
+        conversation_id: &ConversationId,
+        user_id: &str,
+    ) -> StoreResult<(ContextWindow, Option<UserRole>)> {
+        self.read_context(conversation_id, Some(user_id)).await
+    }
+
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1").execute(&self.pool).await.map_err(db("ping"))?;
         Ok(())

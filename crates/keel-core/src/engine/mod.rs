@@ -548,7 +548,7 @@ impl Engine {
             }
             return Ok((started, None));
         }
-        self.inner.start_worker(&started, reserved);
+        self.inner.start_worker(&started, reserved, worker::Primed::first_run(&started));
         Ok((started, following))
     }
 

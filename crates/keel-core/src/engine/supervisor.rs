@@ -211,7 +211,12 @@ impl Inner {
 
     /// Drives a run just written `queued` here, with the slot and lease [`Inner::reserve_worker`]
     /// gave (`None`: it waits, queued, for a claim).
-    pub(super) fn start_worker(self: &Arc<Self>, started: &StartedRun, reserved: Option<(Slot, NewLease)>) {
+    pub(super) fn start_worker(
+        self: &Arc<Self>,
+        started: &StartedRun,
+        reserved: Option<(Slot, NewLease)>,
+        primed: Primed,
+    ) {
         let Some((slot, lease)) = reserved else {
             tracing::debug!(run_id = %started.run.id, "at capacity; the run waits, queued");
             return;
@@ -224,7 +229,7 @@ impl Inner {
                 _ => None,
             });
         }
-        self.spawn_worker(run, lease.owner, slot, Primed::default());
+        self.spawn_worker(run, lease.owner, slot, primed);
     }
 
     /// [`Inner::promote_next`] on a task of its own (after a run's end: the commit that ended it is
@@ -266,7 +271,7 @@ impl Inner {
         };
         tracing::info!(run_id = %started.run.id, conversation_id = %conversation_id, "a waiting run's turn came; starting it");
         self.committed(&started.run, &started.events);
-        self.start_worker(&started, reserved);
+        self.start_worker(&started, reserved, Primed::default());
         Ok(true)
     }
 
@@ -333,6 +338,8 @@ impl Inner {
             held_first: false,
             planned_calls: primed.calls,
             primed_role: primed.role,
+            context_role: None,
+            primed_window: primed.window,
             known_facts: primed.facts,
             claim_answer: None,
             claim_refused: false,

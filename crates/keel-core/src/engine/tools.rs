@@ -23,8 +23,20 @@ enum Attempt {
 }
 
 impl Worker {
-    /// One tools step. `primed_role`: the run's user's role as read just before (see [`Primed`]).
-    pub(super) async fn execute_tools(&mut self, primed_role: Option<Option<UserRole>>) -> Result<bool, WorkerError> {
+    /// One tools step. `primed_role`: the run's user's role as read just before (see [`Primed`]);
+    /// `context_role`: as read with the context of the model call that made the calls.
+    ///
+    /// The role read with the context is older than the model's answer (a real model's call takes
+    /// seconds), so it serves only when every call it classifies would be asked about: nothing
+    /// runs and nothing is refused before a human answers, and the answer is authorized with the
+    /// role read then ([`AnswerView`](crate::store::AnswerView)). Any call that would run, be
+    /// denied or fail reads the role afresh, as before: so a pause for an approval costs no read
+    /// of its own.
+    pub(super) async fn execute_tools(
+        &mut self,
+        primed_role: Option<Option<UserRole>>,
+        context_role: Option<Option<UserRole>>,
+    ) -> Result<bool, WorkerError> {
         let started = Instant::now();
         let pending = self.run.checkpoint.pending_call_ids.clone();
         let all_calls = match self.planned_calls.take() {
@@ -34,9 +46,10 @@ impl Worker {
         };
         let calls: Vec<ToolCall> =
             pending.iter().filter_map(|id| all_calls.iter().find(|c| &c.id == id).cloned()).collect();
-        let role = match primed_role {
-            Some(role) => role,
-            None => self.inner.role_of(&self.run.user_id).await?,
+        let role = match (primed_role, context_role) {
+            (Some(role), _) => role,
+            (None, Some(role)) if !calls.is_empty() && calls.iter().all(|call| self.only_asked(call, role)) => role,
+            (None, _) => self.inner.role_of(&self.run.user_id).await?,
         };
         let max_attempts = self.inner.config.tool_max_attempts.max(1);
 
@@ -178,6 +191,14 @@ impl Worker {
         // Written with the model call's start: only a read of the context comes in between.
         self.hold(c).await?;
         Ok(true)
+    }
+
+    /// Classified with `role`, `call` neither runs nor is refused for that role: it is new, and
+    /// its tool's policy for `role` is to ask (or there is no such tool, which fails whatever the
+    /// role; so do arguments that are not valid, whatever the policy).
+    fn only_asked(&self, call: &ToolCall, role: Option<UserRole>) -> bool {
+        call.state == ToolCallState::Requested
+            && self.agent.tools.get(&call.name).is_none_or(|tool| tool.spec().policy_for(role) == Policy::Ask)
     }
 
     fn tool_context(&self, call: &ToolCall, role: Option<UserRole>) -> ToolContext {

@@ -16,6 +16,9 @@ pub(super) struct Primed {
     /// An answer to an interrupt not written yet: the worker writes it with its first step
     /// ([`Claim`]).
     pub(super) claim: Option<Claim>,
+    /// The context of the worker's first model call, known without a read ([`Primed::first_run`]),
+    /// and the role of the run's user if the start read it ([`StartedRun::user_role`]).
+    pub(super) window: Option<(crate::store::ContextWindow, Option<Option<UserRole>>)>,
 }
 
 /// An answer to an interrupt (a decision, a client's result) that the request hands to the worker
@@ -50,7 +53,32 @@ impl Primed {
         }
         let mut facts = crate::domain::fact_map(facts);
         facts.extend(crate::domain::fact_map(&commit.facts));
-        Primed { calls: Some(calls), role: (user_id == run.user_id).then_some(role), facts: Some(facts), claim: None }
+        Primed {
+            calls: Some(calls),
+            role: (user_id == run.user_id).then_some(role),
+            facts: Some(facts),
+            claim: None,
+            window: None,
+        }
+    }
+
+    /// For a run its request just started: when it is its conversation's first (the start made
+    /// the conversation's version 1), the conversation holds nothing but the message that started
+    /// it — messages, facts and summaries are written only by runs, and every run's start, enqueue
+    /// or promotion raises the version first — so that message is the first step's whole context,
+    /// and the conversation has no facts. (The store says the same when asked: conformance case
+    /// `a_first_runs_context_is_its_message`.) Any other run reads its context.
+    pub(super) fn first_run(started: &StartedRun) -> Self {
+        let run = &started.run;
+        if run.checkpoint.conversation_version != 1
+            || run.checkpoint.iteration != 0
+            || run.checkpoint.next_step != NextStep::CallModel
+            || started.message.conversation_id != run.conversation_id
+        {
+            return Self::default();
+        }
+        let window = crate::store::ContextWindow { messages: vec![started.message.clone()], ..Default::default() };
+        Primed { facts: Some(FactMap::default()), window: Some((window, started.user_role)), ..Self::default() }
     }
 }
 
@@ -120,10 +148,17 @@ pub(super) struct Worker {
     /// The run's user's role, read just before the worker started ([`Primed::role`]): serves its
     /// first step only.
     pub(super) primed_role: Option<Option<UserRole>>,
+    /// The run's user's role as read with the last step's context, before its model call: serves
+    /// the tools step that follows only where it cannot let anything happen
+    /// ([`Worker::execute_tools`]).
+    pub(super) context_role: Option<Option<UserRole>>,
     /// The facts of the run's conversation as the worker last read them ([`Primed::facts`], the
     /// context window) with its own writes since: no other run writes them while this one is
     /// active, so a tool's `facts_updated` is made from them without a read.
     pub(super) known_facts: Option<FactMap>,
+    /// The context of the first model call, known without a read, and the role read with the
+    /// run's start ([`Primed::window`]).
+    pub(super) primed_window: Option<(crate::store::ContextWindow, Option<Option<UserRole>>)>,
     /// Where the outcome of the held answer's commit goes ([`Claim`]), until it is written.
     pub(super) claim_answer: Option<tokio::sync::oneshot::Sender<Result<Committed, StoreError>>>,
     /// The held answer's commit was refused: the run was never this worker's.
@@ -319,13 +354,15 @@ impl Worker {
             }
             let step = self.run.checkpoint.next_step;
             let primed_role = self.primed_role.take();
+            // set by a model step for the step right after it
+            let context_role = self.context_role.take();
             // Each step's future is boxed: it holds its calls' state, and unboxed it would be copied
             // into this future at each step, and with this one wherever the worker's future moves
             // (they were 16, 32 and 68 KB: copying them was ~3% of a run's instructions).
             let result = match step {
                 NextStep::CallModel => Box::pin(self.call_model()).await,
                 NextStep::ExecuteTools => {
-                    Box::pin(self.execute_tools(primed_role)).instrument(node_span(nodes::TOOLS)).await
+                    Box::pin(self.execute_tools(primed_role, context_role)).instrument(node_span(nodes::TOOLS)).await
                 }
                 NextStep::Finalize => Box::pin(self.finalize()).instrument(node_span(nodes::FINALIZE)).await,
                 // A paused run has no worker; one that got here was resumed elsewhere.
@@ -419,8 +456,19 @@ impl Worker {
         if self.claim_answer.is_some() {
             self.flush_held().await?;
         }
-        // One bounded read: the summary, the turns after it, their calls, the facts.
-        let window = self.store().context_window(&self.run.conversation_id).await?;
+        // One bounded read: the summary, the turns after it, their calls, the facts; and, for an
+        // agent with tools, the role its calls are classified with (one statement, not two).
+        let window = if let Some((window, role)) = self.primed_window.take() {
+            self.context_role = role.map(|role| self.inner.role_or_default(role));
+            window
+        } else if self.agent.tools.is_empty() {
+            self.store().context_window(&self.run.conversation_id).await?
+        } else {
+            let (window, role) =
+                self.store().context_window_and_role(&self.run.conversation_id, &self.run.user_id).await?;
+            self.context_role = Some(self.inner.role_or_default(role));
+            window
+        };
         let facts = &window.facts;
         self.known_facts = Some(crate::domain::fact_map(facts));
         let agent = self.agent.clone();

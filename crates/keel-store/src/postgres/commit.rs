@@ -2,8 +2,8 @@
 //! transaction, with `timestamptz` and `jsonb` columns, and events inserted from arrays in one
 //! statement.
 
-use keel_core::domain::Checkpoint;
 use keel_core::domain::Timestamp;
+use keel_core::domain::{Checkpoint, UserRole};
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{MessageId, RunId};
 use keel_core::store::{NewRun, StartedRun, StoreError, StoreResult};
@@ -220,7 +220,8 @@ pub async fn start_at_once(
              e AS (INSERT INTO run_events (run_id, sequence, type, data, created_at) \
                    SELECT r.id, e.sequence, e.type, e.data::jsonb, r.created_at \
                    FROM r, unnest($21::bigint[], $22::text[], $23::text[]) AS e (sequence, type, data)) \
-             SELECT EXISTS (SELECT 1 FROM seen), (SELECT id FROM blocking), (SELECT version FROM v)"
+             SELECT EXISTS (SELECT 1 FROM seen), (SELECT id FROM blocking), (SELECT version FROM v), \
+             (SELECT role FROM users WHERE id = $4)"
         )
     });
     // the version is the statement's: 0 until it is known
@@ -246,6 +247,7 @@ pub async fn start_at_once(
     let found: bool = row.try_get(0).map_err(read)?;
     let blocking: Option<String> = row.try_get(1).map_err(read)?;
     let version: Option<i64> = row.try_get(2).map_err(read)?;
+    let role: Option<String> = row.try_get(3).map_err(read)?;
     if !found {
         return Err(StoreError::NotFound("conversation"));
     }
@@ -255,5 +257,11 @@ pub async fn start_at_once(
     }
     let Some(version) = version else { return Ok(AtOnce::Raced) };
     run.checkpoint = Checkpoint::start(version);
-    Ok(AtOnce::Started(Box::new(StartedRun { message, run, events })))
+    let user_role = match role {
+        None => None,
+        Some(role) => {
+            Some(UserRole::parse(&role).ok_or_else(|| StoreError::Backend("column users.role: not a role".into()))?)
+        }
+    };
+    Ok(AtOnce::Started(Box::new(StartedRun { message, run, events, user_role: Some(user_role) })))
 }

@@ -242,6 +242,36 @@ fn read_facts(c: &Conn<'_, '_>, conversation_id: &ConversationId) -> StoreResult
     )
 }
 
+/// A step's context ([`ConversationStore::context_window`]), read on `c`.
+fn read_context_window(c: &Conn<'_, '_>, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
+    let conversation = conversation_id.as_str();
+    let summary =
+        one(c, "get the summary", "SELECT * FROM summaries WHERE conversation_id = ?", [conversation], summary_from)?;
+    // The messages after the last one the summary covers (by the index on
+    // (conversation_id, seq)), and the calls their tool results answer (by id).
+    let after: i64 = match &summary {
+        Some(s) => one(
+            c,
+            "find the summary's last message",
+            "SELECT seq FROM messages WHERE id = ?",
+            [s.through_message_id.as_str()],
+            |r| Cols::new(r, "messages").get::<i64>("seq"),
+        )?
+        .unwrap_or(0),
+        None => 0,
+    };
+    let messages = many(
+        c,
+        "list the context's messages",
+        "SELECT * FROM messages WHERE conversation_id = ? AND seq > ? ORDER BY seq",
+        params![conversation, after],
+        message_from,
+    )?;
+    let tool_calls = answered_calls(c, "list the context's tool calls", &messages, false)?;
+    let facts = read_facts(c, conversation_id)?;
+    Ok(ContextWindow { summary, messages, tool_calls, facts })
+}
+
 fn read_role(c: &Conn<'_, '_>, user_id: &str) -> StoreResult<Option<UserRole>> {
     one(c, "get a user's role", "SELECT role FROM users WHERE id = ?", [user_id], |r| {
         Cols::new(r, "users").parse("role", UserRole::parse)
@@ -349,7 +379,7 @@ impl RunStore for SqliteStore {
                     run_from,
                 )?
                 .ok_or(StoreError::NotFound("run"))?;
-                Ok(Some(StartedRun { message: promoted.message, run, events: promoted.events }))
+                Ok(Some(StartedRun { message: promoted.message, run, events: promoted.events, user_role: None }))
             })
             .await;
         match promoted {
@@ -949,47 +979,7 @@ impl ConversationStore for SqliteStore {
 
     async fn context_window(&self, conversation_id: &ConversationId) -> StoreResult<ContextWindow> {
         let conversation_id = conversation_id.to_owned();
-        self.db
-            .read_brief(move |c| {
-                let conversation = conversation_id.as_str();
-                let summary = one(
-                    c,
-                    "get the summary",
-                    "SELECT * FROM summaries WHERE conversation_id = ?",
-                    [conversation],
-                    summary_from,
-                )?;
-                // The messages after the last one the summary covers (by the index on
-                // (conversation_id, seq)), and the calls their tool results answer (by id).
-                let after: i64 = match &summary {
-                    Some(s) => one(
-                        c,
-                        "find the summary's last message",
-                        "SELECT seq FROM messages WHERE id = ?",
-                        [s.through_message_id.as_str()],
-                        |r| Cols::new(r, "messages").get::<i64>("seq"),
-                    )?
-                    .unwrap_or(0),
-                    None => 0,
-                };
-                let messages = many(
-                    c,
-                    "list the context's messages",
-                    "SELECT * FROM messages WHERE conversation_id = ? AND seq > ? ORDER BY seq",
-                    params![conversation, after],
-                    message_from,
-                )?;
-                let tool_calls = answered_calls(c, "list the context's tool calls", &messages, false)?;
-                let facts = many(
-                    c,
-                    "list facts",
-                    "SELECT * FROM facts WHERE conversation_id = ? ORDER BY key",
-                    [conversation],
-                    fact_from,
-                )?;
-                Ok(ContextWindow { summary, messages, tool_calls, facts })
-            })
-            .await
+        self.db.read_brief(move |c| read_context_window(c, &conversation_id)).await
     }
 
     async fn list_facts(&self, conversation_id: &ConversationId) -> StoreResult<Vec<Fact>> {
@@ -1222,6 +1212,16 @@ impl BindingStore for SqliteStore {
 
 #[async_trait]
 impl Store for SqliteStore {
+    /// One brief read: both in one read transaction.
+    async fn context_window_and_role(
+        &self,
+        conversation_id: &ConversationId,
+        user_id: &str,
+    ) -> StoreResult<(ContextWindow, Option<UserRole>)> {
+        let (conversation_id, user_id) = (conversation_id.to_owned(), user_id.to_owned());
+        self.db.read_brief(move |c| Ok((read_context_window(c, &conversation_id)?, read_role(c, &user_id)?))).await
+    }
+
     async fn ping(&self) -> StoreResult<()> {
         self.db.read(move |c| one(c, "ping", "SELECT 1", [], |_| Ok(()))).await?;
         // the writer thread answers too
