@@ -245,8 +245,6 @@ impl PostgresStore {
         self.schema.as_deref()
     }
 
-    /// Writes the commits queued before this call, then closes every connection; waits for the
-    /// ones in use. Later commits are errors.
     /// The context window, and the role of `user_id` when given, in one statement (one snapshot,
     /// one round trip, one of the database's statement overheads instead of five): see
     /// [`context_window_sql`].
@@ -281,6 +279,8 @@ impl PostgresStore {
         Ok((window, role))
     }
 
+    /// Writes the commits queued before this call, then closes every connection; waits for the
+    /// ones in use. Later commits are errors.
     pub async fn close(&self) {
         self.committer.close().await;
         self.kept.close().await;

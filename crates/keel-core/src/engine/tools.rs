@@ -29,9 +29,9 @@ impl Worker {
     /// The role read with the context is older than the model's answer (a real model's call takes
     /// seconds), so it serves only when every call it classifies would be asked about: nothing
     /// runs and nothing is refused before a human answers, and the answer is authorized with the
-    /// role read then ([`AnswerView`](crate::store::AnswerView)). Any call that would run, be
-    /// denied or fail reads the role afresh, as before: so a pause for an approval costs no read
-    /// of its own.
+    /// role read then ([`AnswerView`](crate::store::AnswerView)). A call that would run, or be
+    /// denied, has the role read afresh, as before; so a pause for an approval costs no read of
+    /// its own (`tests/role_freshness.rs`).
     pub(super) async fn execute_tools(
         &mut self,
         primed_role: Option<Option<UserRole>>,
