@@ -365,10 +365,6 @@ pub struct AnswerView {
     /// The facts of the run's conversation: what a tool's result adds to, for its
     /// `facts_updated` (an interrupted run's conversation changes only by that run).
     pub facts: Vec<Fact>,
-    /// The context window of the run's conversation ([`ConversationStore::context_window`]), read
-    /// with the rest (`None`: this store does not): the worker that continues the run keeps it up
-    /// to date with its own commits instead of reading it again for its next model call.
-    pub context: Option<ContextWindow>,
 }
 
 /// The lease a run gets when it is created or started ([`NewRun::lease`],

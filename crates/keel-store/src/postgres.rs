@@ -712,9 +712,20 @@ fn context_window_sql(role: bool) -> &'static str {
             "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = $1 AND seq > {AFTER} \
              AND tool_call_id IS NOT NULL)"
         );
+        let summary: &[Column] = &[("conversation_id", "text"), ("through_message_id", "text"), ("text", "text")];
+        let message: &[Column] = &[
+            ("seq", "bigint"),
+            ("id", "text"),
+            ("conversation_id", "text"),
+            ("run_id", "text"),
+            ("role", "text"),
+            ("content", "text"),
+            ("tool_call_id", "text"),
+            ("created_at", "timestamptz"),
+        ];
         let mut parts: Vec<(u8, &str, &[Column], &str)> = vec![
-            (0, "summaries", SUMMARY_COLUMNS, "t.conversation_id = $1"),
-            (1, "messages", MESSAGE_COLUMNS, &messages),
+            (0, "summaries", summary, "t.conversation_id = $1"),
+            (1, "messages", message, &messages),
             (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, &calls),
             (3, "facts", FACT_COLUMNS, "t.conversation_id = $1"),
         ];
@@ -725,30 +736,13 @@ fn context_window_sql(role: bool) -> &'static str {
     })
 }
 
-/// The columns [`summary_from`] takes.
-const SUMMARY_COLUMNS: &[Column] = &[("conversation_id", "text"), ("through_message_id", "text"), ("text", "text")];
-
-/// The columns [`message_from`] takes.
-const MESSAGE_COLUMNS: &[Column] = &[
-    ("seq", "bigint"),
-    ("id", "text"),
-    ("conversation_id", "text"),
-    ("run_id", "text"),
-    ("role", "text"),
-    ("content", "text"),
-    ("tool_call_id", "text"),
-    ("created_at", "timestamptz"),
-];
-
 /// The columns [`fact_from`] takes.
 const FACT_COLUMNS: &[Column] =
     &[("key", "text"), ("value", "text"), ("source", "text"), ("updated_at", "timestamptz")];
 
 /// [`RunStore::answer_view`]'s one statement: the run (`k` 0), its interrupts, oldest first (`k` 1),
-/// its tool calls, in order (`k` 2), the role of the user (`k` 3), the facts of the run's
-/// conversation (`k` 4), and the rest of its context window as [`context_window_sql`] reads it: the
-/// summary (`k` 5), the messages after it (`k` 6) and the calls those answer (`k` 7)
-/// ([`union_sql`]).
+/// its tool calls, in order (`k` 2), the role of the user (`k` 3) and the facts of the run's
+/// conversation (`k` 4) ([`union_sql`]).
 fn answer_view_sql() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
@@ -785,27 +779,13 @@ fn answer_view_sql() -> &'static str {
             ("resolved_by", "text"),
             ("resolved_at", "timestamptz"),
         ];
-        const CONVERSATION: &str = "(SELECT conversation_id FROM runs WHERE id = $1)";
-        let after = format!(
-            "COALESCE((SELECT m.seq FROM summaries s JOIN messages m ON m.id = s.through_message_id \
-             WHERE s.conversation_id = {CONVERSATION}), 0)"
-        );
-        let in_conversation = format!("t.conversation_id = {CONVERSATION}");
-        let messages = format!("t.conversation_id = {CONVERSATION} AND t.seq > {after}");
-        let calls = format!(
-            "t.id IN (SELECT tool_call_id FROM messages WHERE conversation_id = {CONVERSATION} AND seq > {after} \
-             AND tool_call_id IS NOT NULL)"
-        );
         union_sql(
             &[
                 (0, "runs", run, "t.id = $1"),
                 (1, "interrupts", interrupt, "t.run_id = $1"),
                 (2, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, "t.run_id = $1"),
                 (3, "users", &[("role", "text")], "t.id = $2"),
-                (4, "facts", FACT_COLUMNS, &in_conversation),
-                (5, "summaries", SUMMARY_COLUMNS, &in_conversation),
-                (6, "messages", MESSAGE_COLUMNS, &messages),
-                (7, "tool_calls", &TOOL_CALL_COLUMNS_BUT_RESULT, &calls),
+                (4, "facts", FACT_COLUMNS, "t.conversation_id = (SELECT conversation_id FROM runs WHERE id = $1)"),
             ],
             &[("result", "jsonb")],
             "k, seq, created_at, id, key",
@@ -1228,22 +1208,14 @@ impl RunStore for PostgresStore {
             .await
             .map_err(db("read a run for an answer"))?;
         let mut view = AnswerView::default();
-        let mut context = ContextWindow::default();
         for row in &rows {
             match Cols::new(row, "answer view").get::<i32>("k")? {
                 0 => view.run = Some(run_from(row)?),
                 1 => view.interrupts.push(interrupt_from(row)?),
                 2 => view.tool_calls.push(tool_call_from(row)?),
                 3 => view.role = Some(Cols::new(row, "users").parse("role", UserRole::parse)?),
-                4 => view.facts.push(fact_from(row)?),
-                5 => context.summary = Some(summary_from(row)?),
-                6 => context.messages.push(message_from(row)?),
-                _ => context.tool_calls.push(tool_call_from(row)?),
+                _ => view.facts.push(fact_from(row)?),
             }
-        }
-        if view.run.is_some() {
-            context.facts = view.facts.clone();
-            view.context = Some(context);
         }
         Ok(view)
     }

@@ -121,16 +121,8 @@ impl Engine {
         self.refuse_if_expired(&interrupt, now).await?;
         let hash = result_hash(run_id, &call_id, &outcome);
         let key = (req.idempotency_key.as_str(), hash.as_str());
-        let claim = self.claim_tool_result(
-            &run,
-            &interrupt,
-            (&calls, &view.facts, view.context.as_ref()),
-            call,
-            outcome,
-            (user_id, role),
-            key,
-            now,
-        );
+        let claim =
+            self.claim_tool_result(&run, &interrupt, (&calls, &view.facts), call, outcome, (user_id, role), key, now);
         self.under_key(user_id, &req.idempotency_key, &hash, "tool-result", claim).await
     }
 
@@ -139,7 +131,7 @@ impl Engine {
         &self,
         run: &Run,
         interrupt: &Interrupt,
-        (calls, facts, context): ViewParts<'_>,
+        (calls, facts): (&[ToolCall], &[Fact]),
         call: &ToolCall,
         outcome: ClientOutcome,
         (user_id, role): (&str, Option<UserRole>),
@@ -227,7 +219,7 @@ impl Engine {
             response: serde_json::to_value(&accepted).unwrap_or(Value::Null),
             expires_at: now + chrono::Duration::hours(24),
         });
-        let primed = Primed::after(&commit, (calls, facts, context), run, user_id, role);
+        let primed = Primed::after(&commit, (calls, facts), run, user_id, role);
         let resumed_sequence = self.commit_claim(run, interrupt, commit, owner, primed).await.map_err(|e| match e {
             EngineError::InterruptAlreadyResolved => EngineError::ToolCallAlreadyAnswered,
             other => other,

@@ -114,7 +114,7 @@ impl Engine {
         // 3. The claim, whose transaction stores the answer under the idempotency key (a repeat of
         //    this request gets that answer: `under_key`).
         let hash = request_hash(run_id, &req.interrupt_id, &req.decision.to_value(), req.note.as_deref());
-        let view = (calls.as_slice(), view.facts.as_slice(), view.context.as_ref());
+        let view = (calls.as_slice(), view.facts.as_slice());
         let claim = self.claim_and_continue(&run, &interrupt, &req, &hash, decisions, view, user_id, role, now);
         self.under_key(user_id, &req.idempotency_key, &hash, "resume", claim).await
     }
@@ -179,7 +179,7 @@ impl Engine {
         req: &ResumeRequest,
         request_hash: &str,
         decisions: BTreeMap<CallId, CallDecision>,
-        (calls, facts, context): ViewParts<'_>,
+        (calls, facts): (&[ToolCall], &[Fact]),
         user_id: &str,
         role: Option<UserRole>,
         now: Timestamp,
@@ -266,7 +266,7 @@ impl Engine {
             expires_at: now + chrono::Duration::hours(24),
         });
 
-        let primed = Primed::after(&commit, (calls, facts, context), run, user_id, role);
+        let primed = Primed::after(&commit, (calls, facts), run, user_id, role);
         let resumed_sequence = self.commit_claim(run, interrupt, commit, owner, primed).await?;
         if resumed_sequence != accepted.resumed_sequence {
             // Can't happen under the fence; if it ever does, the stored answer is corrected.

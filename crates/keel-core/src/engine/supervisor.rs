@@ -339,7 +339,7 @@ impl Inner {
             planned_calls: primed.calls,
             primed_role: primed.role,
             context_role: None,
-            carried: primed.window,
+            primed_window: primed.window,
             known_facts: primed.facts,
             claim_answer: None,
             claim_refused: false,

@@ -16,65 +16,9 @@ pub(super) struct Primed {
     /// An answer to an interrupt not written yet: the worker writes it with its first step
     /// ([`Claim`]).
     pub(super) claim: Option<Claim>,
-    /// The context of the worker's next model call as far as it is known without a read: a first
-    /// run's message ([`Primed::first_run`]), or the window the answer's view read
-    /// ([`Primed::after`]), which the worker's commits bring up to date ([`Carried`]).
-    pub(super) window: Option<Carried>,
-}
-
-/// The parts of an answer's view a worker that continues the run starts from: the run's calls, the
-/// conversation's facts, and its context window when the store read it.
-pub(super) type ViewParts<'a> = (&'a [ToolCall], &'a [Fact], Option<&'a crate::store::ContextWindow>);
-
-/// A context window a worker knows without reading it: as read (or, for a first run, as known) and
-/// then moved by the worker's own commits, the only writes to an active run's conversation — the
-/// messages they add, the calls they move, the facts they set. A commit that writes anything else
-/// a window holds (text appended to a message, a discarded message, a summary) ends it, and the
-/// next model call reads its context. Used once, for the worker's next model call (debug builds
-/// check it against a read: [`Worker::assemble_context`]).
-#[derive(Debug)]
-pub(super) struct Carried {
-    /// The summary, the messages after it, the calls of earlier runs they answer, the facts.
-    window: crate::store::ContextWindow,
-    /// The run's own calls, all of them, as the commits left them.
-    calls: Vec<ToolCall>,
-    run_id: RunId,
-    /// The role of the run's user read with it (`None`: not read).
-    role: Option<Option<UserRole>>,
-}
-
-impl Carried {
-    /// `commit`, written: `false` if it changed the window in a way this does not follow.
-    pub(super) fn apply(&mut self, commit: &Commit) -> bool {
-        if commit.summary.is_some() || !commit.text.is_empty() || !commit.discard_messages.is_empty() {
-            return false;
-        }
-        self.window.messages.extend(commit.messages.iter().cloned());
-        for change in &commit.tool_calls {
-            change.apply_to(&mut self.calls);
-        }
-        for fact in &commit.facts {
-            match self.window.facts.binary_search_by(|f| f.key.as_str().cmp(fact.key.as_str())) {
-                Ok(at) => self.window.facts[at] = fact.clone(),
-                Err(at) => self.window.facts.insert(at, fact.clone()),
-            }
-        }
-        true
-    }
-
-    /// The window as a read would answer it now: the calls its tool messages answer, in the order
-    /// they were made (an earlier run's before this run's), without their results.
-    pub(super) fn into_window(self) -> (crate::store::ContextWindow, Option<Option<UserRole>>) {
-        let Carried { mut window, calls, run_id, role } = self;
-        let answered: std::collections::HashSet<&CallId> =
-            window.messages.iter().filter_map(|m| m.tool_call_id.as_ref()).collect();
-        let mut answered_calls: Vec<ToolCall> =
-            window.tool_calls.iter().filter(|c| c.run_id != run_id && answered.contains(&c.id)).cloned().collect();
-        answered_calls
-            .extend(calls.into_iter().filter(|c| answered.contains(&c.id)).map(|c| ToolCall { result: None, ..c }));
-        window.tool_calls = answered_calls;
-        (window, role)
-    }
+    /// The context of the worker's first model call, known without a read ([`Primed::first_run`]),
+    /// and the role of the run's user if the start read it ([`StartedRun::user_role`]).
+    pub(super) window: Option<(crate::store::ContextWindow, Option<Option<UserRole>>)>,
 }
 
 /// An answer to an interrupt (a decision, a client's result) that the request hands to the worker
@@ -97,20 +41,12 @@ impl Primed {
     /// and the role when the one who answered is the run's user.
     pub(super) fn after(
         commit: &Commit,
-        view: ViewParts<'_>,
+        view: (&[ToolCall], &[Fact]),
         run: &Run,
         user_id: &str,
         role: Option<UserRole>,
     ) -> Self {
-        let (calls, facts, context) = view;
-        // the window as the view read it: `commit` is written with the worker's first commit, and
-        // moves it then
-        let window = context.map(|window| Carried {
-            window: window.clone(),
-            calls: calls.to_vec(),
-            run_id: run.id.clone(),
-            role: None,
-        });
+        let (calls, facts) = view;
         let mut calls = calls.to_vec();
         for change in &commit.tool_calls {
             change.apply_to(&mut calls);
@@ -122,7 +58,7 @@ impl Primed {
             role: (user_id == run.user_id).then_some(role),
             facts: Some(facts),
             claim: None,
-            window,
+            window: None,
         }
     }
 
@@ -142,8 +78,7 @@ impl Primed {
             return Self::default();
         }
         let window = crate::store::ContextWindow { messages: vec![started.message.clone()], ..Default::default() };
-        let window = Carried { window, calls: Vec::new(), run_id: run.id.clone(), role: started.user_role };
-        Primed { facts: Some(FactMap::default()), window: Some(window), ..Self::default() }
+        Primed { facts: Some(FactMap::default()), window: Some((window, started.user_role)), ..Self::default() }
     }
 }
 
@@ -221,9 +156,9 @@ pub(super) struct Worker {
     /// context window) with its own writes since: no other run writes them while this one is
     /// active, so a tool's `facts_updated` is made from them without a read.
     pub(super) known_facts: Option<FactMap>,
-    /// The context of the next model call, known without a read ([`Primed::window`]): kept up to
-    /// date by every commit the worker writes, until one it does not follow.
-    pub(super) carried: Option<Carried>,
+    /// The context of the first model call, known without a read, and the role read with the
+    /// run's start ([`Primed::window`]).
+    pub(super) primed_window: Option<(crate::store::ContextWindow, Option<Option<UserRole>>)>,
     /// Where the outcome of the held answer's commit goes ([`Claim`]), until it is written.
     pub(super) claim_answer: Option<tokio::sync::oneshot::Sender<Result<Committed, StoreError>>>,
     /// The held answer's commit was refused: the run was never this worker's.
@@ -366,9 +301,6 @@ impl Worker {
             }
         };
         self.held_first = false;
-        if self.carried.as_mut().is_some_and(|carried| !carried.apply(&commit)) {
-            self.carried = None;
-        }
         adopt(&mut self.run, &commit);
         self.run.cancel_requested = committed.cancel_requested;
         Ok(committed)
@@ -526,10 +458,7 @@ impl Worker {
         }
         // One bounded read: the summary, the turns after it, their calls, the facts; and, for an
         // agent with tools, the role its calls are classified with (one statement, not two).
-        let window = if let Some(carried) = self.carried.take() {
-            let (window, role) = carried.into_window();
-            #[cfg(debug_assertions)]
-            self.check_carried(&window).await?;
+        let window = if let Some((window, role)) = self.primed_window.take() {
             self.context_role = role.map(|role| self.inner.role_or_default(role));
             window
         } else if self.agent.tools.is_empty() {
@@ -574,26 +503,6 @@ impl Worker {
             facts: crate::domain::fact_map(facts),
         };
         Ok(Some((request, assembled.new_summary)))
-    }
-
-    /// Debug builds: the window the worker carried is the one a read answers (timestamps aside: a
-    /// store keeps them to its own precision, and the context does not use them).
-    #[cfg(debug_assertions)]
-    async fn check_carried(&self, carried: &crate::store::ContextWindow) -> Result<(), WorkerError> {
-        fn untimed(window: &crate::store::ContextWindow) -> crate::store::ContextWindow {
-            let mut window = window.clone();
-            let epoch = Timestamp::default();
-            window.messages.iter_mut().for_each(|m| m.created_at = epoch);
-            window.facts.iter_mut().for_each(|f| f.updated_at = epoch);
-            for call in &mut window.tool_calls {
-                call.started_at = call.started_at.map(|_| epoch);
-                call.finished_at = call.finished_at.map(|_| epoch);
-            }
-            window
-        }
-        let read = self.store().context_window(&self.run.conversation_id).await?;
-        assert_eq!(untimed(carried), untimed(&read), "the carried context window differs from the store's");
-        Ok(())
     }
 
     /// Calls the model (retrying a transient failure once), streaming its text into the run.

@@ -688,17 +688,16 @@ impl RunStore for SqliteStore {
         self.db
             .read_brief(move |c| {
                 let run = read_run(c, &run_id)?;
-                let context = match &run {
-                    Some(run) => Some(read_context_window(c, &run.conversation_id)?),
-                    None => None,
+                let facts = match &run {
+                    Some(run) => read_facts(c, &run.conversation_id)?,
+                    None => Vec::new(),
                 };
                 Ok(AnswerView {
                     run,
                     interrupts: read_interrupts(c, &run_id)?,
                     tool_calls: read_tool_calls(c, &run_id, false)?,
                     role: read_role(c, &user_id)?,
-                    facts: context.as_ref().map(|w| w.facts.clone()).unwrap_or_default(),
-                    context,
+                    facts,
                 })
             })
             .await
