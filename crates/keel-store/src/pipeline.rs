@@ -558,13 +558,14 @@ static USER_ROLE: Sql = Sql::new("SELECT role FROM users WHERE id = $1");
 
 /// The role of `user_id` (`None`: the user has none stored).
 async fn user_role<T: Tx>(tx: &mut T, user_id: &str) -> StoreResult<Option<UserRole>> {
-    match row(tx, "get a user's role", &USER_ROLE, &[text(user_id)], &[Ty::Text]).await? {
-        None => Ok(None),
-        Some(found) => {
-            let role = only(found)?.text("role")?;
-            UserRole::parse(&role).map(Some).ok_or_else(|| StoreError::Backend("column users.role: not a role".into()))
-        }
-    }
+    let found = row(tx, "get a user's role", &USER_ROLE, &[text(user_id)], &[Ty::Text]).await?;
+    stored_role(found.map(|row| only(row)?.text("role")).transpose()?)
+}
+
+/// A `users.role` as read (`None`: no row).
+pub(crate) fn stored_role(role: Option<String>) -> StoreResult<Option<UserRole>> {
+    role.map(|role| UserRole::parse(&role).ok_or_else(|| StoreError::Backend("column users.role: not a role".into())))
+        .transpose()
 }
 
 static OLDEST_WAITING: Sql = Sql::new(

@@ -69,12 +69,7 @@ impl Primed {
     /// and the conversation has no facts. (The store says the same when asked: conformance case
     /// `a_first_runs_context_is_its_message`.) Any other run reads its context.
     pub(super) fn first_run(started: &StartedRun) -> Self {
-        let run = &started.run;
-        if run.checkpoint.conversation_version != 1
-            || run.checkpoint.iteration != 0
-            || run.checkpoint.next_step != NextStep::CallModel
-            || started.message.conversation_id != run.conversation_id
-        {
+        if started.run.checkpoint.conversation_version != 1 {
             return Self::default();
         }
         let window = crate::store::ContextWindow { messages: vec![started.message.clone()], ..Default::default() };

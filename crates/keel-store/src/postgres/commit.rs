@@ -2,8 +2,8 @@
 //! transaction, with `timestamptz` and `jsonb` columns, and events inserted from arrays in one
 //! statement.
 
+use keel_core::domain::Checkpoint;
 use keel_core::domain::Timestamp;
-use keel_core::domain::{Checkpoint, UserRole};
 use keel_core::event::{Event, EventKind};
 use keel_core::ids::{MessageId, RunId};
 use keel_core::store::{NewRun, StartedRun, StoreError, StoreResult};
@@ -16,8 +16,8 @@ use sqlx::{PgConnection, Postgres, Row};
 use std::sync::LazyLock;
 
 use crate::pipeline::{
-    event_data, new_run_rows, numbered, refused_as_active, run_args, Arg, Cell, DbError, Dialect, Encoded, NewRows, Tx,
-    Ty, BLOCKING_RUN, INSERT_RUN,
+    event_data, new_run_rows, numbered, refused_as_active, run_args, stored_role, Arg, Cell, DbError, Dialect, Encoded,
+    NewRows, Tx, Ty, BLOCKING_RUN, INSERT_RUN,
 };
 
 use super::{insert, json, micros};
@@ -257,11 +257,6 @@ pub async fn start_at_once(
     }
     let Some(version) = version else { return Ok(AtOnce::Raced) };
     run.checkpoint = Checkpoint::start(version);
-    let user_role = match role {
-        None => None,
-        Some(role) => {
-            Some(UserRole::parse(&role).ok_or_else(|| StoreError::Backend("column users.role: not a role".into()))?)
-        }
-    };
-    Ok(AtOnce::Started(Box::new(StartedRun { message, run, events, user_role: Some(user_role) })))
+    let user_role = Some(stored_role(role)?);
+    Ok(AtOnce::Started(Box::new(StartedRun { message, run, events, user_role })))
 }
