@@ -29,8 +29,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use keel_core::bus::Bus;
 use keel_core::{Event, RunId};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::streams::StreamReadReply;
-use redis::{AsyncConnectionConfig, Client, RedisError};
+use redis::{AsyncConnectionConfig, Client, RedisError, Value};
 use tokio::runtime::Handle;
 use tokio::sync::{broadcast, mpsc};
 
@@ -128,6 +127,8 @@ const MAX_BATCHES_PER_PIPELINE: usize = 256;
 const IDLE_CONNECTIONS: usize = 64;
 /// Entries one `XREAD` returns at most.
 const READ_COUNT: usize = 512;
+/// The JSON buffer an event is written into starts this large (most events' JSON is smaller).
+const EVENT_JSON_CAPACITY: usize = 512;
 /// A warning of one kind is logged at most this often.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
@@ -309,15 +310,27 @@ async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mp
         let mut pipe = redis::pipe();
         let mut keys = BTreeSet::new();
         let mut count = 0;
+        // a batch is one commit's events, all of one run: its key is made once
+        let mut run_key: Option<(RunId, String)> = None;
         for event in batches.drain(..).flatten() {
-            let mut json = Vec::new();
+            // an event's JSON is a few hundred bytes: written without growing the buffer
+            let mut json = Vec::with_capacity(EVENT_JSON_CAPACITY);
             if let Err(e) = event.write_json(&mut json) {
                 shared.drop_events(1, &format_args!("an event did not serialize: {e}"));
                 continue;
             }
-            let key = shared.key(&event.run_id);
-            pipe.cmd("XADD")
-                .arg(&key)
+            let key = match &run_key {
+                Some((run, key)) if *run == event.run_id => key,
+                _ => {
+                    let key = shared.key(&event.run_id);
+                    keys.insert(key.clone());
+                    &run_key.insert((event.run_id.clone(), key)).1
+                }
+            };
+            // sized for its arguments up front, so appending them never grows it
+            let mut xadd = redis::Cmd::with_capacity(10, 64 + key.len() + json.len() + shared.instance.len());
+            xadd.arg("XADD")
+                .arg(key)
                 .arg("MAXLEN")
                 .arg("~")
                 .arg(maxlen)
@@ -325,9 +338,8 @@ async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mp
                 .arg("data")
                 .arg(json)
                 .arg("src")
-                .arg(&shared.instance)
-                .ignore();
-            keys.insert(key);
+                .arg(&shared.instance);
+            pipe.add_command(xadd).ignore();
             count += 1;
         }
         for key in &keys {
@@ -438,46 +450,112 @@ async fn read_loop(guard: ReaderGuard, mut last_id: String) {
             .arg("STREAMS")
             .arg(&key)
             .arg(&last_id)
-            .query_async::<Option<StreamReadReply>>(c)
+            .query_async::<Value>(c)
             .await;
-        match read {
-            Ok(reply) => {
-                kept = false;
-                backoff = MIN_BACKOFF;
-                for entry in reply.into_iter().flat_map(|r| r.keys).flat_map(|k| k.ids) {
-                    last_id = entry.id.clone();
-                    if entry.get::<String>("src").as_deref() == Some(shared.instance.as_str()) {
-                        continue;
+        // The entries are read in place, borrowing the reply: an entry this instance published
+        // (most of them, when its own runs are the ones subscribed) is skipped by comparing its
+        // `src` bytes, its data never copied.
+        let failure = match read {
+            Ok(reply) => match read_entries(&reply) {
+                Ok(entries) => {
+                    kept = false;
+                    backoff = MIN_BACKOFF;
+                    if let Some(last) = entries.last() {
+                        last_id = String::from_utf8_lossy(last.id).into_owned();
                     }
-                    let parsed = entry
-                        .get::<Vec<u8>>("data")
-                        .ok_or_else(|| "no data field".to_owned())
-                        .and_then(|data| serde_json::from_slice::<Event>(&data).map_err(|e| e.to_string()));
-                    match parsed {
-                        // An error means no receiver is left; the next turn ends the task.
-                        Ok(event) => {
-                            let _ = guard.tx.send(Arc::new(event));
+                    for entry in entries {
+                        if entry.src == Some(shared.instance.as_bytes()) {
+                            continue;
                         }
-                        Err(e) => {
-                            if let Some(suppressed) = shared.read_warning.check() {
-                                tracing::warn!(key = %key, entry = %entry.id, error = %e, suppressed_warnings = suppressed,
-                                    "redis bus skipped an unreadable stream entry");
+                        let parsed = entry
+                            .data
+                            .ok_or_else(|| "no data field".to_owned())
+                            .and_then(|data| serde_json::from_slice::<Event>(data).map_err(|e| e.to_string()));
+                        match parsed {
+                            // An error means no receiver is left; the next turn ends the task.
+                            Ok(event) => {
+                                let _ = guard.tx.send(Arc::new(event));
+                            }
+                            Err(e) => {
+                                if let Some(suppressed) = shared.read_warning.check() {
+                                    let entry = String::from_utf8_lossy(entry.id);
+                                    tracing::warn!(key = %key, entry = %entry, error = %e,
+                                        suppressed_warnings = suppressed, "redis bus skipped an unreadable stream entry");
+                                }
                             }
                         }
                     }
-                }
-            }
-            Err(e) => {
-                conn = None;
-                // a kept connection Redis closed while it was idle: a new one at once
-                if std::mem::take(&mut kept) {
                     continue;
                 }
-                read_failed(&shared, &guard.run_id, &e, backoff);
-                retry_at = Some(Instant::now() + backoff);
-                backoff = (backoff * 2).min(MAX_BACKOFF);
-            }
+                Err(why) => RedisError::from((redis::ErrorKind::TypeError, "unexpected XREAD reply", why.to_owned())),
+            },
+            Err(e) => e,
+        };
+        conn = None;
+        // a kept connection Redis closed while it was idle: a new one at once
+        if std::mem::take(&mut kept) {
+            continue;
         }
+        read_failed(&shared, &guard.run_id, &failure, backoff);
+        retry_at = Some(Instant::now() + backoff);
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// One entry of an `XREAD` reply, borrowed from it: its id, and its `src` and `data` fields.
+#[derive(Debug, PartialEq)]
+struct Entry<'v> {
+    id: &'v [u8],
+    src: Option<&'v [u8]>,
+    data: Option<&'v [u8]>,
+}
+
+/// The entries of an `XREAD` reply, in order, whatever stream they are of: nil (no entry before
+/// the block ended), or per stream its key and its entries — an array of pairs (RESP2) or a map
+/// (RESP3) — each entry its id and its fields, flat (RESP2) or a map (RESP3).
+fn read_entries(reply: &Value) -> Result<Vec<Entry<'_>>, &'static str> {
+    let streams: Vec<&Value> = match reply {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Array(streams) => streams
+            .iter()
+            .map(|stream| match stream {
+                Value::Array(pair) if pair.len() == 2 => Ok(&pair[1]),
+                _ => Err("a stream is not its key and its entries"),
+            })
+            .collect::<Result<_, _>>()?,
+        Value::Map(streams) => streams.iter().map(|(_, entries)| entries).collect(),
+        _ => return Err("not a list of streams"),
+    };
+    let mut out = Vec::new();
+    for entries in streams {
+        let Value::Array(entries) = entries else { return Err("a stream's entries are not a list") };
+        for entry in entries {
+            let Value::Array(parts) = entry else { return Err("an entry is not a list") };
+            let [id, fields] = parts.as_slice() else { return Err("an entry is not its id and its fields") };
+            let mut read = Entry { id: bytes(id)?, src: None, data: None };
+            let pairs: Vec<(&Value, &Value)> = match fields {
+                Value::Array(flat) if flat.len() % 2 == 0 => flat.chunks_exact(2).map(|p| (&p[0], &p[1])).collect(),
+                Value::Map(pairs) => pairs.iter().map(|(name, value)| (name, value)).collect(),
+                _ => return Err("an entry's fields are not pairs"),
+            };
+            for (name, value) in pairs {
+                match bytes(name)? {
+                    b"src" => read.src = Some(bytes(value)?),
+                    b"data" => read.data = Some(bytes(value)?),
+                    _ => {}
+                }
+            }
+            out.push(read);
+        }
+    }
+    Ok(out)
+}
+
+fn bytes(v: &Value) -> Result<&[u8], &'static str> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.as_bytes()),
+        _ => Err("a field is not a string"),
     }
 }
 
@@ -555,6 +633,65 @@ mod tests {
         let ms: u128 = ms.parse().unwrap();
         assert!(ms < now && now - ms <= 1_000 + 1_000, "{id} vs {now}");
         assert_eq!(seq, "0");
+    }
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn xread_replies_are_read_in_place_in_both_protocols() {
+        let entry = |id: &str, src: &str, data: &str| {
+            Value::Array(vec![bulk(id), Value::Array(vec![bulk("data"), bulk(data), bulk("src"), bulk(src)])])
+        };
+        // RESP2: [[key, [[id, [field, value, …]], …]], …]
+        let resp2 = Value::Array(vec![
+            Value::Array(vec![
+                bulk("keel:run:a"),
+                Value::Array(vec![entry("1-0", "me", "{}"), entry("1-1", "other", "[1]")]),
+            ]),
+            Value::Array(vec![bulk("keel:run:b"), Value::Array(vec![entry("2-0", "other", "{\"x\":2}")])]),
+        ]);
+        let expected = vec![
+            Entry { id: b"1-0", src: Some(b"me"), data: Some(b"{}") },
+            Entry { id: b"1-1", src: Some(b"other"), data: Some(b"[1]") },
+            Entry { id: b"2-0", src: Some(b"other"), data: Some(b"{\"x\":2}") },
+        ];
+        assert_eq!(read_entries(&resp2).unwrap(), expected);
+        // RESP3: {key: [[id, {field: value, …}], …]}
+        let resp3 = Value::Map(vec![(
+            bulk("keel:run:a"),
+            Value::Array(vec![Value::Array(vec![
+                bulk("3-0"),
+                Value::Map(vec![(bulk("src"), bulk("me")), (bulk("data"), bulk("{}")), (bulk("extra"), Value::Int(1))]),
+            ])]),
+        )]);
+        assert_eq!(read_entries(&resp3).unwrap(), vec![Entry { id: b"3-0", src: Some(b"me"), data: Some(b"{}") }]);
+        // no entry before the block ended
+        assert_eq!(read_entries(&Value::Nil).unwrap(), vec![]);
+        // an entry without data is read; its reader reports it
+        let bare = Value::Array(vec![Value::Array(vec![
+            bulk("k"),
+            Value::Array(vec![Value::Array(vec![bulk("4-0"), Value::Array(vec![])])]),
+        ])]);
+        assert_eq!(read_entries(&bare).unwrap(), vec![Entry { id: b"4-0", src: None, data: None }]);
+        // what is not a stream reply is an error, never a panic
+        for odd in [
+            Value::Int(3),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Array(vec![bulk("k"), Value::Int(2)])]),
+            Value::Array(vec![Value::Array(vec![bulk("k"), Value::Array(vec![Value::Array(vec![bulk("5-0")])])])]),
+            Value::Array(vec![Value::Array(vec![
+                bulk("k"),
+                Value::Array(vec![Value::Array(vec![bulk("5-0"), Value::Array(vec![bulk("odd")])])]),
+            ])]),
+            Value::Array(vec![Value::Array(vec![
+                bulk("k"),
+                Value::Array(vec![Value::Array(vec![Value::Nil, Value::Array(vec![])])]),
+            ])]),
+        ] {
+            assert!(read_entries(&odd).is_err(), "{odd:?}");
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::*;
 use keel_core::engine::EngineError;
 use keel_core::event::render_text;
-use keel_core::{EventKind, InterruptStatus, Role, RunStatus, ToolCallState, ToolOutcomeStatus, UserRole};
+use keel_core::{EventKind, InterruptStatus, Role, RunId, RunStatus, ToolCallState, ToolOutcomeStatus, UserRole};
 use keel_models::DemoModel;
 use serde_json::json;
 use tempfile::TempDir;
@@ -798,6 +798,13 @@ const PAUSE: [&str; 4] = ["node_started", "node_finished", "node_started", "inte
 /// The run's end: the finalize step, `done`.
 const END: [&str; 3] = ["node_started", "node_finished", "done"];
 
+/// The commits of `run` as the bus published them, once there are at least `count`. A run that
+/// settled is settled in the store; its last commit's publication may come a moment later.
+async fn published(h: &Harness, run: &RunId, count: usize) -> Vec<Vec<&'static str>> {
+    h.bus.until("the run's commits are published", run, |commits| commits.len() >= count).await;
+    h.bus.commits(run)
+}
+
 /// One commit's event types, made of the pieces above (and single events).
 fn commit_of(parts: &[&[&'static str]]) -> Vec<&'static str> {
     parts.concat()
@@ -824,7 +831,7 @@ async fn a_hitl_run_with_a_fast_model_is_five_commits() {
         commit_of(&[&["tool_finished", "facts_updated"]]),
         commit_of(&[&["node_finished"], &MODEL_CALL, &END]),
     ];
-    assert_eq!(h.bus.commits(&run), expected);
+    assert_eq!(published(&h, &run, expected.len()).await, expected);
     assert_contiguous(&h.all_events(&run).await);
 }
 
@@ -869,7 +876,7 @@ async fn a_slow_models_call_is_announced_before_it_answers() {
     gate.add_permits(1);
     let events = h.settle(&run, 0).await;
     assert_eq!(last_type(&events), "interrupt");
-    let commits = h.bus.commits(&run);
+    let commits = published(&h, &run, 3).await;
     assert_eq!(commits.len(), 3, "{commits:?}");
     assert_eq!(commits[2][..2], ["text_delta", "node_finished"]);
 }
@@ -890,7 +897,7 @@ async fn a_read_only_calls_attempt_is_written_with_its_result() {
         // the lookup's step ends, the model asks for the restart, which waits for a human
         commit_of(&[&["node_finished"], &MODEL_CALL, &PAUSE]),
     ];
-    assert_eq!(h.bus.commits(&run), expected);
+    assert_eq!(published(&h, &run, expected.len()).await, expected);
     let lookup = h.store.list_tool_calls(&run).await.unwrap().remove(0);
     assert_eq!(
         (lookup.name.as_str(), lookup.state, lookup.attempts),
@@ -899,7 +906,7 @@ async fn a_read_only_calls_attempt_is_written_with_its_result() {
     let after = h.decide(&run, &interrupt, json!("approve")).await;
     assert_eq!(last_type(&after), "done");
     assert_eq!(h.restart_count("pay-prod-2").await, 1);
-    assert_eq!(h.bus.commits(&run).len(), 6);
+    assert_eq!(published(&h, &run, 6).await.len(), 6);
     assert_contiguous(&h.all_events(&run).await);
 }
 
