@@ -68,6 +68,12 @@ const MAX_GROUP: usize = 64;
 /// waiting, a brief read goes to a reading thread instead ([`Database::read_brief`]).
 const MAX_BRIEF_READS: usize = 64;
 
+/// How long a brief read waits for the writer thread before a reading thread takes it instead. A
+/// group and the brief reads after it take a few milliseconds; a writer held this long is held by
+/// something (a write waiting for a lock another process holds, a slow disk), and the read does
+/// not wait for it ([`Database::read_brief`]).
+const BRIEF_READ_PATIENCE: Duration = Duration::from_millis(100);
+
 /// How many writes may wait for the writer thread by default (besides the group it is running).
 /// A run's worker waits for each answer before it writes again, so the queue holds about one
 /// write per busy worker or request: a few thousand is far more than a healthy server queues, and
@@ -397,7 +403,9 @@ impl Database {
     /// Runs `work`, a read of a few rows by key, on the writer thread after the group it is
     /// queued with, where the pages it reads are most likely in the writer's cache; or, when the
     /// writer is busy (more than [`MAX_GROUP`] writes or [`MAX_BRIEF_READS`] such reads wait for
-    /// it), on a reading thread, as [`Database::read`] does. It sees every write answered before
+    /// it), on a reading thread, as [`Database::read`] does; and a read the writer has not begun
+    /// within [`BRIEF_READ_PATIENCE`] is run by a reading thread instead (once: whichever thread
+    /// takes `work` first runs it). It sees every write answered before
     /// it was called. What it writes (it should not) is rolled back, never written, and a panic
     /// in `work` fails this read alone. A read that may take long must use
     /// [`Database::read`]: here it would hold up every write queued behind it.
@@ -414,13 +422,36 @@ impl Database {
             shared.brief_reads.fetch_sub(1, Ordering::AcqRel);
             return shared.readers.read(work).await;
         }
-        let (job, answer) = read_job(work);
+        // the work, for whichever thread takes it first: the writer, or a reader past the patience
+        let work = Arc::new(Mutex::new(Some(work)));
+        let (job, answer) = read_job({
+            let work = work.clone();
+            move |conn: &Conn<'_, '_>| match lock(&work).take() {
+                Some(work) => work(conn).map(Some),
+                // a reader took it: nobody waits for this answer
+                None => Ok(None),
+            }
+        });
         if self.jobs.send(Job::Read(job)).is_err() {
             shared.brief_reads.fetch_sub(1, Ordering::AcqRel);
             return Err(closed("read"));
         }
-        // the reply is dropped unsent only if the writer ended before it ran the read
-        answer.await.map_err(|_| closed("read"))?
+        // The reply is dropped unsent only if the writer ended before it ran the read. `None`
+        // would be a writer that found the work taken while this caller still waited for it.
+        let ran = |read: Result<StoreResult<Option<R>>, oneshot::error::RecvError>| {
+            read.map_err(|_| closed("read"))?
+                .and_then(|read| read.ok_or_else(|| StoreError::Backend("read: taken by no thread".into())))
+        };
+        let mut answer = std::pin::pin!(answer);
+        if let Ok(read) = tokio::time::timeout(BRIEF_READ_PATIENCE, &mut answer).await {
+            return ran(read);
+        }
+        let taken = lock(&work).take();
+        match taken {
+            Some(work) => shared.readers.read(work).await,
+            // the writer took it meanwhile: its answer comes
+            None => ran(answer.await),
+        }
     }
 
     /// Closes the readers and, after the writes queued before this call, the writer: the
@@ -1021,6 +1052,44 @@ mod tests {
         assert_eq!(rows(&database), (1..=8).collect::<Vec<_>>(), "every accepted write, none refused");
         // the queue drained: writes are accepted again
         assert_eq!(database.write(move |c| insert(c, 9)).await.unwrap(), 9);
+        database.close().await;
+    }
+
+    /// A brief read does not wait for a writer held up (here by a write that waits on this test):
+    /// past [`BRIEF_READ_PATIENCE`] a reading thread answers it, and the writer, once free, finds
+    /// it taken and runs it not again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_brief_read_does_not_wait_for_a_writer_held_up() {
+        let dir = tempfile::TempDir::new().unwrap();
+        let database = open_with_table(&dir, 64).await;
+        database.write(|c| insert(c, 1)).await.unwrap();
+        let (release, blocker) = block_the_writer(&database);
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let started = Instant::now();
+        let counted = runs.clone();
+        let (count, thread) = tokio::time::timeout(
+            Duration::from_secs(10),
+            database.read_brief(move |c| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let count: i64 = c.query_row("SELECT COUNT(*) FROM t", [], |r| r.get(0)).map_err(db("count"))?;
+                Ok((count, thread::current().name().map(str::to_owned)))
+            }),
+        )
+        .await
+        .expect("answered while the writer is held")
+        .unwrap();
+        assert_eq!(count, 1, "it sees the write answered before it");
+        assert!(started.elapsed() >= BRIEF_READ_PATIENCE, "the writer had its chance first");
+        assert!(thread.is_some_and(|n| n.starts_with("keel-sqlite-reader")), "a reading thread answered");
+
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        // the writer has taken the read from its queue, found it taken, and gone on
+        assert_eq!(database.write(|c| insert(c, 2)).await.unwrap(), 2);
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "run once");
+        // with the writer free, a brief read is its again
+        let on = database.read_brief(|_| Ok(thread::current().name().map(str::to_owned))).await.unwrap();
+        assert!(on.is_some_and(|n| !n.starts_with("keel-sqlite-reader")), "the writer's thread");
         database.close().await;
     }
 
