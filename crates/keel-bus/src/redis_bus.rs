@@ -533,22 +533,35 @@ fn read_entries(reply: &Value) -> Result<Vec<Entry<'_>>, &'static str> {
             let Value::Array(parts) = entry else { return Err("an entry is not a list") };
             let [id, fields] = parts.as_slice() else { return Err("an entry is not its id and its fields") };
             let mut read = Entry { id: bytes(id)?, src: None, data: None };
-            let pairs: Vec<(&Value, &Value)> = match fields {
-                Value::Array(flat) if flat.len() % 2 == 0 => flat.chunks_exact(2).map(|p| (&p[0], &p[1])).collect(),
-                Value::Map(pairs) => pairs.iter().map(|(name, value)| (name, value)).collect(),
-                _ => return Err("an entry's fields are not pairs"),
-            };
-            for (name, value) in pairs {
-                match bytes(name)? {
-                    b"src" => read.src = Some(bytes(value)?),
-                    b"data" => read.data = Some(bytes(value)?),
-                    _ => {}
+            match fields {
+                Value::Array(flat) if flat.len() % 2 == 0 => {
+                    for pair in flat.chunks_exact(2) {
+                        read.field(&pair[0], &pair[1])?;
+                    }
                 }
+                Value::Map(pairs) => {
+                    for (name, value) in pairs {
+                        read.field(name, value)?;
+                    }
+                }
+                _ => return Err("an entry's fields are not pairs"),
             }
             out.push(read);
         }
     }
     Ok(out)
+}
+
+impl<'v> Entry<'v> {
+    /// Keeps the field `name` if it is one the reader uses.
+    fn field(&mut self, name: &'v Value, value: &'v Value) -> Result<(), &'static str> {
+        match bytes(name)? {
+            b"src" => self.src = Some(bytes(value)?),
+            b"data" => self.data = Some(bytes(value)?),
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 fn bytes(v: &Value) -> Result<&[u8], &'static str> {
