@@ -1,44 +1,51 @@
-//! The Redis Streams bus.
+//! The Redis bus: Redis Streams for what was published, Pub/Sub for what is being published.
 //!
 //! Publishing: [`Bus::publish`] delivers to this instance's subscribers at once (as `LocalBus`
-//! does) and hands a copy to a bounded queue; one background task drains the queue and pipelines
-//! `XADD {prefix}run:{run_id} MAXLEN ~ N * data <event JSON> src <instance>` plus an `EXPIRE` per
-//! stream, so the streams of finished runs go away. A full queue or a Redis error drops the events
-//! and counts them: the caller never waits for Redis.
+//! does) and hands a copy to a bounded queue; one background task drains the queue and pipelines,
+//! for each commit's events of a run, one `XADD {prefix}run:{run_id} MAXLEN ~ N * data [<events>]
+//! src <instance>` and one `PUBLISH {prefix}run:{run_id} "<instance> [<events>]"`, plus an
+//! `EXPIRE` per stream, so the streams of finished runs go away. A full queue or a Redis error
+//! drops the events and counts them: the caller never waits for Redis. (An entry per event cost a
+//! HITL run 26 `XADD`s; docs/benchmarks.md, "Eighteenth session".)
 //!
-//! Subscribing: the first local subscriber of a run starts one reader task for that run, shared
-//! by every local subscriber of it. The task `XREAD BLOCK`s on the run's stream and forwards the
-//! events other instances published (its own instance's were delivered locally already) into the
-//! run's broadcast channel. It ends once the channel has no receiver left, which it checks after
-//! every read (a read blocks for at most [`RedisBusConfig::block`]), and leaves its connection,
-//! idle, for the next reader task (at most [`IDLE_CONNECTIONS`] are kept): a HITL run's two
-//! streams each start a reader, and a new connection per reader cost the server ~13% of its CPU
-//! per run (docs/benchmarks.md, "Fourteenth session").
+//! Subscribing: whatever the number of runs it follows, an instance holds two connections for
+//! them: one in subscribe mode, one for reading streams. The first local subscriber of a run adds
+//! it to the runs the instance follows; one follower task keeps the subscribe connection's
+//! channels equal to those runs (one `SUBSCRIBE` and one `UNSUBSCRIBE` for all the changes it
+//! finds at a time), forwards the messages of other instances (its own were delivered locally
+//! already) into the runs' broadcast channels, and every [`RedisBusConfig::release_every`]
+//! releases the runs whose channels have no receiver left. An idle stream costs Redis nothing:
+//! no connection and no command of its own (a blocking `XREAD` per run used to hold a connection
+//! each and ask again every second; docs/benchmarks.md, "Eighteenth session").
 //!
-//! The task reads from a stream id taken from the clock at `subscribe` time, a little in the past
-//! ([`RedisBusConfig::replay_window`]), rather than from `$`: with `$` an event another instance
-//! publishes between `subscribe` returning and the task's first `XREAD` reaching Redis would be
-//! missed, and the reader would only find it at its next idle poll of the store. The window may
-//! replay a few events the reader already has; readers drop `sequence <= last`.
+//! A message published before a run's `SUBSCRIBE` reached Redis is not delivered by it. So once
+//! the `SUBSCRIBE` is answered, the follower reads the run's stream (`XRANGE`) from an id taken
+//! from the clock at `subscribe` time, a little in the past ([`RedisBusConfig::replay_window`]),
+//! and delivers those entries first; the messages that came meanwhile wait, then follow them, and
+//! anything at or below the highest sequence delivered is dropped. Losing Redis, the follower
+//! connects again (with backoff), follows every run again and reads each stream from a little
+//! before the loss. The bus may replay a few events the reader already has; readers drop
+//! `sequence <= last`, and read the store on a gap.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use futures::StreamExt;
 use keel_core::bus::Bus;
 use keel_core::{Event, RunId};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{AsyncConnectionConfig, Client, RedisError, Value};
 use tokio::runtime::Handle;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, Notify};
 
 /// Settings of a [`RedisBus`]. `Default` is what [`RedisBus::connect`] uses, with its prefix.
 #[derive(Debug, Clone)]
 pub struct RedisBusConfig {
-    /// Prepended to every key: a run's stream is `{prefix}run:{run_id}`.
+    /// Prepended to every key: a run's stream (and its channel) is `{prefix}run:{run_id}`.
     pub prefix: String,
-    /// Approximate length a stream is trimmed to (`MAXLEN ~`).
+    /// Approximate length a stream is trimmed to (`MAXLEN ~`), in entries: a commit's events each.
     pub stream_maxlen: usize,
     /// A stream expires this long after its last publish (whole seconds, at least one).
     pub ttl: Duration,
@@ -46,14 +53,14 @@ pub struct RedisBusConfig {
     pub queue_capacity: usize,
     /// Capacity of each run's local broadcast channel.
     pub channel_capacity: usize,
-    /// How long one `XREAD` blocks; a reader task notices it has no receivers within about this.
-    pub block: Duration,
-    /// How far before `subscribe` a new reader task starts reading (covers its own start-up and
-    /// clock skew between instances and Redis).
+    /// How often the follower releases the runs nobody receives any more.
+    pub release_every: Duration,
+    /// How far before `subscribe` (or before losing Redis) a run's stream is read from: covers the
+    /// time until its `SUBSCRIBE` is answered, and clock skew between instances and Redis.
     pub replay_window: Duration,
     /// Timeout of one attempt to open a connection.
     pub connect_timeout: Duration,
-    /// Timeout of one command (a blocking `XREAD` gets `block` on top).
+    /// Timeout of one command.
     pub response_timeout: Duration,
 }
 
@@ -65,7 +72,7 @@ impl Default for RedisBusConfig {
             ttl: Duration::from_secs(3600),
             queue_capacity: 4096,
             channel_capacity: 64,
-            block: Duration::from_secs(1),
+            release_every: Duration::from_secs(1),
             replay_window: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(2),
             response_timeout: Duration::from_secs(5),
@@ -93,39 +100,73 @@ pub enum BusError {
     NoRuntime,
 }
 
-/// [`Bus`] over Redis Streams; see the module docs.
+/// [`Bus`] over Redis Streams and Pub/Sub; see the module docs.
 pub struct RedisBus {
     shared: Arc<Shared>,
     queue: mpsc::Sender<Vec<Event>>,
-    runtime: Handle,
 }
 
 struct Shared {
     config: RedisBusConfig,
     client: Client,
-    /// Written into every entry so a reader skips what its own instance already delivered.
+    /// Written into every entry and message so a reader skips what its own instance delivered.
     instance: String,
-    /// Runs with local subscribers. An entry exists exactly while its reader task runs.
-    channels: Mutex<HashMap<RunId, broadcast::Sender<Arc<Event>>>>,
-    readers: AtomicUsize,
-    /// Reader connections whose task ended, each idle (its last `XREAD` answered), for the next
-    /// reader task: a connection is a TCP connect and a handshake of several round trips, and a
-    /// run's streams start a reader each (two in a HITL run).
-    idle_connections: Mutex<Vec<MultiplexedConnection>>,
+    /// `{prefix}run:`, what a run's channel starts with.
+    channel_prefix: String,
+    follows: Mutex<Follows>,
+    /// Wakes the follower: runs to follow, or the bus is gone.
+    wake: Notify,
+    closed: AtomicBool,
+    /// Gives each follow its own number: a run released and followed again is a new follow.
+    next_follow: AtomicU64,
+    /// The follower's connections, counted: a stream read for an earlier one is not delivered.
+    generation: AtomicU64,
+    /// The connection streams are read on, made when first needed, shared by every read.
+    commands: tokio::sync::Mutex<Option<MultiplexedConnection>>,
     published: AtomicU64,
     dropped: AtomicU64,
     drop_warning: RateLimit,
     read_warning: RateLimit,
 }
 
-/// Longest pause between two attempts of a reader to reach Redis.
+/// The runs this instance follows, and what changed since the follower last told Redis.
+#[derive(Default)]
+struct Follows {
+    runs: HashMap<RunId, Follow>,
+    added: Vec<RunId>,
+    released: Vec<RunId>,
+}
+
+/// A run with local subscribers.
+struct Follow {
+    id: u64,
+    tx: broadcast::Sender<Arc<Event>>,
+    /// The stream id its stream is read from once it is subscribed.
+    since: String,
+    /// The highest sequence delivered from Redis: a lower one (the stream's overlap with the
+    /// messages) is dropped.
+    last: i64,
+    /// Messages that came before its stream was read, to follow what that read finds; `None`
+    /// once it was delivered.
+    waiting: Option<VecDeque<Event>>,
+}
+
+impl Follow {
+    fn offer(&mut self, event: Event) {
+        if event.sequence > self.last {
+            self.last = event.sequence;
+            // An error means no receiver is left; the next sweep releases the run.
+            let _ = self.tx.send(Arc::new(event));
+        }
+    }
+}
+
+/// Longest pause between two attempts of the follower to reach Redis.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 /// Publish calls the writer folds into one pipeline.
 const MAX_BATCHES_PER_PIPELINE: usize = 256;
-/// Idle reader connections kept for the next reader tasks at most.
-const IDLE_CONNECTIONS: usize = 64;
-/// Entries one `XREAD` returns at most.
+/// Entries one `XRANGE` returns at most.
 const READ_COUNT: usize = 512;
 /// The JSON buffer an event is written into starts this large (most events' JSON is smaller).
 const EVENT_JSON_CAPACITY: usize = 512;
@@ -150,8 +191,8 @@ impl RedisBus {
         if config.queue_capacity == 0 || config.channel_capacity == 0 {
             return Err(BusError::Config("queue_capacity and channel_capacity must be at least 1"));
         }
-        if config.block < Duration::from_millis(1) {
-            return Err(BusError::Config("block must be at least one millisecond"));
+        if config.release_every < Duration::from_millis(1) {
+            return Err(BusError::Config("release_every must be at least one millisecond"));
         }
         let runtime = Handle::try_current().map_err(|_| BusError::NoRuntime)?;
         let shown = redact(url);
@@ -175,36 +216,43 @@ impl RedisBus {
         let writer = connect.await.map_err(|source| BusError::Connect { url: shown, source })?;
 
         let (queue, rx) = mpsc::channel(config.queue_capacity);
+        let channel_prefix = format!("{}run:", config.prefix);
         let shared = Arc::new(Shared {
             config,
             client,
             instance: uuid::Uuid::now_v7().simple().to_string(),
-            channels: Mutex::new(HashMap::new()),
-            readers: AtomicUsize::new(0),
-            idle_connections: Mutex::new(Vec::new()),
+            channel_prefix,
+            follows: Mutex::new(Follows::default()),
+            wake: Notify::new(),
+            closed: AtomicBool::new(false),
+            next_follow: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+            commands: tokio::sync::Mutex::new(None),
             published: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             drop_warning: RateLimit::default(),
             read_warning: RateLimit::default(),
         });
         runtime.spawn(write_loop(shared.clone(), writer, rx));
-        Ok(Self { shared, queue, runtime })
+        runtime.spawn(follow_loop(shared.clone()));
+        Ok(Self { shared, queue })
     }
 
-    /// The stream key of a run.
+    /// The stream key of a run (also the name of its channel).
     pub fn stream_key(&self, run_id: &RunId) -> String {
         self.shared.key(run_id)
     }
 
-    /// Runs with local subscribers, each with one reader task (tests and metrics).
+    /// Runs with local subscribers (tests and metrics).
     pub fn channel_count(&self) -> usize {
-        self.shared.channels().len()
+        self.shared.follows().runs.len()
     }
 
-    /// Reader tasks still running (tests and metrics). Reaches the channel count once the tasks of
-    /// released channels have finished.
+    /// Runs the follower follows at Redis, or will again once Redis is back (tests and metrics):
+    /// the runs with local subscribers, until the sweep after their last receiver went releases
+    /// them.
     pub fn reader_count(&self) -> usize {
-        self.shared.readers.load(Ordering::SeqCst)
+        self.channel_count()
     }
 
     /// Events written to Redis.
@@ -219,6 +267,14 @@ impl RedisBus {
     }
 }
 
+impl Drop for RedisBus {
+    fn drop(&mut self) {
+        // the follower ends (the writer ends with the queue)
+        self.shared.closed.store(true, Ordering::SeqCst);
+        self.shared.wake.notify_one();
+    }
+}
+
 impl Bus for RedisBus {
     fn dropped_events(&self) -> u64 {
         self.dropped_count()
@@ -229,19 +285,19 @@ impl Bus for RedisBus {
             return;
         }
         {
-            let channels = self.shared.channels();
+            let follows = self.shared.follows();
             let mut current: Option<(&RunId, Option<&broadcast::Sender<Arc<Event>>>)> = None;
             for e in events {
                 let tx = match current {
                     Some((run_id, tx)) if *run_id == e.run_id => tx,
                     _ => {
-                        let tx = channels.get(&e.run_id);
+                        let tx = follows.runs.get(&e.run_id).map(|follow| &follow.tx);
                         current = Some((&e.run_id, tx));
                         tx
                     }
                 };
                 if let Some(tx) = tx {
-                    // An error means no receiver is left; the reader task notices and ends.
+                    // An error means no receiver is left; the next sweep releases the run.
                     let _ = tx.send(Arc::new(e.clone()));
                 }
             }
@@ -256,21 +312,24 @@ impl Bus for RedisBus {
     }
 
     fn subscribe(&self, run_id: &RunId) -> broadcast::Receiver<Arc<Event>> {
-        let start = start_id(self.shared.config.replay_window);
-        let (tx, rx) = {
-            let mut channels = self.shared.channels();
-            if let Some(tx) = channels.get(run_id) {
-                return tx.subscribe();
+        let rx = {
+            let mut follows = self.shared.follows();
+            if let Some(follow) = follows.runs.get(run_id) {
+                return follow.tx.subscribe();
             }
             let (tx, rx) = broadcast::channel(self.shared.config.channel_capacity);
-            channels.insert(run_id.clone(), tx.clone());
-            self.shared.readers.fetch_add(1, Ordering::SeqCst);
-            (tx, rx)
+            let follow = Follow {
+                id: self.shared.next_follow.fetch_add(1, Ordering::Relaxed),
+                tx,
+                since: start_id(self.shared.config.replay_window),
+                last: i64::MIN,
+                waiting: Some(VecDeque::new()),
+            };
+            follows.runs.insert(run_id.clone(), follow);
+            follows.added.push(run_id.clone());
+            rx
         };
-        // Outside the lock: a runtime that is shutting down drops the task (and its guard, which
-        // takes the lock) right away.
-        let guard = ReaderGuard { shared: self.shared.clone(), run_id: run_id.clone(), tx };
-        self.runtime.spawn(read_loop(guard, start));
+        self.shared.wake.notify_one();
         rx
     }
 }
@@ -280,12 +339,12 @@ impl Shared {
         format!("{}run:{}", self.config.prefix, run_id)
     }
 
-    fn channels(&self) -> MutexGuard<'_, HashMap<RunId, broadcast::Sender<Arc<Event>>>> {
-        self.channels.lock().unwrap_or_else(|e| e.into_inner())
+    fn follows(&self) -> MutexGuard<'_, Follows> {
+        self.follows.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn idle_connections(&self) -> MutexGuard<'_, Vec<MultiplexedConnection>> {
-        self.idle_connections.lock().unwrap_or_else(|e| e.into_inner())
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
     }
 
     fn drop_events(&self, count: usize, reason: &dyn std::fmt::Display) {
@@ -299,49 +358,64 @@ impl Shared {
             );
         }
     }
+
+    fn read_failed(&self, what: &str, error: &dyn std::fmt::Display) {
+        if let Some(suppressed) = self.read_warning.check() {
+            tracing::warn!(error = %error, suppressed_warnings = suppressed,
+                "redis bus: {what}; local subscribers fall back to the store until Redis answers");
+        }
+    }
+
+    /// Releases every run whose channel has no receiver left (atomically with respect to
+    /// `subscribe`: a new subscriber either joins a channel before it is released or gets a new
+    /// one), for the follower to unsubscribe.
+    fn release_unused(&self) {
+        let mut follows = self.follows();
+        let Follows { runs, released, .. } = &mut *follows;
+        runs.retain(|run, follow| {
+            let used = follow.tx.receiver_count() > 0;
+            if !used {
+                released.push(run.clone());
+            }
+            used
+        });
+    }
+
+    /// After a new connection: every run is followed anew, from `since`, its messages waiting for
+    /// that read.
+    fn rewind(&self, since: &str) {
+        let mut follows = self.follows();
+        let Follows { runs, added, .. } = &mut *follows;
+        for (run, follow) in runs.iter_mut() {
+            follow.since = since.to_owned();
+            follow.waiting = Some(VecDeque::new());
+            added.push(run.clone());
+        }
+    }
 }
 
-/// One background task: drains the queue into pipelined `XADD`s on a reconnecting connection.
+/// One background task: drains the queue into pipelined commands on a reconnecting connection:
+/// for each run's events of each commit, one `XADD` of them all and one `PUBLISH` of the same.
 async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mpsc::Receiver<Vec<Event>>) {
-    let maxlen = shared.config.stream_maxlen;
-    let ttl = shared.config.ttl.as_secs().max(1);
     let mut batches = Vec::with_capacity(MAX_BATCHES_PER_PIPELINE);
     while rx.recv_many(&mut batches, MAX_BATCHES_PER_PIPELINE).await > 0 {
         let mut pipe = redis::pipe();
         let mut keys = BTreeSet::new();
         let mut count = 0;
-        // a batch is one commit's events, all of one run: its key is made once
-        let mut run_key: Option<(RunId, String)> = None;
-        for event in batches.drain(..).flatten() {
-            // an event's JSON is a few hundred bytes: written without growing the buffer
-            let mut json = Vec::with_capacity(EVENT_JSON_CAPACITY);
-            if let Err(e) = event.write_json(&mut json) {
-                shared.drop_events(1, &format_args!("an event did not serialize: {e}"));
-                continue;
+        for batch in batches.drain(..) {
+            // a batch is one commit's events, all of one run (a caller's batch of several runs
+            // is cut where the run changes)
+            let mut events = batch.as_slice();
+            while let Some(first) = events.first() {
+                let end = events.iter().position(|e| e.run_id != first.run_id).unwrap_or(events.len());
+                let (run, rest) = events.split_at(end);
+                events = rest;
+                let key = shared.key(&first.run_id);
+                count += add_commit(&shared, &mut pipe, &key, run);
+                keys.insert(key);
             }
-            let key = match &run_key {
-                Some((run, key)) if *run == event.run_id => key,
-                _ => {
-                    let key = shared.key(&event.run_id);
-                    keys.insert(key.clone());
-                    &run_key.insert((event.run_id.clone(), key)).1
-                }
-            };
-            // sized for its arguments up front, so appending them never grows it
-            let mut xadd = redis::Cmd::with_capacity(10, 64 + key.len() + json.len() + shared.instance.len());
-            xadd.arg("XADD")
-                .arg(key)
-                .arg("MAXLEN")
-                .arg("~")
-                .arg(maxlen)
-                .arg("*")
-                .arg("data")
-                .arg(json)
-                .arg("src")
-                .arg(&shared.instance);
-            pipe.add_command(xadd).ignore();
-            count += 1;
         }
+        let ttl = shared.config.ttl.as_secs().max(1);
         for key in &keys {
             pipe.cmd("EXPIRE").arg(key).arg(ttl).ignore();
         }
@@ -359,150 +433,302 @@ async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mp
     }
 }
 
-/// Owns a run's channel for its reader task: when the task ends (or is dropped with its runtime)
-/// the run's entry goes, unless a newer channel replaced it.
-struct ReaderGuard {
-    shared: Arc<Shared>,
-    run_id: RunId,
-    tx: broadcast::Sender<Arc<Event>>,
-}
-
-impl ReaderGuard {
-    /// Whether the channel has no receiver left; if so it is released, atomically with respect to
-    /// `subscribe`, so a new subscriber either joins this channel before the check or gets a new one.
-    fn release_if_unused(&self) -> bool {
-        let mut channels = self.shared.channels();
-        if self.tx.receiver_count() > 0 {
-            return false;
+/// Adds one run's events of one commit to `pipe`: `XADD key MAXLEN ~ N * data [events] src
+/// instance`, then `PUBLISH key "instance [events]"`. The events it could write.
+fn add_commit(shared: &Shared, pipe: &mut redis::Pipeline, key: &str, events: &[Event]) -> usize {
+    let instance = shared.instance.as_bytes();
+    // the message is the instance, a space and the array; the entry's data the array alone
+    let mut message = Vec::with_capacity(instance.len() + 2 + EVENT_JSON_CAPACITY * events.len());
+    message.extend_from_slice(instance);
+    message.extend_from_slice(b" [");
+    let mut count = 0;
+    for event in events {
+        let mark = message.len();
+        if count > 0 {
+            message.push(b',');
         }
-        if channels.get(&self.run_id).is_some_and(|tx| tx.same_channel(&self.tx)) {
-            channels.remove(&self.run_id);
-        }
-        true
-    }
-}
-
-impl Drop for ReaderGuard {
-    fn drop(&mut self) {
-        {
-            let mut channels = self.shared.channels();
-            if channels.get(&self.run_id).is_some_and(|tx| tx.same_channel(&self.tx)) {
-                channels.remove(&self.run_id);
-            }
-        }
-        self.shared.readers.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// One run's reader task: `XREAD BLOCK` from `last_id` on, forwarding other instances' events.
-async fn read_loop(guard: ReaderGuard, mut last_id: String) {
-    let shared = guard.shared.clone();
-    let key = shared.key(&guard.run_id);
-    let block_ms = shared.config.block.as_millis().max(1) as u64;
-    let connection_config =
-        connection_config(&shared.config).set_response_timeout(shared.config.response_timeout + shared.config.block);
-    let mut conn: Option<MultiplexedConnection> = None;
-    // the connection was another task's and has not answered this one yet
-    let mut kept = false;
-    let mut backoff = MIN_BACKOFF;
-    let mut retry_at: Option<Instant> = None;
-    loop {
-        if guard.release_if_unused() {
-            // idle: its last `XREAD` was answered
-            if let Some(c) = conn {
-                let mut idle = shared.idle_connections();
-                if idle.len() < IDLE_CONNECTIONS {
-                    idle.push(c);
-                }
-            }
-            return;
-        }
-        if let Some(at) = retry_at {
-            let now = Instant::now();
-            if now < at {
-                // Wake up at least once per `block` to notice the receivers are gone.
-                tokio::time::sleep((at - now).min(shared.config.block)).await;
-                continue;
-            }
-            retry_at = None;
-        }
-        if conn.is_none() {
-            conn = shared.idle_connections().pop();
-            kept = conn.is_some();
-        }
-        let c = match conn.as_mut() {
-            Some(c) => c,
-            None => match shared.client.get_multiplexed_async_connection_with_config(&connection_config).await {
-                Ok(c) => conn.insert(c),
-                Err(e) => {
-                    read_failed(&shared, &guard.run_id, &e, backoff);
-                    retry_at = Some(Instant::now() + backoff);
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
-                    continue;
-                }
-            },
-        };
-        let read = redis::cmd("XREAD")
-            .arg("COUNT")
-            .arg(READ_COUNT)
-            .arg("BLOCK")
-            .arg(block_ms)
-            .arg("STREAMS")
-            .arg(&key)
-            .arg(&last_id)
-            .query_async::<Value>(c)
-            .await;
-        // The entries are read in place, borrowing the reply: an entry this instance published
-        // (most of them, when its own runs are the ones subscribed) is skipped by comparing its
-        // `src` bytes, its data never copied.
-        let failure = match read {
-            Ok(reply) => match read_entries(&reply) {
-                Ok(entries) => {
-                    kept = false;
-                    backoff = MIN_BACKOFF;
-                    if let Some(last) = entries.last() {
-                        last_id = String::from_utf8_lossy(last.id).into_owned();
-                    }
-                    for entry in entries {
-                        if entry.src == Some(shared.instance.as_bytes()) {
-                            continue;
-                        }
-                        let parsed = entry
-                            .data
-                            .ok_or_else(|| "no data field".to_owned())
-                            .and_then(|data| serde_json::from_slice::<Event>(data).map_err(|e| e.to_string()));
-                        match parsed {
-                            // An error means no receiver is left; the next turn ends the task.
-                            Ok(event) => {
-                                let _ = guard.tx.send(Arc::new(event));
-                            }
-                            Err(e) => {
-                                if let Some(suppressed) = shared.read_warning.check() {
-                                    let entry = String::from_utf8_lossy(entry.id);
-                                    tracing::warn!(key = %key, entry = %entry, error = %e,
-                                        suppressed_warnings = suppressed, "redis bus skipped an unreadable stream entry");
-                                }
-                            }
-                        }
-                    }
-                    continue;
-                }
-                Err(why) => RedisError::from((redis::ErrorKind::TypeError, "unexpected XREAD reply", why.to_owned())),
-            },
-            Err(e) => e,
-        };
-        conn = None;
-        // a kept connection Redis closed while it was idle: a new one at once
-        if std::mem::take(&mut kept) {
+        if let Err(e) = event.write_json(&mut message) {
+            message.truncate(mark);
+            shared.drop_events(1, &format_args!("an event did not serialize: {e}"));
             continue;
         }
-        read_failed(&shared, &guard.run_id, &failure, backoff);
-        retry_at = Some(Instant::now() + backoff);
-        backoff = (backoff * 2).min(MAX_BACKOFF);
+        count += 1;
+    }
+    if count == 0 {
+        return 0;
+    }
+    message.push(b']');
+    let array = &message[instance.len() + 1..];
+    // sized for its arguments up front, so appending them never grows it
+    let mut xadd = redis::Cmd::with_capacity(10, 64 + key.len() + array.len() + instance.len());
+    xadd.arg("XADD")
+        .arg(key)
+        .arg("MAXLEN")
+        .arg("~")
+        .arg(shared.config.stream_maxlen)
+        .arg("*")
+        .arg("data")
+        .arg(array)
+        .arg("src")
+        .arg(instance);
+    pipe.add_command(xadd).ignore();
+    pipe.cmd("PUBLISH").arg(key).arg(message).ignore();
+    count
+}
+
+/// The follower: one connection in subscribe mode for every run this instance follows. It keeps
+/// the connection's channels equal to the runs followed, forwards other instances' messages, and
+/// releases unused runs every [`RedisBusConfig::release_every`]. Losing the connection, it
+/// connects again (with backoff) and follows every run again from a little before the loss.
+async fn follow_loop(shared: Arc<Shared>) {
+    let mut backoff = MIN_BACKOFF;
+    let mut since_loss: Option<String> = None;
+    let mut sweep = tokio::time::interval(shared.config.release_every);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if shared.closed() {
+            return;
+        }
+        let connected = tokio::time::timeout(shared.config.connect_timeout, shared.client.get_async_pubsub()).await;
+        let pubsub = match connected {
+            Ok(Ok(pubsub)) => pubsub,
+            failed => {
+                let why = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "connecting timed out".to_owned(),
+                };
+                shared.read_failed("the follower cannot connect", &format_args!("{why}; again in {backoff:?}"));
+                // runs keep being released while Redis is away
+                let until = tokio::time::Instant::now() + backoff;
+                while tokio::time::Instant::now() < until && !shared.closed() {
+                    tokio::select! {
+                        _ = tokio::time::sleep_until(until) => {}
+                        _ = sweep.tick() => shared.release_unused(),
+                        _ = shared.wake.notified() => {}
+                    }
+                }
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                continue;
+            }
+        };
+        backoff = MIN_BACKOFF;
+        let generation = shared.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        if let Some(since) = since_loss.take() {
+            shared.rewind(&since);
+        }
+        let (mut sink, mut stream) = pubsub.split();
+        let mut subscribed: HashMap<RunId, u64> = HashMap::new();
+        let mut changed = true;
+        let failure = loop {
+            if std::mem::take(&mut changed) {
+                if let Err(e) = follow_changes(&shared, &mut sink, &mut subscribed, generation).await {
+                    break e;
+                }
+            }
+            tokio::select! {
+                message = stream.next() => match message {
+                    Some(message) => deliver(&shared, &message),
+                    None => break "the connection closed".to_owned(),
+                },
+                _ = shared.wake.notified() => {
+                    if shared.closed() {
+                        return;
+                    }
+                    changed = true;
+                }
+                _ = sweep.tick() => {
+                    shared.release_unused();
+                    changed = true;
+                }
+            }
+        };
+        since_loss = Some(start_id(shared.config.replay_window));
+        shared.read_failed("the follower lost its connection", &failure);
     }
 }
 
-/// One entry of an `XREAD` reply, borrowed from it: its id, and its `src` and `data` fields.
+/// Tells Redis the runs released and followed since the last call (one `UNSUBSCRIBE`, one
+/// `SUBSCRIBE`, each of many channels), then reads the new follows' streams. An error: the
+/// connection is given up.
+async fn follow_changes(
+    shared: &Arc<Shared>,
+    sink: &mut redis::aio::PubSubSink,
+    subscribed: &mut HashMap<RunId, u64>,
+    generation: u64,
+) -> Result<(), String> {
+    let mut unsubscribe = Vec::new();
+    let mut subscribe = Vec::new();
+    let mut backfills = Vec::new();
+    {
+        let mut follows = shared.follows();
+        let Follows { runs, added, released } = &mut *follows;
+        for run in released.drain(..) {
+            if !runs.contains_key(&run) && subscribed.remove(&run).is_some() {
+                unsubscribe.push(shared.key(&run));
+            }
+        }
+        for run in added.drain(..) {
+            let Some(follow) = runs.get(&run) else { continue };
+            let before = subscribed.insert(run.clone(), follow.id);
+            if before.is_none() {
+                subscribe.push(shared.key(&run));
+            }
+            // a run released and followed again before this call is a new follow: read again
+            if before != Some(follow.id) || follow.waiting.is_some() {
+                backfills.push((run, follow.id));
+            }
+        }
+    }
+    let timeout = shared.config.response_timeout;
+    if !unsubscribe.is_empty() {
+        match tokio::time::timeout(timeout, sink.unsubscribe(&unsubscribe)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("UNSUBSCRIBE failed: {e}")),
+            Err(_) => return Err("UNSUBSCRIBE timed out".to_owned()),
+        }
+    }
+    if !subscribe.is_empty() {
+        match tokio::time::timeout(timeout, sink.subscribe(&subscribe)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(format!("SUBSCRIBE failed: {e}")),
+            Err(_) => return Err("SUBSCRIBE timed out".to_owned()),
+        }
+    }
+    // subscribed now: whatever is published from here on comes as a message, and what was
+    // published before is in the stream
+    for (run, id) in backfills {
+        tokio::spawn(backfill(shared.clone(), run, id, generation));
+    }
+    Ok(())
+}
+
+/// Reads a new follow's stream from its `since` and delivers the other instances' entries, then
+/// the messages that came meanwhile. A failed read delivers the messages alone: readers fill any
+/// gap from the store.
+async fn backfill(shared: Arc<Shared>, run: RunId, id: u64, generation: u64) {
+    let since = match shared.follows().runs.get(&run) {
+        Some(follow) if follow.id == id => follow.since.clone(),
+        _ => return,
+    };
+    let read = read_stream(&shared, &run, since).await;
+    let mut follows = shared.follows();
+    // a later connection follows every run again, and reads again
+    if shared.generation.load(Ordering::SeqCst) != generation {
+        return;
+    }
+    let Some(follow) = follows.runs.get_mut(&run).filter(|follow| follow.id == id) else { return };
+    let waiting = follow.waiting.take().unwrap_or_default();
+    match read {
+        Ok(events) => events.into_iter().for_each(|event| follow.offer(event)),
+        Err(e) => shared.read_failed("a stream could not be read", &e),
+    }
+    waiting.into_iter().for_each(|event| follow.offer(event));
+}
+
+/// The other instances' events in `run`'s stream after `since`, in order (`XRANGE`, a page at a
+/// time), on the connection backfills share.
+async fn read_stream(shared: &Shared, run: &RunId, since: String) -> Result<Vec<Event>, String> {
+    let mut conn = {
+        let mut commands = shared.commands.lock().await;
+        match commands.as_ref() {
+            Some(conn) => conn.clone(),
+            None => {
+                let conn = shared
+                    .client
+                    .get_multiplexed_async_connection_with_config(&connection_config(&shared.config))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                commands.insert(conn).clone()
+            }
+        }
+    };
+    let key = shared.key(run);
+    let mut events = Vec::new();
+    let mut from = since;
+    loop {
+        let reply = redis::cmd("XRANGE")
+            .arg(&key)
+            .arg(&from)
+            .arg("+")
+            .arg("COUNT")
+            .arg(READ_COUNT)
+            .query_async::<Value>(&mut conn)
+            .await;
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                // the next backfill connects again
+                *shared.commands.lock().await = None;
+                return Err(e.to_string());
+            }
+        };
+        let entries = stream_entries(&reply).map_err(str::to_owned)?;
+        let full = entries.len() >= READ_COUNT;
+        for entry in &entries {
+            if entry.src == Some(shared.instance.as_bytes()) {
+                continue;
+            }
+            match entry.data.map(entry_events) {
+                Some(Ok(read)) => events.extend(read),
+                _ => shared.read_failed("an unreadable stream entry was skipped", &String::from_utf8_lossy(entry.id)),
+            }
+        }
+        match entries.last() {
+            Some(last) if full => from = format!("({}", String::from_utf8_lossy(last.id)),
+            _ => return Ok(events),
+        }
+    }
+}
+
+/// The events of a stream entry's `data`: a commit's, as an array (an entry written by an
+/// earlier version holds one event, as an object).
+fn entry_events(data: &[u8]) -> Result<Vec<Event>, serde_json::Error> {
+    match data.iter().find(|b| !b.is_ascii_whitespace()) {
+        Some(b'[') => serde_json::from_slice(data),
+        _ => serde_json::from_slice::<Event>(data).map(|event| vec![event]),
+    }
+}
+
+/// A message of a followed run's channel: another instance's events, delivered (or kept until
+/// the run's stream was read).
+fn deliver(shared: &Shared, message: &redis::Msg) {
+    let channel = message.get_channel_name();
+    let Some(run) = channel.strip_prefix(shared.channel_prefix.as_str()).and_then(|id| RunId::parse(id).ok()) else {
+        return;
+    };
+    let payload = message.get_payload_bytes();
+    let Some(space) = payload.iter().position(|b| *b == b' ') else {
+        shared.read_failed("a message without its source was skipped", &channel);
+        return;
+    };
+    if &payload[..space] == shared.instance.as_bytes() {
+        return;
+    }
+    let events: Vec<Event> = match serde_json::from_slice(&payload[space + 1..]) {
+        Ok(events) => events,
+        Err(e) => {
+            shared.read_failed("an unreadable message was skipped", &format_args!("{channel}: {e}"));
+            return;
+        }
+    };
+    let capacity = shared.config.channel_capacity;
+    let mut follows = shared.follows();
+    let Some(follow) = follows.runs.get_mut(&run) else { return };
+    match follow.waiting.as_mut() {
+        Some(waiting) => {
+            for event in events {
+                // more than a channel holds: the oldest go, and readers see the gap
+                if waiting.len() >= capacity {
+                    waiting.pop_front();
+                }
+                waiting.push_back(event);
+            }
+        }
+        None => events.into_iter().for_each(|event| follow.offer(event)),
+    }
+}
+
+/// One entry of an `XRANGE` reply, borrowed from it: its id, and its `src` and `data` fields.
 #[derive(Debug, PartialEq)]
 struct Entry<'v> {
     id: &'v [u8],
@@ -510,44 +736,29 @@ struct Entry<'v> {
     data: Option<&'v [u8]>,
 }
 
-/// The entries of an `XREAD` reply, in order, whatever stream they are of: nil (no entry before
-/// the block ended), or per stream its key and its entries — an array of pairs (RESP2) or a map
-/// (RESP3) — each entry its id and its fields, flat (RESP2) or a map (RESP3).
-fn read_entries(reply: &Value) -> Result<Vec<Entry<'_>>, &'static str> {
-    let streams: Vec<&Value> = match reply {
-        Value::Nil => return Ok(Vec::new()),
-        Value::Array(streams) => streams
-            .iter()
-            .map(|stream| match stream {
-                Value::Array(pair) if pair.len() == 2 => Ok(&pair[1]),
-                _ => Err("a stream is not its key and its entries"),
-            })
-            .collect::<Result<_, _>>()?,
-        Value::Map(streams) => streams.iter().map(|(_, entries)| entries).collect(),
-        _ => return Err("not a list of streams"),
-    };
-    let mut out = Vec::new();
-    for entries in streams {
-        let Value::Array(entries) = entries else { return Err("a stream's entries are not a list") };
-        for entry in entries {
-            let Value::Array(parts) = entry else { return Err("an entry is not a list") };
-            let [id, fields] = parts.as_slice() else { return Err("an entry is not its id and its fields") };
-            let mut read = Entry { id: bytes(id)?, src: None, data: None };
-            match fields {
-                Value::Array(flat) if flat.len() % 2 == 0 => {
-                    for pair in flat.chunks_exact(2) {
-                        read.field(&pair[0], &pair[1])?;
-                    }
+/// The entries of an `XRANGE` reply, in order: each its id and its fields, flat (RESP2) or a map
+/// (RESP3).
+fn stream_entries(reply: &Value) -> Result<Vec<Entry<'_>>, &'static str> {
+    let Value::Array(entries) = reply else { return Err("a stream's entries are not a list") };
+    let mut out = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let Value::Array(parts) = entry else { return Err("an entry is not a list") };
+        let [id, fields] = parts.as_slice() else { return Err("an entry is not its id and its fields") };
+        let mut read = Entry { id: bytes(id)?, src: None, data: None };
+        match fields {
+            Value::Array(flat) if flat.len() % 2 == 0 => {
+                for pair in flat.chunks_exact(2) {
+                    read.field(&pair[0], &pair[1])?;
                 }
-                Value::Map(pairs) => {
-                    for (name, value) in pairs {
-                        read.field(name, value)?;
-                    }
-                }
-                _ => return Err("an entry's fields are not pairs"),
             }
-            out.push(read);
+            Value::Map(pairs) => {
+                for (name, value) in pairs {
+                    read.field(name, value)?;
+                }
+            }
+            _ => return Err("an entry's fields are not pairs"),
         }
+        out.push(read);
     }
     Ok(out)
 }
@@ -569,13 +780,6 @@ fn bytes(v: &Value) -> Result<&[u8], &'static str> {
         Value::BulkString(b) => Ok(b),
         Value::SimpleString(s) => Ok(s.as_bytes()),
         _ => Err("a field is not a string"),
-    }
-}
-
-fn read_failed(shared: &Shared, run_id: &RunId, error: &RedisError, retry_in: Duration) {
-    if let Some(suppressed) = shared.read_warning.check() {
-        tracing::warn!(run_id = %run_id, error = %error, retry_in = ?retry_in, suppressed_warnings = suppressed,
-            "redis bus reader lost redis; local subscribers fall back to the store until it is back");
     }
 }
 
@@ -653,58 +857,59 @@ mod tests {
     }
 
     #[test]
-    fn xread_replies_are_read_in_place_in_both_protocols() {
+    fn stream_entries_are_read_in_place_in_both_protocols() {
+        // RESP2: [[id, [field, value, …]], …]
         let entry = |id: &str, src: &str, data: &str| {
             Value::Array(vec![bulk(id), Value::Array(vec![bulk("data"), bulk(data), bulk("src"), bulk(src)])])
         };
-        // RESP2: [[key, [[id, [field, value, …]], …]], …]
-        let resp2 = Value::Array(vec![
-            Value::Array(vec![
-                bulk("keel:run:a"),
-                Value::Array(vec![entry("1-0", "me", "{}"), entry("1-1", "other", "[1]")]),
-            ]),
-            Value::Array(vec![bulk("keel:run:b"), Value::Array(vec![entry("2-0", "other", "{\"x\":2}")])]),
-        ]);
+        let resp2 = Value::Array(vec![entry("1-0", "me", "{}"), entry("1-1", "other", "[1]")]);
         let expected = vec![
             Entry { id: b"1-0", src: Some(b"me"), data: Some(b"{}") },
             Entry { id: b"1-1", src: Some(b"other"), data: Some(b"[1]") },
-            Entry { id: b"2-0", src: Some(b"other"), data: Some(b"{\"x\":2}") },
         ];
-        assert_eq!(read_entries(&resp2).unwrap(), expected);
-        // RESP3: {key: [[id, {field: value, …}], …]}
-        let resp3 = Value::Map(vec![(
-            bulk("keel:run:a"),
-            Value::Array(vec![Value::Array(vec![
-                bulk("3-0"),
-                Value::Map(vec![(bulk("src"), bulk("me")), (bulk("data"), bulk("{}")), (bulk("extra"), Value::Int(1))]),
-            ])]),
-        )]);
-        assert_eq!(read_entries(&resp3).unwrap(), vec![Entry { id: b"3-0", src: Some(b"me"), data: Some(b"{}") }]);
-        // no entry before the block ended
-        assert_eq!(read_entries(&Value::Nil).unwrap(), vec![]);
-        // an entry without data is read; its reader reports it
-        let bare = Value::Array(vec![Value::Array(vec![
-            bulk("k"),
-            Value::Array(vec![Value::Array(vec![bulk("4-0"), Value::Array(vec![])])]),
+        assert_eq!(stream_entries(&resp2).unwrap(), expected);
+        // RESP3: [[id, {field: value, …}], …]
+        let resp3 = Value::Array(vec![Value::Array(vec![
+            bulk("3-0"),
+            Value::Map(vec![(bulk("src"), bulk("me")), (bulk("data"), bulk("{}")), (bulk("extra"), Value::Int(1))]),
         ])]);
-        assert_eq!(read_entries(&bare).unwrap(), vec![Entry { id: b"4-0", src: None, data: None }]);
-        // what is not a stream reply is an error, never a panic
+        assert_eq!(stream_entries(&resp3).unwrap(), vec![Entry { id: b"3-0", src: Some(b"me"), data: Some(b"{}") }]);
+        // an empty stream, or none
+        assert_eq!(stream_entries(&Value::Array(vec![])).unwrap(), vec![]);
+        // an entry without data is read; its reader reports it
+        let bare = Value::Array(vec![Value::Array(vec![bulk("4-0"), Value::Array(vec![])])]);
+        assert_eq!(stream_entries(&bare).unwrap(), vec![Entry { id: b"4-0", src: None, data: None }]);
+        // what is not a stream's entries is an error, never a panic
         for odd in [
+            Value::Nil,
             Value::Int(3),
             Value::Array(vec![Value::Int(1)]),
-            Value::Array(vec![Value::Array(vec![bulk("k"), Value::Int(2)])]),
-            Value::Array(vec![Value::Array(vec![bulk("k"), Value::Array(vec![Value::Array(vec![bulk("5-0")])])])]),
-            Value::Array(vec![Value::Array(vec![
-                bulk("k"),
-                Value::Array(vec![Value::Array(vec![bulk("5-0"), Value::Array(vec![bulk("odd")])])]),
-            ])]),
-            Value::Array(vec![Value::Array(vec![
-                bulk("k"),
-                Value::Array(vec![Value::Array(vec![Value::Nil, Value::Array(vec![])])]),
-            ])]),
+            Value::Array(vec![Value::Array(vec![bulk("5-0")])]),
+            Value::Array(vec![Value::Array(vec![bulk("5-0"), Value::Array(vec![bulk("odd")])])]),
+            Value::Array(vec![Value::Array(vec![bulk("5-0"), Value::Int(2)])]),
+            Value::Array(vec![Value::Array(vec![Value::Nil, Value::Array(vec![])])]),
         ] {
-            assert!(read_entries(&odd).is_err(), "{odd:?}");
+            assert!(stream_entries(&odd).is_err(), "{odd:?}");
         }
+    }
+
+    #[test]
+    fn an_entry_holds_a_commits_events_or_one_event_of_an_earlier_version() {
+        let run = RunId::new();
+        let event = |sequence| {
+            Event::new(
+                keel_core::EventKind::RunStarted { conversation_id: keel_core::ConversationId::new(), trace_id: None },
+                run.clone(),
+                sequence,
+                chrono::Utc::now(),
+            )
+        };
+        let (one, two) = (event(1), event(2));
+        let array = serde_json::to_vec(&[&one, &two]).unwrap();
+        assert_eq!(entry_events(&array).unwrap(), vec![one.clone(), two]);
+        assert_eq!(entry_events(&serde_json::to_vec(&one).unwrap()).unwrap(), vec![one]);
+        assert!(entry_events(b"[{\"type\":\"nothing\"}]").is_err());
+        assert!(entry_events(b"").is_err());
     }
 
     #[test]

@@ -13,6 +13,7 @@ use keel_bus::conformance::{self, event, events, receive_through, wait_until};
 use keel_bus::{BusError, RedisBus, RedisBusConfig};
 use keel_core::bus::Bus;
 use keel_core::{Event, RunId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
@@ -179,8 +180,8 @@ async fn connect_rejects_a_bad_url() {
     assert!(matches!(err, BusError::Config(_)), "{err:?}");
 }
 
-/// One stream per run under the prefix, trimmed to about `MAXLEN`, expiring after the TTL (the
-/// default hour here), entries holding the event's JSON.
+/// One stream per run under the prefix, an entry per commit holding its events' JSON (an array),
+/// trimmed to about `MAXLEN` entries, expiring after the TTL (the default hour here).
 #[tokio::test]
 async fn streams_are_trimmed_and_expire() {
     let Some(url) = redis_url("streams_are_trimmed_and_expire") else { return };
@@ -189,11 +190,13 @@ async fn streams_are_trimmed_and_expire() {
     let run = RunId::new();
     let key = bus.stream_key(&run);
     assert_eq!(key, format!("{prefix}run:{run}"));
-    let sent = events(&run, 1, 2500);
-    for batch in sent.chunks(50) {
-        bus.publish(batch);
+    // 2,500 commits of one event, then one of three
+    let sent = events(&run, 1, 2503);
+    for one in sent[..2500].chunks(1) {
+        bus.publish(one);
     }
-    wait_until("2500 events to be written", || bus.published_count() >= 2500).await;
+    bus.publish(&sent[2500..]);
+    wait_until("2503 events to be written", || bus.published_count() >= 2503).await;
     assert_eq!(bus.dropped_count(), 0);
 
     let mut conn = redis::Client::open(url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
@@ -203,12 +206,14 @@ async fn streams_are_trimmed_and_expire() {
     let ttl: i64 = redis::cmd("TTL").arg(&key).query_async(&mut conn).await.unwrap();
     assert!((3500..=3600).contains(&ttl), "ttl {ttl}");
     let last: redis::streams::StreamRangeReply =
-        redis::cmd("XREVRANGE").arg(&key).arg("+").arg("-").arg("COUNT").arg(1).query_async(&mut conn).await.unwrap();
-    let entry = &last.ids[0];
-    let data: String = entry.get("data").expect("a data field");
-    let event: Event = serde_json::from_str(&data).unwrap();
-    assert_eq!(event, sent[2499]);
-    assert!(entry.contains_key("src"));
+        redis::cmd("XREVRANGE").arg(&key).arg("+").arg("-").arg("COUNT").arg(2).query_async(&mut conn).await.unwrap();
+    let data = |i: usize| -> Vec<Event> {
+        let data: String = last.ids[i].get("data").expect("a data field");
+        serde_json::from_str(&data).unwrap()
+    };
+    assert_eq!(data(0), sent[2500..], "the last commit's three events, one entry");
+    assert_eq!(data(1), [sent[2499].clone()]);
+    assert!(last.ids[0].contains_key("src"));
     let _: () = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
 }
 
@@ -291,40 +296,76 @@ async fn survives_losing_redis() {
     assert_eq!(tail, (sequence + 1..=sequence + 20).collect::<Vec<_>>());
 }
 
-/// A run's reader task that ends leaves its connection for the next one (a run's streams start a
-/// reader each, and a connection is a connect and a handshake); one Redis closed while it waited
-/// is replaced, and the next reader still gets every event.
+/// However many runs an instance follows, it holds the same few connections to Redis (the
+/// writer's, the follower's, the one streams are read on), and a run nobody publishes to costs
+/// Redis no command: with a blocking `XREAD` per run, following 100 runs took 100 connections
+/// and 100 commands a second.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_readers_connection_serves_the_next_reader() {
-    let Some(url) = redis_url("a_readers_connection_serves_the_next_reader") else { return };
+async fn following_many_runs_takes_a_few_connections_and_no_idle_commands() {
+    let Some(url) = redis_url("following_many_runs_takes_a_few_connections_and_no_idle_commands") else { return };
     let proxy = Proxy::start(&url).await;
     let prefix = unique_prefix();
-    // `a` publishes straight to Redis; `b` reads through the proxy, which counts its connections
+    // `a` publishes straight to Redis; `b` follows through the proxy, which counts its connections
+    // and what it sends
     let a = connect(&url, test_config(&prefix)).await;
-    let config = RedisBusConfig { block: Duration::from_millis(100), ..test_config(&prefix) };
-    let b = connect(&proxy.url, config).await;
-    let read_by_b = |run: RunId, through: i64| {
-        let (a, b) = (a.clone(), b.clone());
-        async move {
-            let mut rx = b.subscribe(&run);
-            a.publish(&events(&run, 1, through));
-            receive_through(&mut rx, &run, through).await;
-            drop(rx);
-            let reading = live(&b);
-            wait_until("the reader task to end", || reading() == 0).await;
-        }
-    };
-    read_by_b(RunId::new(), 3).await;
-    let after_first = proxy.accepted.load(Ordering::SeqCst);
-    read_by_b(RunId::new(), 3).await;
-    read_by_b(RunId::new(), 3).await;
-    assert_eq!(proxy.accepted.load(Ordering::SeqCst), after_first, "the next readers used the first one's connection");
+    let b =
+        connect(&proxy.url, RedisBusConfig { release_every: Duration::from_millis(100), ..test_config(&prefix) }).await;
+    // one run followed first: the follower's connections are open
+    let first = RunId::new();
+    let mut rx = b.subscribe(&first);
+    a.publish(&events(&first, 1, 1));
+    receive_through(&mut rx, &first, 1).await;
+    drop(rx);
+    wait_until("the first run to be released", || b.reader_count() == 0).await;
+    let connected = proxy.accepted.load(Ordering::SeqCst);
+    let runs: Vec<RunId> = (0..100).map(|_| RunId::new()).collect();
+    let mut receivers: Vec<_> = runs.iter().map(|run| b.subscribe(run)).collect();
+    for run in &runs {
+        a.publish(&events(run, 1, 3));
+    }
+    for (run, rx) in runs.iter().zip(receivers.iter_mut()) {
+        receive_through(rx, run, 3).await;
+    }
+    assert_eq!(b.reader_count(), 100);
+    let opened = proxy.accepted.load(Ordering::SeqCst) - connected;
+    assert_eq!(opened, 0, "following 100 runs opened {opened} connections");
 
-    // the idle connection cut: the next reader connects again, and gets every event
-    proxy.go_down();
-    proxy.come_back();
-    read_by_b(RunId::new(), 5).await;
-    assert!(proxy.accepted.load(Ordering::SeqCst) > after_first, "a new connection replaced the cut one");
+    // idle: three sweeps, not a byte to Redis
+    let sent = proxy.sent.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert_eq!(proxy.sent.load(Ordering::SeqCst), sent, "idle runs made the follower send commands");
+
+    // half the runs released: one UNSUBSCRIBE; the other half still get their events
+    receivers.truncate(50);
+    wait_until("the released runs to go", || b.reader_count() == 50).await;
+    for run in &runs[..50] {
+        a.publish(&events(run, 4, 4));
+    }
+    for (run, rx) in runs.iter().zip(receivers.iter_mut()) {
+        receive_through(rx, run, 4).await;
+    }
+    assert_eq!(proxy.accepted.load(Ordering::SeqCst), connected);
+}
+
+/// A run followed again, once released or before its release, gets every event published after
+/// each `subscribe`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_followed_again_gets_what_is_published_after() {
+    let Some(url) = redis_url("a_run_followed_again_gets_what_is_published_after") else { return };
+    let (a, b) = buses(&url, true).await;
+    let run = RunId::new();
+    for round in 0..20 {
+        let from = round * 3 + 1;
+        let mut rx = b.subscribe(&run);
+        a.publish(&events(&run, from, from + 2));
+        let got: Vec<i64> = receive_through(&mut rx, &run, from + 2).await.iter().map(|e| e.sequence).collect();
+        assert_eq!(got.last(), Some(&(from + 2)), "round {round}: {got:?}");
+        assert!(got.contains(&from), "round {round}: the first event after subscribe is missing: {got:?}");
+        drop(rx);
+        if round % 2 == 0 {
+            wait_until("the run to be released", || b.reader_count() == 0).await;
+        }
+    }
 }
 
 async fn closed_port() -> u16 {
@@ -341,6 +382,8 @@ struct Proxy {
     cut: watch::Sender<u64>,
     /// Connections it forwarded.
     accepted: Arc<std::sync::atomic::AtomicUsize>,
+    /// Bytes its clients sent to Redis.
+    sent: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Proxy {
@@ -361,7 +404,9 @@ impl Proxy {
         let down = Arc::new(AtomicBool::new(false));
         let (cut, _) = watch::channel(0u64);
         let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let (accept_down, accept_cut, counted) = (down.clone(), cut.clone(), accepted.clone());
+        let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (accept_down, accept_cut, counted, sent_by_all) =
+            (down.clone(), cut.clone(), accepted.clone(), sent.clone());
         tokio::spawn(async move {
             while let Ok((mut inbound, _)) = listener.accept().await {
                 if accept_down.load(Ordering::SeqCst) {
@@ -369,16 +414,33 @@ impl Proxy {
                 }
                 counted.fetch_add(1, Ordering::SeqCst);
                 let mut cut = accept_cut.subscribe();
+                let sent = sent_by_all.clone();
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(upstream).await else { return };
+                    let Ok(outbound) = TcpStream::connect(upstream).await else { return };
+                    let (mut from_client, mut to_client) = inbound.split();
+                    let (mut from_redis, mut to_redis) = outbound.into_split();
+                    let upstream = async {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let n = match from_client.read(&mut buf).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => n,
+                            };
+                            sent.fetch_add(n, Ordering::SeqCst);
+                            if to_redis.write_all(&buf[..n]).await.is_err() {
+                                return;
+                            }
+                        }
+                    };
                     tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = upstream => {}
+                        _ = tokio::io::copy(&mut from_redis, &mut to_client) => {}
                         _ = cut.changed() => {}
                     }
                 });
             }
         });
-        Self { url, down, cut, accepted }
+        Self { url, down, cut, accepted, sent }
     }
 
     fn go_down(&self) {
