@@ -243,16 +243,10 @@ impl RedisBus {
         self.shared.key(run_id)
     }
 
-    /// Runs with local subscribers (tests and metrics).
+    /// Runs with local subscribers, which the follower follows at Redis (or will again once Redis
+    /// is back) until the sweep after their last receiver went releases them (tests and metrics).
     pub fn channel_count(&self) -> usize {
         self.shared.follows().runs.len()
-    }
-
-    /// Runs the follower follows at Redis, or will again once Redis is back (tests and metrics):
-    /// the runs with local subscribers, until the sweep after their last receiver went releases
-    /// them.
-    pub fn reader_count(&self) -> usize {
-        self.channel_count()
     }
 
     /// Events written to Redis.
@@ -286,19 +280,12 @@ impl Bus for RedisBus {
         }
         {
             let follows = self.shared.follows();
-            let mut current: Option<(&RunId, Option<&broadcast::Sender<Arc<Event>>>)> = None;
-            for e in events {
-                let tx = match current {
-                    Some((run_id, tx)) if *run_id == e.run_id => tx,
-                    _ => {
-                        let tx = follows.runs.get(&e.run_id).map(|follow| &follow.tx);
-                        current = Some((&e.run_id, tx));
-                        tx
+            for run in events.chunk_by(|a, b| a.run_id == b.run_id) {
+                if let Some(follow) = follows.runs.get(&run[0].run_id) {
+                    for e in run {
+                        // An error means no receiver is left; the next sweep releases the run.
+                        let _ = follow.tx.send(Arc::new(e.clone()));
                     }
-                };
-                if let Some(tx) = tx {
-                    // An error means no receiver is left; the next sweep releases the run.
-                    let _ = tx.send(Arc::new(e.clone()));
                 }
             }
         }
@@ -405,12 +392,8 @@ async fn write_loop(shared: Arc<Shared>, mut conn: ConnectionManager, mut rx: mp
         for batch in batches.drain(..) {
             // a batch is one commit's events, all of one run (a caller's batch of several runs
             // is cut where the run changes)
-            let mut events = batch.as_slice();
-            while let Some(first) = events.first() {
-                let end = events.iter().position(|e| e.run_id != first.run_id).unwrap_or(events.len());
-                let (run, rest) = events.split_at(end);
-                events = rest;
-                let key = shared.key(&first.run_id);
+            for run in batch.chunk_by(|a, b| a.run_id == b.run_id) {
+                let key = shared.key(&run[0].run_id);
                 count += add_commit(&shared, &mut pipe, &key, run);
                 keys.insert(key);
             }

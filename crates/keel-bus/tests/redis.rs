@@ -56,10 +56,10 @@ fn as_dyn(bus: &Arc<RedisBus>) -> Arc<dyn Bus> {
     bus.clone()
 }
 
-/// Runs with a channel, or reader tasks still running, whichever is more.
+/// Runs the bus follows.
 fn live(bus: &Arc<RedisBus>) -> impl Fn() -> usize {
     let bus = bus.clone();
-    move || bus.channel_count().max(bus.reader_count())
+    move || bus.channel_count()
 }
 
 macro_rules! on_one_and_two_instances {
@@ -104,24 +104,24 @@ async fn releases_run_after_last_receiver() {
     let Some(url) = redis_url("releases_run_after_last_receiver") else { return };
     let (a, _) = buses(&url, false).await;
     conformance::releases_run_after_last_receiver(as_dyn(&a), live(&a)).await;
-    assert_eq!(a.reader_count(), 0);
+    assert_eq!(a.channel_count(), 0);
 }
 
-/// The reader task of a run other instances publish to ends too once its receivers are gone.
+/// A run other instances publish to is released too once its receivers are gone.
 #[tokio::test]
-async fn reader_of_a_busy_run_ends_after_last_receiver() {
-    let Some(url) = redis_url("reader_of_a_busy_run_ends_after_last_receiver") else { return };
+async fn a_busy_run_is_released_after_last_receiver() {
+    let Some(url) = redis_url("a_busy_run_is_released_after_last_receiver") else { return };
     let (a, b) = buses(&url, true).await;
     let run = RunId::new();
     let mut rx = b.subscribe(&run);
     a.publish(&events(&run, 1, 3));
     receive_through(&mut rx, &run, 3).await;
-    assert_eq!(b.reader_count(), 1);
+    assert_eq!(b.channel_count(), 1);
     drop(rx);
-    // The run goes on publishing; the reader keeps reading what it gets but must still end.
+    // The run goes on publishing; its messages keep coming, but the run must still be released.
     let mut sequence = 3;
     let publishing = live(&b);
-    wait_until("the reader task to end while its run is still publishing", || {
+    wait_until("the run to be released while it is still publishing", || {
         sequence += 1;
         a.publish(&[event(&run, sequence)]);
         publishing() == 0
@@ -245,7 +245,7 @@ async fn a_full_queue_drops_and_counts() {
     wait_until("the writer to catch up", || a.published_count() == 5).await;
 }
 
-/// Redis going away: publishing neither blocks nor panics, the reader task survives, and events
+/// Redis going away: publishing neither blocks nor panics, the run stays followed, and events
 /// flow again once Redis is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn survives_losing_redis() {
@@ -267,7 +267,7 @@ async fn survives_losing_redis() {
     assert!(started.elapsed() < Duration::from_secs(2), "publishing blocked: {:?}", started.elapsed());
     // The writer fails its pipelines while Redis is away and says so in its count.
     wait_until("the writer to drop events while Redis is down", || a.dropped_count() > 0).await;
-    assert_eq!(b.reader_count(), 1, "the reader task should outlive the outage");
+    assert_eq!(b.channel_count(), 1, "the run should stay followed through the outage");
     proxy.come_back();
 
     // Publish until one event from after the outage reaches the other instance.
@@ -316,7 +316,7 @@ async fn following_many_runs_takes_a_few_connections_and_no_idle_commands() {
     a.publish(&events(&first, 1, 1));
     receive_through(&mut rx, &first, 1).await;
     drop(rx);
-    wait_until("the first run to be released", || b.reader_count() == 0).await;
+    wait_until("the first run to be released", || b.channel_count() == 0).await;
     let connected = proxy.accepted.load(Ordering::SeqCst);
     let runs: Vec<RunId> = (0..100).map(|_| RunId::new()).collect();
     let mut receivers: Vec<_> = runs.iter().map(|run| b.subscribe(run)).collect();
@@ -326,7 +326,7 @@ async fn following_many_runs_takes_a_few_connections_and_no_idle_commands() {
     for (run, rx) in runs.iter().zip(receivers.iter_mut()) {
         receive_through(rx, run, 3).await;
     }
-    assert_eq!(b.reader_count(), 100);
+    assert_eq!(b.channel_count(), 100);
     let opened = proxy.accepted.load(Ordering::SeqCst) - connected;
     assert_eq!(opened, 0, "following 100 runs opened {opened} connections");
 
@@ -337,7 +337,7 @@ async fn following_many_runs_takes_a_few_connections_and_no_idle_commands() {
 
     // half the runs released: one UNSUBSCRIBE; the other half still get their events
     receivers.truncate(50);
-    wait_until("the released runs to go", || b.reader_count() == 50).await;
+    wait_until("the released runs to go", || b.channel_count() == 50).await;
     for run in &runs[..50] {
         a.publish(&events(run, 4, 4));
     }
@@ -363,7 +363,7 @@ async fn a_run_followed_again_gets_what_is_published_after() {
         assert!(got.contains(&from), "round {round}: the first event after subscribe is missing: {got:?}");
         drop(rx);
         if round % 2 == 0 {
-            wait_until("the run to be released", || b.reader_count() == 0).await;
+            wait_until("the run to be released", || b.channel_count() == 0).await;
         }
     }
 }
